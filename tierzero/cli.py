@@ -1,0 +1,42 @@
+"""The `tierzero` command: `bench`, `config`, and (as the engine grows) `train` and `estimate`.
+
+User errors (a bad config, a full disk) print one line to stderr and exit 2,
+without a traceback; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tierzero.offload.base import TierCapacityError
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from tierzero import __version__
+    from tierzero.bench import add_bench_commands
+    from tierzero.config_cli import add_config_commands
+
+    parser = argparse.ArgumentParser(prog="tierzero", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"tierzero {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_bench_commands(commands)
+    add_config_commands(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TierCapacityError, OSError) as exc:
+        print(f"tierzero: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tierzero: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

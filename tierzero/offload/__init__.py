@@ -1,0 +1,1 @@
+"""Tiers below the compute device: pinned host memory (`cpu`) and NVMe (`nvme`)."""
