@@ -1,0 +1,413 @@
+"""The one typed, validated training config: a tree of keyword-only dataclasses.
+
+`load_config` takes a YAML or JSON file, a dict (tierzero's own keys, or a DeepSpeed
+config, recognised by its "zero_optimization" key) or an existing `Config`, applies
+dotted overrides, and returns a `Config` whose values are already parsed: sizes are
+int bytes, placements are `Tier` members. Each field carries its docstring and its
+check in the field metadata; `__post_init__` converts and checks every field, each
+section then checks its own fields together, and `Config` checks across sections.
+`config_markdown()` renders the same metadata as docs/config.md.
+
+The tree is frozen: to change a value, load again with overrides,
+`load_config(cfg, overrides={"zero.stage": 2})`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from tierzero.config_fields import (
+    BETAS,
+    BOOL,
+    DIRECTORY,
+    LOSS_SCALE,
+    NAMES,
+    TIER,
+    ConfigError,
+    GiB,
+    MiB,
+    Section,
+    TierZeroConfigWarning,
+    build,
+    choice_check,
+    fields_markdown,
+    read_mapping_file,
+    float_check,
+    int_check,
+    section,
+    set_dotted,
+    setting,
+    size_check,
+)
+from tierzero.offload.base import IO_ALIGNMENT, Tier
+from tierzero.sizes import format_size
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "TierZeroConfigWarning",
+    "config_markdown",
+    "load_config",
+]
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per element of each `precision.param_dtype`."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ZeroConfig(Section):
+    """ZeRO sharding: which states are split across the data-parallel ranks, and how gradients travel."""
+
+    SECTION: ClassVar[str] = "zero"
+    stage: int = setting(3, int_check(0, 3))
+    """0: plain data parallel; 1: shard optimizer states; 2: also gradients; 3: also parameters."""
+    unit_classes: list[str] = setting([], NAMES)
+    """Class names of the modules wrapped as units (gathered and offloaded as one flat buffer),
+    e.g. [GPT2Block]; empty lets the engine choose."""
+    reduce_bucket_size: int = setting(25 * MiB, size_check())
+    """Bytes of gradients reduced per collective call."""
+    overlap_comm: bool = setting(True, BOOL)
+    """Overlap collectives with compute instead of running them inline."""
+    param_persistence_threshold: int = setting(0, int_check(0))
+    """Stage 3: parameters with at most this many elements stay whole on every rank instead of
+    being sharded (0 shards all)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PrecisionConfig(Section):
+    """Compute dtype and fp16 loss scaling. Master weights and optimizer states are always fp32."""
+
+    SECTION: ClassVar[str] = "precision"
+    param_dtype: str = setting("fp32", choice_check(tuple(DTYPE_BYTES)))
+    """dtype of parameters and gradients in forward and backward."""
+    loss_scale: str | float = setting("dynamic", LOSS_SCALE)
+    """fp16 only: 'dynamic' (halve on overflow, grow after scale_window clean steps) or a fixed
+    positive scale."""
+    initial_scale: float = setting(2.0**16, float_check(lo=0.0, lo_open=True))
+    """Starting dynamic loss scale."""
+    scale_window: int = setting(1000, int_check(1))
+    """Steps without overflow before the dynamic scale doubles."""
+    min_scale: float = setting(1.0, float_check(lo=0.0, lo_open=True))
+    """The dynamic scale never drops below this."""
+
+    def _validate(self) -> None:
+        if self.min_scale > self.initial_scale:
+            raise ConfigError(
+                f"precision.min_scale {self.min_scale:g} is above precision.initial_scale "
+                f"{self.initial_scale:g}: lower min_scale or raise initial_scale",
+                key="precision.min_scale",
+            )
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.param_dtype]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class OptimizerConfig(Section):
+    """The optimizer that steps each fp32 master slice where its states live."""
+
+    SECTION: ClassVar[str] = "optimizer"
+    type: str = setting("adamw", choice_check(("adamw", "adam", "sgd")))
+    """adamw (decoupled weight decay), adam (L2 added to the gradient) or sgd."""
+    lr: float = setting(1e-3, float_check(lo=0.0, lo_open=True))
+    """Learning rate."""
+    betas: tuple[float, float] = setting((0.9, 0.999), BETAS)
+    """Adam coefficients for the running averages of the gradient and its square."""
+    eps: float = setting(1e-8, float_check(lo=0.0, lo_open=True))
+    """Adam term added to the denominator."""
+    weight_decay: float = setting(0.01, float_check(lo=0.0))
+    """Weight decay (decoupled for adamw, L2 for adam and sgd)."""
+    momentum: float = setting(0.0, float_check(lo=0.0, hi=1.0))
+    """SGD momentum."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TrainConfig(Section):
+    """The training loop."""
+
+    SECTION: ClassVar[str] = "train"
+    micro_batch_size: int = setting(1, int_check(1))
+    """Samples per rank per forward/backward."""
+    seed: int = setting(0, int_check(0))
+    """Seed for parameter init and data order (the same on every rank)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class OffloadConfig(Section):
+    """The home tier of each kind of state: device (accelerator memory), cpu (host memory) or nvme."""
+
+    SECTION: ClassVar[str] = "offload"
+    params: Tier = setting(Tier.DEVICE, TIER)
+    """Home of the parameter slices; cpu or nvme needs zero.stage 3."""
+    gradients: Tier = setting(Tier.DEVICE, TIER)
+    """Home of the gradient slices; cpu or nvme needs zero.stage 2 or 3."""
+    optimizer: Tier = setting(Tier.DEVICE, TIER)
+    """Home of the fp32 master weights and optimizer states; cpu or nvme needs zero.stage 1 to 3."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DeviceTierConfig(Section):
+    """Accelerator memory."""
+
+    SECTION: ClassVar[str] = "tiers.device"
+    capacity: int | None = setting(None, size_check(optional=True))
+    """Bytes of model state the device tier may hold; null: what the device has."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CpuTierConfig(Section):
+    """Host memory."""
+
+    SECTION: ClassVar[str] = "tiers.cpu"
+    capacity: int | None = setting(None, size_check(optional=True))
+    """Bytes of model state the host tier may hold; null: what the host has."""
+    pin_memory: bool = setting(True, BOOL)
+    """Page-lock host buffers for fast device copies; only where CUDA is available."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class NvmeTierConfig(Section):
+    """The NVMe tier: one preallocated swap file per rank, read and written with direct I/O."""
+
+    SECTION: ClassVar[str] = "tiers.nvme"
+    path: str | None = setting(None, DIRECTORY)
+    """Existing, writable directory for the swap files (made absolute when loaded); required when
+    anything lives on nvme."""
+    capacity: int | None = setting(None, size_check(optional=True))
+    """Bytes of swap file per rank; null: what the state needs (checked against free space at
+    start-up)."""
+    block_size: int = setting(8 * MiB, size_check(multiple_of=IO_ALIGNMENT))
+    """Bytes per I/O request; a multiple of 4096 for direct I/O."""
+    queue_depth: int = setting(8, int_check(1))
+    """I/O requests in flight at once."""
+    threads: int = setting(8, int_check(1))
+    """Worker threads issuing the I/O."""
+    verify: bool = setting(False, BOOL)
+    """Checksum every slice written and check it when read back."""
+    backend: str = setting("pread", choice_check(("pread", "aiofiles")))
+    """pread: os.preadv/pwritev on a thread pool; aiofiles: asyncio file I/O."""
+
+    def _validate(self) -> None:
+        if self.path is not None:
+            _check_swap_dir(self.path)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TiersConfig(Section):
+    """Capacities and settings of the three tiers."""
+
+    SECTION: ClassVar[str] = "tiers"
+    device: DeviceTierConfig = section(DeviceTierConfig)
+    cpu: CpuTierConfig = section(CpuTierConfig)
+    nvme: NvmeTierConfig = section(NvmeTierConfig)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SwapperConfig(Section):
+    """The pool of aligned host staging buffers that bytes pass through between tiers."""
+
+    SECTION: ClassVar[str] = "swapper"
+    buffer_size: int = setting(8 * MiB, size_check(multiple_of=IO_ALIGNMENT))
+    """Bytes per staging buffer; a multiple of 4096."""
+    buffer_count: int = setting(8, int_check(1))
+    """Staging buffers in the pool."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PrefetchConfig(Section):
+    """How far ahead of compute the prefetcher brings slices up."""
+
+    SECTION: ClassVar[str] = "prefetch"
+    bytes: int = setting(64 * MiB, size_check(allow_zero=True))
+    """Bytes of upcoming units' slices kept in flight (0 turns prefetch off)."""
+    max_live_bytes: int = setting(1 * GiB, size_check())
+    """Most bytes of gathered and prefetched parameters alive at once."""
+
+    def _validate(self) -> None:
+        if self.bytes > self.max_live_bytes:
+            raise ConfigError(
+                f"prefetch.bytes {format_size(self.bytes)} is above prefetch.max_live_bytes "
+                f"{format_size(self.max_live_bytes)}: lower prefetch.bytes or raise prefetch.max_live_bytes",
+                key="prefetch.bytes",
+            )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Config(Section):
+    """Everything one training run needs, checked as a whole."""
+
+    zero: ZeroConfig = section(ZeroConfig)
+    precision: PrecisionConfig = section(PrecisionConfig)
+    optimizer: OptimizerConfig = section(OptimizerConfig)
+    gradient_clipping: float = setting(0.0, float_check(lo=0.0))
+    """Clip the global gradient norm to this (0: no clipping)."""
+    gradient_accumulation_steps: int = setting(1, int_check(1))
+    """Micro-batches whose gradients are summed before each optimizer step."""
+    train: TrainConfig = section(TrainConfig)
+    offload: OffloadConfig = section(OffloadConfig)
+    tiers: TiersConfig = section(TiersConfig)
+    swapper: SwapperConfig = section(SwapperConfig)
+    prefetch: PrefetchConfig = section(PrefetchConfig)
+
+    def _validate(self) -> None:
+        _check_stage_allows_offload(self.zero.stage, self.offload)
+        _check_nvme_placement(self)
+
+    def placements(self) -> dict[str, Tier]:
+        """offload key -> tier, e.g. {"offload.params": Tier.NVME, ...}."""
+        return {f"offload.{name}": getattr(self.offload, name) for name in ("params", "gradients", "optimizer")}
+
+    @property
+    def uses_nvme(self) -> bool:
+        return Tier.NVME in self.placements().values()
+
+
+_MIN_STAGE = {"params": (3, "3"), "gradients": (2, "2 or 3"), "optimizer": (1, "1, 2 or 3")}
+
+
+def _check_stage_allows_offload(stage: int, offload: OffloadConfig) -> None:
+    what = {"params": "parameter", "gradients": "gradient", "optimizer": "optimizer"}
+    for name, (min_stage, allowed) in _MIN_STAGE.items():
+        tier = getattr(offload, name)
+        if tier is not Tier.DEVICE and stage < min_stage:
+            raise ConfigError(
+                f"offload.{name} is {tier.value} but zero.stage is {stage}: {what[name]} offload "
+                f"needs zero.stage {allowed}; set zero.stage: {min_stage} or offload.{name}: device",
+                key=f"offload.{name}",
+            )
+
+
+def _check_nvme_placement(cfg: Config) -> None:
+    on_nvme = [key for key, tier in cfg.placements().items() if tier is Tier.NVME]
+    if not on_nvme:
+        return
+    if cfg.tiers.nvme.path is None:
+        verb = "is" if len(on_nvme) == 1 else "are"
+        raise ConfigError(
+            f"{' and '.join(on_nvme)} {verb} nvme but tiers.nvme.path is not set: set tiers.nvme.path "
+            "to a directory on a local NVMe disk (or pass --nvme-path)",
+            key="tiers.nvme.path",
+        )
+    staging = cfg.swapper.buffer_count * cfg.swapper.buffer_size
+    cpu_capacity = cfg.tiers.cpu.capacity
+    if cpu_capacity is not None and staging > cpu_capacity:
+        raise ConfigError(
+            f"swapper staging needs swapper.buffer_count x swapper.buffer_size = {format_size(staging)} of "
+            f"host memory but tiers.cpu.capacity is {format_size(cpu_capacity)}: lower the swapper "
+            "settings or raise tiers.cpu.capacity",
+            key="swapper.buffer_count",
+        )
+
+
+def _check_swap_dir(path: str) -> None:
+    key = "tiers.nvme.path"
+    if not os.path.exists(path):
+        raise ConfigError(f"{key} {path} does not exist: create it (mkdir -p {path}) or pick another directory", key=key)
+    if not os.path.isdir(path):
+        raise ConfigError(f"{key} {path} is not a directory: point {key} at a directory, not a file", key=key)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tierzero-probe-", dir=path)
+    except OSError as exc:
+        raise ConfigError(
+            f"{key} {path} is not writable ({exc.strerror}): fix its permissions or pick another directory",
+            key=key,
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+# ---------------------------------------------------------------- loading
+
+DEEPSPEED_MARKER = "zero_optimization"
+"""A dict with this top-level key is a DeepSpeed config and is translated first."""
+
+
+def load_config(
+    source: Config | Mapping[str, Any] | str | os.PathLike[str], *, overrides: Mapping[str, Any] | None = None
+) -> Config:
+    """Build and validate a `Config`.
+
+    `source` is a path to a .yaml/.yml/.json file, a dict, or a `Config` (re-validated,
+    and returned as is unless overrides change it). A dict or file with a top-level "zero_optimization" key is read as a
+    DeepSpeed config (see `tierzero.config_deepspeed`; its batch-size arithmetic uses the
+    WORLD_SIZE environment variable, 1 when unset). `overrides` maps dotted tierzero keys
+    to values, e.g. {"tiers.nvme.path": "/x", "zero.stage": 2}; they are applied after
+    any DeepSpeed translation and before validation. Raises `ConfigError`, one line.
+    """
+    raw = _read_source(source)
+    origins: dict[str, str] = {}
+    if DEEPSPEED_MARKER in raw:
+        from tierzero.config_deepspeed import translate_deepspeed
+
+        translated = translate_deepspeed(raw, world_size=_env_world_size())
+        raw, origins = translated.config, translated.origins
+    for key, value in (overrides or {}).items():
+        set_dotted(Config, raw, key, value)
+        origins.pop(key, None)
+    try:
+        cfg = build(Config, raw, root=Config)
+    except ConfigError as exc:
+        if exc.key in origins:
+            raise ConfigError(f"{exc} (from DeepSpeed key {origins[exc.key]})", key=exc.key) from None
+        raise
+    # An unchanged Config comes back as the same object, once re-validated (its swap dir may be gone).
+    return source if isinstance(source, Config) and cfg == source else cfg
+
+
+def _env_world_size() -> int:
+    value = os.environ.get("WORLD_SIZE", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"WORLD_SIZE: expected a positive integer, got {value!r}; unset it or fix the launcher", key="WORLD_SIZE")
+    return int(value)
+
+
+def _read_source(source: Any) -> dict[str, Any]:
+    if isinstance(source, Config):
+        return source.to_dict()
+    if isinstance(source, Mapping):
+        return copy.deepcopy(dict(source))
+    if isinstance(source, (str, os.PathLike)):
+        return read_mapping_file(Path(source))
+    raise ConfigError(
+        f"config source: expected a .yaml/.yml/.json path, a dict or a Config, got {type(source).__name__}"
+    )
+
+
+# ---------------------------------------------------------------- documentation
+
+_DOC_HEADER = """\
+# Configuration reference
+
+<!-- Generated by tierzero.config.config_markdown(); edit the field docstrings in
+tierzero/config.py and run `tierzero config docs > docs/config.md`. -->
+
+A config is a YAML or JSON file (or a dict) with the keys below; every key is optional.
+`tierzero config check FILE [--set key=value ...]` prints the resolved config or one
+line saying what is wrong. Sizes are bytes, written as an integer or with a unit:
+`4096`, `512MB`, `8GiB` (KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024).
+A DeepSpeed config (a file with a `zero_optimization` key) is accepted as it is and
+translated; see the table at the end.
+"""
+
+
+def config_markdown() -> str:
+    """The markdown of docs/config.md: every key with its type, default and docstring."""
+    from tierzero.config_deepspeed import deepspeed_markdown
+
+    parts = [_DOC_HEADER]
+    parts.extend(fields_markdown(Config))
+    parts.append(deepspeed_markdown())
+    return "\n".join(parts)
