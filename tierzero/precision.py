@@ -1,0 +1,221 @@
+"""Mixed-precision helpers: compute dtypes by name, loss scaling, and overflow checks.
+
+Loss scalers decide from a found-inf flag; making every rank see the same flag
+(an all-reduce of `found_inf_flag`) is the engine's job, so that all ranks skip or
+step together.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype for a config name: "fp32", "bf16" or "fp16"."""
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"precision.param_dtype must be one of {', '.join(_DTYPES)}, got {name!r}: pick one of those names"
+        ) from None
+
+
+class LossScaler(ABC):
+    """Multiplies the loss before backward and decides, from a found-inf flag, whether to step."""
+
+    __slots__ = ()
+
+    @property
+    @abstractmethod
+    def scale(self) -> float:
+        """The factor to multiply the loss by before backward (and divide gradients by after)."""
+
+    @abstractmethod
+    def update(self, found_inf: bool) -> bool:
+        """Record one step's overflow flag; returns True when the optimizer step must be skipped."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class StaticLossScaler(LossScaler):
+    """A fixed scale (1.0 means no scaling). Steps with non-finite gradients are still skipped."""
+
+    __slots__ = ("_scale",)
+
+    def __init__(self, scale: float = 1.0) -> None:
+        _check_positive("precision.loss_scale", scale)
+        self._scale = float(scale)
+
+    @property
+    def scale(self) -> float:
+        return self._scale
+
+    def update(self, found_inf: bool) -> bool:
+        return bool(found_inf)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self._scale}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        _check_keys(state, {"scale"})
+        _check_positive("loss scaler state 'scale'", state["scale"])
+        self._scale = float(state["scale"])
+
+
+class DynamicLossScaler(LossScaler):
+    """Halves the scale on overflow (not below `min_scale`), grows it after `scale_window` clean steps.
+
+    The same policy as torch.amp.GradScaler, with a floor: an fp16 run that keeps
+    overflowing at `min_scale` keeps skipping steps rather than scaling towards zero.
+    """
+
+    __slots__ = ("_scale", "_clean_steps", "scale_window", "min_scale", "growth", "backoff")
+
+    def __init__(
+        self,
+        *,
+        initial_scale: float = 2.0**16,
+        scale_window: int = 1000,
+        min_scale: float = 1.0,
+        growth: float = 2.0,
+        backoff: float = 0.5,
+    ) -> None:
+        _check_positive("precision.initial_scale", initial_scale)
+        _check_positive("precision.min_scale", min_scale)
+        if min_scale > initial_scale:
+            raise ValueError(
+                f"precision.min_scale ({min_scale}) is above precision.initial_scale ({initial_scale}): "
+                "lower min_scale or raise initial_scale"
+            )
+        if isinstance(scale_window, bool) or not isinstance(scale_window, int) or scale_window < 1:
+            raise ValueError(f"precision.scale_window must be an integer >= 1, got {scale_window!r}")
+        if not growth > 1.0:
+            raise ValueError(f"loss scale growth must be > 1, got {growth}")
+        if not 0.0 < backoff < 1.0:
+            raise ValueError(f"loss scale backoff must be in (0, 1), got {backoff}")
+        self._scale = float(initial_scale)
+        self._clean_steps = 0
+        self.scale_window, self.min_scale, self.growth, self.backoff = scale_window, float(min_scale), growth, backoff
+
+    @property
+    def scale(self) -> float:
+        return self._scale
+
+    @property
+    def clean_steps(self) -> int:
+        """Steps without overflow since the scale last changed (or overflowed)."""
+        return self._clean_steps
+
+    def update(self, found_inf: bool) -> bool:
+        if found_inf:
+            self._scale = max(self._scale * self.backoff, self.min_scale)
+            self._clean_steps = 0
+            return True
+        self._clean_steps += 1
+        if self._clean_steps >= self.scale_window:
+            grown = self._scale * self.growth
+            # Past float range the scale would turn every loss into inf; stay put instead.
+            if math.isfinite(grown):
+                self._scale = grown
+            self._clean_steps = 0
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self._scale, "clean_steps": self._clean_steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        _check_keys(state, {"scale", "clean_steps"})
+        _check_positive("loss scaler state 'scale'", state["scale"])
+        self._scale = float(state["scale"])
+        self._clean_steps = int(state["clean_steps"])
+
+
+def make_loss_scaler(precision_cfg: Any) -> LossScaler:
+    """The scaler for `cfg.precision` (.param_dtype .loss_scale .initial_scale .scale_window .min_scale).
+
+    Dynamic scaling only matters for fp16: bf16 and fp32 share fp32's exponent range, so
+    "dynamic" with them means no scaling. An explicit number is honoured for every dtype.
+    """
+    dtype = dtype_of(precision_cfg.param_dtype)
+    if precision_cfg.loss_scale == "dynamic":
+        if dtype is not torch.float16:
+            return StaticLossScaler(1.0)
+        return DynamicLossScaler(
+            initial_scale=float(precision_cfg.initial_scale),
+            scale_window=int(precision_cfg.scale_window),
+            min_scale=float(precision_cfg.min_scale),
+        )
+    if isinstance(precision_cfg.loss_scale, str):
+        raise ValueError(
+            f"precision.loss_scale must be 'dynamic' or a positive number, got {precision_cfg.loss_scale!r}"
+        )
+    return StaticLossScaler(float(precision_cfg.loss_scale))
+
+
+def found_inf_flag(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """A float32 0-d tensor: 1.0 when any element is inf or nan, else 0.0.
+
+    It stays on the tensors' device (the first one's; 0.0 on CPU for no tensors), ready
+    for the engine's all-reduce(MAX) without a host sync. One read pass per tensor:
+    the min and the max carry any inf, and both propagate nan.
+    """
+    extremes: list[torch.Tensor] = []
+    device: torch.device | None = None
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        if device is None:
+            device = t.device
+        lo, hi = torch.aminmax(t.detach())
+        extremes += [lo.to(device=device, dtype=torch.float32), hi.to(device=device, dtype=torch.float32)]
+    if not extremes:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return (~torch.isfinite(torch.stack(extremes))).any().to(torch.float32)
+
+
+def found_inf(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether any element of `tensors` is inf or nan (syncs with the device once)."""
+    return bool(found_inf_flag(tensors).item())
+
+
+def unscale_(tensors: Iterable[torch.Tensor], scale: float) -> bool:
+    """Divide every tensor by `scale` in place; returns whether any result is inf or nan.
+
+    One fused pass per device and dtype (torch's own AMP kernel, the one GradScaler
+    uses), multiplying by the float32 reciprocal exactly as GradScaler does.
+    """
+    _check_positive("loss scale", scale)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    flags: list[torch.Tensor] = []
+    for (device, _), group in groups.items():
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        inv = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
+        flags.append(flag)
+    return any(bool(f.item()) for f in flags)
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _check_keys(state: Mapping[str, Any], expected: set[str]) -> None:
+    if set(state) != expected:
+        raise ValueError(
+            f"loss scaler state has keys {sorted(state)}, expected {sorted(expected)}: "
+            "was it saved by a different kind of scaler (static vs dynamic)?"
+        )
