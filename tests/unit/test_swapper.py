@@ -1,0 +1,306 @@
+"""The swapper's paths and guarantees: ordering per key, parallelism across keys, a bounded staging pool."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+import torch
+
+from tierzero.offload.base import IO_ALIGNMENT, Region, Tier, TierStorage, align_up
+from tierzero.offload.cpu import CpuTier
+from tierzero.offload.device import DeviceTier
+from tierzero.offload.nvme import NvmeTier
+from tierzero.swapper import Swapper
+
+
+class RangedDisk(TierStorage):
+    """An NVMe stand-in over a host tensor that supports the ranged I/O the pipeline uses.
+
+    Writes can be held at a gate, and every write checks that its source bytes did
+    not change while it was in flight (which a reused staging buffer would do).
+    """
+
+    tier = Tier.NVME
+
+    def __init__(self, capacity: int, *, delay: float = 0.0) -> None:
+        self.disk = torch.zeros(capacity, dtype=torch.uint8)
+        self._next = 0
+        self._pool = ThreadPoolExecutor(max_workers=4)
+        self.delay = delay
+        self.gate = threading.Event()
+        self.gate.set()
+        self.write_delays: list[float] = []
+        """Seconds each next write sleeps before landing, first first (then `delay` applies)."""
+        self.calls: list[tuple[str, int, int, int]] = []
+        """(verb, file offset, length, tensor address) of every I/O, in start order."""
+        self._lock = threading.Lock()
+
+    @property
+    def capacity(self) -> int:
+        return self.disk.numel()
+
+    @property
+    def used(self) -> int:
+        return self._next
+
+    def allocate(self, nbytes: int, *, label: str) -> Region:
+        offset, self._next = self._next, self._next + align_up(nbytes)
+        assert self._next <= self.capacity
+        return Region(tier=Tier.NVME, nbytes=nbytes, label=label, offset=offset)
+
+    def free(self, region: Region) -> None:
+        pass
+
+    def read(self, region: Region, dst: torch.Tensor) -> None:
+        self.submit_read(region, dst).result()
+
+    def write(self, region: Region, src: torch.Tensor) -> None:
+        self.submit_write(region, src).result()
+
+    def submit_read(self, region: Region, dst: torch.Tensor, *, start: int = 0) -> Future[None]:
+        return self._pool.submit(self._read, region.offset + start, dst)
+
+    def submit_write(self, region: Region, src: torch.Tensor, *, start: int = 0) -> Future[None]:
+        assert start + src.numel() <= region.nbytes
+        return self._pool.submit(self._write, region.offset + start, src, zlib.crc32(src.numpy()))
+
+    def _read(self, offset: int, dst: torch.Tensor) -> None:
+        with self._lock:
+            self.calls.append(("read", offset, dst.numel(), dst.data_ptr()))
+        time.sleep(self.delay * random.random())
+        dst.copy_(self.disk[offset : offset + dst.numel()])
+
+    def _write(self, offset: int, src: torch.Tensor, crc: int) -> None:
+        with self._lock:
+            self.calls.append(("write", offset, src.numel(), src.data_ptr()))
+            pause = self.write_delays.pop(0) if self.write_delays else self.delay * random.random()
+        assert self.gate.wait(timeout=10), "test gate never opened"
+        time.sleep(pause)
+        self.disk[offset : offset + src.numel()].copy_(src)
+        assert zlib.crc32(src.numpy()) == crc, "source bytes changed while the write was in flight"
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _bytes(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def host() -> CpuTier:
+    return CpuTier(reuse_limit=0)
+
+
+def _tiers(tmp_path, host: CpuTier) -> dict[str, TierStorage]:
+    nvme = NvmeTier(tmp_path, capacity=4 << 20, block_size=64 << 10, queue_depth=4, threads=2)
+    return {"device": DeviceTier(), "cpu": host, "nvme": nvme, "ranged": RangedDisk(4 << 20)}
+
+
+SIZES = [1, 4095, 4096, 4097, 3 * 4096 + 5, 50_001]
+
+
+@pytest.mark.parametrize("src_name", ["device", "cpu", "nvme", "ranged"])
+@pytest.mark.parametrize("dst_name", ["device", "cpu"])
+def test_round_trip_between_every_tier_and_memory_is_bit_exact(tmp_path, host, src_name, dst_name) -> None:
+    tiers = _tiers(tmp_path, host)
+    storage, dst_tier = tiers[src_name], Tier(dst_name)
+    with_memory = tiers[dst_name]
+    swapper = Swapper(buffer_size=8192, buffer_count=2, host=host)
+    try:
+        for seed, n in enumerate(SIZES):
+            region = storage.allocate(n, label=f"slice{n}")
+            memory = with_memory.allocate(n, label=f"memory{n}")
+            data = _bytes(n, seed)
+            memory.buffer.copy_(data)
+            swapper.write(key=n, storage=storage, region=region, src=memory.buffer, src_tier=dst_tier).wait()
+            memory.buffer.zero_()
+            swapper.read(key=n, storage=storage, region=region, dst=memory.buffer, dst_tier=dst_tier).wait()
+            assert torch.equal(memory.buffer, data), f"{src_name}->{dst_name} {n} bytes"
+        stats = swapper.stats()
+        uses_pool = src_name == "ranged" and dst_name == "device"
+        assert (stats.peak_in_use > 0) == (uses_pool or (src_name == "nvme" and dst_name == "device"))
+        if uses_pool:
+            assert stats.peak_in_use <= stats.capacity and stats.peak_held <= stats.capacity
+    finally:
+        swapper.close()
+        for storage in tiers.values():
+            storage.close()
+
+
+def test_device_to_nvme_is_pipelined_chunk_by_chunk(host) -> None:
+    disk = RangedDisk(1 << 20)
+    swapper = Swapper(buffer_size=4096, buffer_count=2, host=host)
+    device = DeviceTier()
+    n = 5 * 4096 + 7
+    region, src = disk.allocate(n, label="s"), _bytes(n, 1)
+    swapper.write(key="s", storage=disk, region=region, src=src, src_tier=Tier.DEVICE).wait()
+    writes = [c for c in disk.calls if c[0] == "write"]
+    assert [(offset, length) for _, offset, length, _ in writes] == [
+        (i * 4096, 4096) for i in range(5)
+    ] + [(5 * 4096, 7)]
+    staging = {ptr for *_, ptr in writes}
+    assert len(staging) == 2 and all(p % IO_ALIGNMENT == 0 for p in staging)  # two buffers, alternating
+    assert all(p != src.data_ptr() for p in staging)  # device memory never went to the disk directly
+    assert torch.equal(disk.disk[:n], src)
+    out = device.allocate(n, label="out")
+    swapper.read(key="s", storage=disk, region=region, dst=out.buffer, dst_tier=Tier.DEVICE).wait()
+    assert torch.equal(out.buffer, src)
+    assert swapper.stats().peak_in_use == 2 * 4096
+    swapper.close()
+
+
+def test_cpu_nvme_goes_direct_into_the_tier_buffer(host) -> None:
+    disk = RangedDisk(1 << 20)
+    swapper = Swapper(buffer_size=4096, buffer_count=2, host=host)
+    n = 3 * 4096 + 1
+    region, buffer = disk.allocate(n, label="s"), host.allocate(n, label="home")
+    buffer.buffer.copy_(_bytes(n, 3))
+    swapper.write(key="s", storage=disk, region=region, src=buffer.buffer, src_tier=Tier.CPU).wait()
+    landing = host.allocate(n, label="copy")
+    swapper.read(key="s", storage=disk, region=region, dst=landing.buffer, dst_tier=Tier.CPU).wait()
+    assert disk.calls == [
+        ("write", 0, n, buffer.buffer.data_ptr()),
+        ("read", 0, n, landing.buffer.data_ptr()),
+    ]
+    assert torch.equal(landing.buffer, buffer.buffer)
+    assert swapper.stats().peak_held == 0
+    swapper.close()
+
+
+@pytest.mark.parametrize("src_tier", [Tier.DEVICE, Tier.CPU])
+def test_a_read_waits_for_the_pending_write_of_its_key(host, src_tier) -> None:
+    disk = RangedDisk(1 << 20)
+    swapper = Swapper(buffer_size=4096, buffer_count=2, host=host)
+    n = 3 * 4096
+    region = disk.allocate(n, label="k")
+    new = _bytes(n, 7)
+    disk.gate.clear()
+    write = swapper.write(key="k", storage=disk, region=region, src=new, src_tier=src_tier)
+    out = torch.zeros(n, dtype=torch.uint8)
+    read = swapper.read(key="k", storage=disk, region=region, dst=out, dst_tier=src_tier)
+    time.sleep(0.1)
+    assert not write.done() and not read.done()
+    disk.gate.set()
+    read.wait(timeout=10)
+    assert write.done() and torch.equal(out, new)
+    swapper.close()
+
+
+@pytest.mark.parametrize(("src_tier", "n"), [(Tier.CPU, 4096), (Tier.DEVICE, 2 * 4096 + 100)])
+def test_two_writes_of_one_key_land_in_order(host, src_tier, n) -> None:
+    disk = RangedDisk(1 << 20)
+    disk.write_delays = [0.3]  # the first write is slow: unordered, the second would land first
+    swapper = Swapper(buffer_size=4096, buffer_count=4, host=host)
+    region = disk.allocate(n, label="k")
+    first, second = _bytes(n, 1), _bytes(n, 2)
+    a = swapper.write(key="k", storage=disk, region=region, src=first, src_tier=src_tier)
+    b = swapper.write(key="k", storage=disk, region=region, src=second, src_tier=src_tier)
+    b.wait(timeout=10)
+    assert a.done()
+    assert torch.equal(disk.disk[:n], second)
+    swapper.close()
+
+
+def test_different_keys_proceed_while_one_is_held(host) -> None:
+    disk = RangedDisk(1 << 20)
+    blocked = RangedDisk(1 << 20)
+    swapper = Swapper(buffer_size=4096, buffer_count=2, host=host)
+    slow, fast = blocked.allocate(4096, label="slow"), disk.allocate(4096, label="fast")
+    blocked.gate.clear()
+    held = swapper.write(key="slow", storage=blocked, region=slow, src=_bytes(4096, 1), src_tier=Tier.CPU)
+    for i in range(5):
+        swapper.write(key="fast", storage=disk, region=fast, src=_bytes(4096, i), src_tier=Tier.CPU).wait(timeout=5)
+    assert not held.done()
+    blocked.gate.set()
+    held.wait(timeout=5)
+    swapper.close()
+
+
+def test_staging_buffers_under_load_every_byte_verified(host) -> None:
+    disk = RangedDisk(8 << 20, delay=0.002)
+    swapper = Swapper(buffer_size=4096, buffer_count=2, host=host, workers=4)
+    rng = random.Random(0)
+    sizes = [rng.choice([1, 4095, 4096, 4097, 9000, 20_000]) for _ in range(24)]
+    regions = [disk.allocate(n, label=f"k{i}") for i, n in enumerate(sizes)]
+    datas = [_bytes(n, 100 + i) for i, n in enumerate(sizes)]
+    writes = [
+        swapper.write(key=i, storage=disk, region=r, src=d, src_tier=Tier.DEVICE)
+        for i, (r, d) in enumerate(zip(regions, datas))
+    ]
+    outs = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    reads = [
+        swapper.read(key=i, storage=disk, region=r, dst=o, dst_tier=Tier.DEVICE)
+        for i, (r, o) in enumerate(zip(regions, outs))
+    ]
+    for transfer in writes + reads:
+        transfer.wait(timeout=30)
+    for i, (out, data) in enumerate(zip(outs, datas)):
+        assert torch.equal(out, data), f"key {i} ({sizes[i]} bytes)"
+    stats = swapper.stats()
+    assert stats.peak_in_use <= 2 * 4096 and stats.peak_held <= 2 * 4096 and stats.in_use == 0
+    swapper.close()
+
+
+def test_reads_after_a_failed_write_fail_until_a_write_succeeds(host) -> None:
+    class Flaky(RangedDisk):
+        fail_next_write = True
+
+        def _write(self, offset: int, src: torch.Tensor, crc: int) -> None:
+            if self.fail_next_write:
+                self.fail_next_write = False
+                raise OSError("disk on fire")
+            super()._write(offset, src, crc)
+
+    disk = Flaky(1 << 20)
+    swapper = Swapper(buffer_size=4096, buffer_count=2, host=host)
+    region, out = disk.allocate(4096, label="k"), torch.zeros(4096, dtype=torch.uint8)
+
+    def read():
+        return swapper.read(key="k", storage=disk, region=region, dst=out, dst_tier=Tier.CPU)
+
+    def write(seed: int):
+        return swapper.write(key="k", storage=disk, region=region, src=_bytes(4096, seed), src_tier=Tier.CPU)
+
+    transfers = [write(0), read(), read(), write(1), read()]
+    with pytest.raises(OSError, match="disk on fire"):
+        transfers[0].wait(timeout=5)
+    for failed_read in transfers[1:3]:
+        with pytest.raises(RuntimeError, match="k: an earlier write of this key failed"):
+            failed_read.wait(timeout=5)
+    transfers[4].wait(timeout=5)
+    assert torch.equal(out, _bytes(4096, 1))
+    swapper.close()
+
+
+def test_wrong_sized_tensor_is_refused(host) -> None:
+    swapper = Swapper(buffer_size=4096, buffer_count=1, host=host)
+    region = host.allocate(100, label="u0/grad")
+    with pytest.raises(ValueError, match=r"u0/grad: expected a 1-D uint8 tensor of 100 bytes, got torch.float32 of shape \(25,\)"):
+        swapper.read(key="k", storage=host, region=region, dst=torch.empty(25), dst_tier=Tier.CPU)
+    swapper.close()
+    with pytest.raises(ValueError, match="the swapper is closed"):
+        swapper.read(key="k", storage=host, region=region, dst=torch.empty(100, dtype=torch.uint8), dst_tier=Tier.CPU)
+
+
+@pytest.mark.asyncio
+async def test_transfers_can_be_awaited(host) -> None:
+    disk = RangedDisk(1 << 20)
+    swapper = Swapper(buffer_size=4096, buffer_count=2, host=host)
+    region, data = disk.allocate(10_000, label="k"), _bytes(10_000, 5)
+    await swapper.write(key="k", storage=disk, region=region, src=data, src_tier=Tier.DEVICE)
+    out = torch.zeros(10_000, dtype=torch.uint8)
+    transfers = [swapper.read(key="k", storage=disk, region=region, dst=out, dst_tier=Tier.DEVICE)]
+    await asyncio.gather(*(asyncio.ensure_future(_awaited(t)) for t in transfers))
+    assert torch.equal(out, data)
+    swapper.close()
+
+
+async def _awaited(transfer):
+    return await transfer

@@ -1,0 +1,463 @@
+"""TieredStore: every slice's home tier, its fetched copy, and the bytes each tier holds.
+
+The stages register each slice with a home tier, `fetch` it to the tier where it
+is used, `write_back` what they changed and `release` the copy. They never learn
+where a slice lives: a fetch to the home tier hands back the home tensor itself.
+
+[Note: slice lifecycle]
+HOME --fetch--> FETCHING --(read done)--> FETCHED --write_back--> WRITING --(done)--> FETCHED
+any of the three fetched states --release--> HOME. States advance lazily: a
+record is settled against its transfers whenever it is touched. `release` does
+not block: the copy is freed, and its bytes leave the accounting, once the
+copy's reads and writes have finished, so a release right after a write_back
+never frees memory a transfer still reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from tierzero.offload.base import MODEL_STATE_KINDS, Kind, Region, SliceKey, Tier, TierStorage
+from tierzero.offload.cpu import StagingStats
+from tierzero.sizes import format_size
+from tierzero.swapper import Swapper, Transfer
+
+__all__ = ["SliceState", "StoreReport", "TierUsage", "TieredStore", "Use"]
+
+
+class SliceState(enum.Enum):
+    HOME = "home"
+    """Only the home copy exists."""
+    FETCHING = "fetching"
+    FETCHED = "fetched"
+    WRITING = "writing"
+    """Fetched, with a write-back to the home still in flight."""
+
+
+_FETCHED_STATES = (SliceState.FETCHING, SliceState.FETCHED, SliceState.WRITING)
+
+
+class Use(enum.Enum):
+    """Why a tier holds bytes."""
+
+    HOME = "home"
+    FETCHED = "fetched"
+    SCRATCH = "scratch"
+    STAGING = "staging"
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    """Bytes one tier holds, now and at peak (since the last `reset_peaks`)."""
+
+    capacity: int | None
+    current: int
+    peak: int
+    current_by_kind: dict[Kind, int]
+    peak_by_kind: dict[Kind, int]
+    current_by_use: dict[Use, int]
+    kept: int = 0
+    """Freed host buffers the tier keeps for reuse: memory held beyond `current` (cpu tier)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreReport:
+    tiers: dict[Tier, TierUsage]
+    staging: StagingStats
+
+    def format(self) -> str:
+        """A small text table: one row per tier, one column per kind that was ever held."""
+        kinds = [k for k in Kind if any(u.peak_by_kind[k] for u in self.tiers.values())]
+        header = ["tier", "current", "peak", "capacity", "kept", *(f"{k.value} now/peak" for k in kinds)]
+        rows = [header]
+        for tier, usage in self.tiers.items():
+            capacity = "-" if usage.capacity is None else format_size(usage.capacity)
+            per_kind = [f"{format_size(usage.current_by_kind[k])}/{format_size(usage.peak_by_kind[k])}" for k in kinds]
+            sizes = [format_size(n) for n in (usage.current, usage.peak)]
+            rows.append([tier.value, *sizes, capacity, format_size(usage.kept), *per_kind])
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        s = self.staging
+        lines.append(
+            f"staging: {s.buffer_count} x {format_size(s.buffer_size)}, held {format_size(s.held)} "
+            f"(peak {format_size(s.peak_held)}), in use {format_size(s.in_use)} (peak {format_size(s.peak_in_use)})"
+        )
+        return "\n".join(lines)
+
+
+@dataclass(slots=True)
+class _TierLedger:
+    capacity: int | None
+    current: int = 0
+    peak: int = 0
+    by_kind: dict[Kind, int] = field(default_factory=lambda: dict.fromkeys(Kind, 0))
+    peak_by_kind: dict[Kind, int] = field(default_factory=lambda: dict.fromkeys(Kind, 0))
+    by_use: dict[Use, int] = field(default_factory=lambda: dict.fromkeys(Use, 0))
+    home_by_kind: dict[Kind, int] = field(default_factory=lambda: dict.fromkeys(Kind, 0))
+
+    def add(self, kind: Kind, use: Use, delta: int) -> None:
+        self.current += delta
+        self.by_kind[kind] += delta
+        self.by_use[use] += delta
+        if use is Use.HOME:
+            self.home_by_kind[kind] += delta
+        assert self.current >= 0 and self.by_kind[kind] >= 0 and self.by_use[use] >= 0, "accounting went negative"
+        self.peak = max(self.peak, self.current)
+        self.peak_by_kind[kind] = max(self.peak_by_kind[kind], self.by_kind[kind])
+
+    def usage(self) -> TierUsage:
+        return TierUsage(
+            capacity=self.capacity,
+            current=self.current,
+            peak=self.peak,
+            current_by_kind=dict(self.by_kind),
+            peak_by_kind=dict(self.peak_by_kind),
+            current_by_use=dict(self.by_use),
+        )
+
+
+class _Ledger:
+    """Per-tier byte counts; updated from caller and swapper threads alike."""
+
+    def __init__(self, capacities: dict[Tier, int | None]) -> None:
+        self._tiers = {tier: _TierLedger(capacity) for tier, capacity in capacities.items()}
+        self._lock = threading.Lock()
+
+    def add(self, tier: Tier, kind: Kind, use: Use, delta: int) -> None:
+        with self._lock:
+            self._tiers.setdefault(tier, _TierLedger(None)).add(kind, use, delta)
+
+    def report(self, *, staging: StagingStats) -> StoreReport:
+        with self._lock:
+            return StoreReport(tiers={t: ledger.usage() for t, ledger in self._tiers.items()}, staging=staging)
+
+    def reset_peaks(self) -> None:
+        with self._lock:
+            for ledger in self._tiers.values():
+                ledger.peak = ledger.current
+                ledger.peak_by_kind = dict(ledger.by_kind)
+
+    def home_bytes(self, kinds: tuple[Kind, ...]) -> dict[Kind, int]:
+        with self._lock:
+            return {k: sum(ledger.home_by_kind[k] for ledger in self._tiers.values()) for k in kinds}
+
+
+@dataclass(slots=True, kw_only=True)
+class SliceRecord:
+    key: SliceKey
+    numel: int
+    dtype: torch.dtype
+    home: Region
+    state: SliceState = SliceState.HOME
+    copy_tier: Tier | None = None
+    copy: Region | None = None
+    """The fetched copy; None while fetched to the home tier (the home tensor is the copy)."""
+    fetch: Transfer[torch.Tensor] | None = None
+    writes: list[Transfer[None]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.home.nbytes
+
+    def settle(self) -> None:
+        self.writes = [w for w in self.writes if not w.done()]
+        if self.state is SliceState.FETCHING and self.fetch is not None and self.fetch.done():
+            self.state = SliceState.FETCHED
+        if self.state is SliceState.WRITING and not self.writes:
+            self.state = SliceState.FETCHED
+
+    def require(self, *states: SliceState, action: str) -> None:
+        if self.state not in states:
+            wanted = " or ".join(s.value for s in states)
+            raise ValueError(f"cannot {action} {self.key}: it is {self.state.value}, expected {wanted}")
+
+
+@dataclass(slots=True, kw_only=True)
+class ScratchRecord:
+    kind: Kind
+    region: Region
+
+
+class TieredStore:
+    """Slices homed in tiers, moved by a swapper, accounted per tier and kind; see the module note."""
+
+    def __init__(self, *, tiers: dict[Tier, TierStorage], swapper: Swapper) -> None:
+        for tier, storage in tiers.items():
+            assert storage.tier is tier, f"the {storage.tier.value} tier was given as {tier.value}"
+        self._tiers = dict(tiers)
+        self._swapper = swapper
+        self._ledger = _Ledger({tier: storage.capacity for tier, storage in tiers.items()})
+        self._slices: dict[SliceKey, SliceRecord] = {}
+        self._scratch: dict[int, ScratchRecord] = {}
+        self._lock = threading.RLock()
+        self._closed = False
+        swapper.observe_staging(self._staging_changed)
+
+    @classmethod
+    def from_config(
+        cls, cfg: object, *, rank: int = 0, device: torch.device | None = None, nvme_capacity: int | None = None
+    ) -> TieredStore:
+        """Device and CPU tiers always; the NVMe tier only when some state is offloaded to it."""
+        from tierzero.offload.cpu import CpuTier
+        from tierzero.offload.device import DeviceTier
+
+        cpu = CpuTier.from_config(cfg)
+        tiers: dict[Tier, TierStorage] = {Tier.DEVICE: DeviceTier.from_config(cfg, device=device), Tier.CPU: cpu}
+        offload = cfg.offload  # type: ignore[attr-defined]
+        if Tier.NVME in (offload.params, offload.gradients, offload.optimizer):
+            from tierzero.offload.nvme import NvmeTier
+
+            tiers[Tier.NVME] = NvmeTier.from_config(cfg, rank=rank, capacity=nvme_capacity)
+        return cls(tiers=tiers, swapper=Swapper.from_config(cfg, host=cpu))
+
+    @property
+    def swapper(self) -> Swapper:
+        return self._swapper
+
+    def _staging_changed(self, delta: int) -> None:
+        # Staging buffers are host memory, made from the CPU tier by `from_config`.
+        self._ledger.add(Tier.CPU, Kind.STAGING, Use.STAGING, delta)
+
+    def register(self, key: SliceKey, *, numel: int, dtype: torch.dtype, home: Tier) -> None:
+        """Allocate the slice's home in `home`; raises TierCapacityError (nothing spilled) when it is full."""
+        if numel <= 0:
+            raise ValueError(f"{key}: numel must be positive, got {numel}")
+        storage = self._storage(home, what=f"{key}'s home")
+        with self._lock:
+            if key in self._slices:
+                raise ValueError(f"{key} is already registered; unregister it first")
+            region = storage.allocate(numel * _itemsize(dtype), label=str(key))
+            self._slices[key] = SliceRecord(key=key, numel=numel, dtype=dtype, home=region)
+            self._ledger.add(home, key.kind, Use.HOME, region.nbytes)
+
+    def is_registered(self, key: SliceKey) -> bool:
+        return key in self._slices
+
+    def home_tensor(self, key: SliceKey) -> torch.Tensor:
+        """The typed 1-D home of a device- or cpu-homed slice (no copy), once its pending writes have landed."""
+        with self._lock:
+            record = self._record(key)
+            record.settle()
+            writes = list(record.writes)
+        if record.home.buffer is None:
+            raise ValueError(f"{key} lives on {record.home.tier.value}, which has no tensor: fetch it to device or cpu")
+        for write in writes:
+            write.wait()
+        return _typed(record.home.buffer, record.dtype, record.numel)
+
+    def fetch(self, key: SliceKey, *, to: Tier) -> Transfer[torch.Tensor]:
+        """Bring the slice to `to`; `.wait()` gives a typed 1-D tensor there. Idempotent while fetched."""
+        if to is Tier.NVME:
+            raise ValueError(f"cannot fetch {key} to nvme: fetch to device or cpu")
+        with self._lock:
+            record = self._record(key)
+            record.settle()
+            if record.state in _FETCHED_STATES:
+                if record.copy_tier is not to:
+                    raise ValueError(
+                        f"{key} is already fetched to {record.copy_tier.value}, asked for {to.value}: release it first"
+                    )
+                assert record.fetch is not None
+                return record.fetch
+            if record.home.tier is to:
+                # The home tensor is the copy: no bytes move and none are added, but a write-back
+                # still in flight (from an earlier fetch elsewhere) must land first.
+                home = _typed(record.home.buffer, record.dtype, record.numel)
+                record.fetch = record.writes[-1].then(lambda _: home) if record.writes else Transfer.ready(home)
+                record.copy_tier, record.copy, record.state = to, None, SliceState.FETCHED
+                return record.fetch
+            record.fetch = self._read_copy(record, to)
+            record.state = SliceState.FETCHING
+            return record.fetch
+
+    def _read_copy(self, record: SliceRecord, to: Tier) -> Transfer[torch.Tensor]:
+        """Allocate the copy in `to` (or raise, changing nothing) and start reading the home into it."""
+        copy = self._storage(to, what=f"a fetched copy of {record.key}").allocate(record.nbytes, label=f"{record.key} fetched")
+        try:
+            transfer = self._swapper.read(
+                key=record.key, storage=self._tiers[record.home.tier], region=record.home, dst=copy.buffer, dst_tier=to
+            )
+        except BaseException:
+            self._tiers[to].free(copy)
+            raise
+        self._ledger.add(to, record.key.kind, Use.FETCHED, copy.nbytes)
+        record.copy_tier, record.copy = to, copy
+        return transfer.then(lambda _: _typed(copy.buffer, record.dtype, record.numel))
+
+    def write_back(self, key: SliceKey, src: torch.Tensor | None = None) -> Transfer[None]:
+        """Copy the fetched copy, or `src` (same numel and dtype), to the home. Ordered after the key's fetch."""
+        with self._lock:
+            record = self._record(key)
+            record.settle()
+            if src is None:
+                record.require(*_FETCHED_STATES, action="write back")
+                if record.copy is None:
+                    return Transfer.ready()
+                source, source_tier = record.copy.buffer, record.copy_tier
+            else:
+                source, source_tier = self._source_bytes(record, src)
+            assert source is not None and source_tier is not None
+            transfer = self._swapper.write(
+                key=key, storage=self._tiers[record.home.tier], region=record.home, src=source, src_tier=source_tier
+            )
+            record.writes.append(transfer)
+            if record.state is not SliceState.HOME:
+                record.state = SliceState.WRITING
+            return transfer
+
+    def release(self, key: SliceKey) -> None:
+        """Drop the fetched copy; its memory goes once its transfers are done (module note)."""
+        with self._lock:
+            record = self._record(key)
+            record.settle()
+            record.require(*_FETCHED_STATES, action="release")
+            copy, tier, pending = record.copy, record.copy_tier, [record.fetch, *record.writes]
+            record.state, record.copy, record.copy_tier, record.fetch = SliceState.HOME, None, None, None
+        if copy is not None:
+            assert tier is not None
+            self._free_when_done(copy, tier, key.kind, [t for t in pending if t is not None])
+
+    def unregister(self, key: SliceKey) -> None:
+        """Forget a slice that is not fetched, after its pending writes, and free its home."""
+        with self._lock:
+            record = self._record(key)
+            record.settle()
+            record.require(SliceState.HOME, action="unregister")
+            del self._slices[key]
+        for write in record.writes:
+            write.future.exception()
+        self._tiers[record.home.tier].free(record.home)
+        self._ledger.add(record.home.tier, key.kind, Use.HOME, -record.nbytes)
+
+    def state(self, key: SliceKey) -> SliceState:
+        with self._lock:
+            record = self._record(key)
+            record.settle()
+            return record.state
+
+    def allocate(self, *, kind: Kind, numel: int, dtype: torch.dtype, tier: Tier, label: str = "") -> torch.Tensor:
+        """Scratch memory (e.g. a gathered unit) in a memory tier, accounted under `kind` until `free`."""
+        if tier is Tier.NVME:
+            raise ValueError(f"scratch {label or kind.value} must be in device or cpu memory, got nvme")
+        if numel <= 0:
+            raise ValueError(f"scratch {label or kind.value}: numel must be positive, got {numel}")
+        region = self._storage(tier, what=f"scratch {label}").allocate(
+            numel * _itemsize(dtype), label=label or f"scratch {kind.value}"
+        )
+        tensor = _typed(region.buffer, dtype, numel)
+        with self._lock:
+            self._scratch[tensor.data_ptr()] = ScratchRecord(kind=kind, region=region)
+        self._ledger.add(tier, kind, Use.SCRATCH, region.nbytes)
+        return tensor
+
+    def free(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            record = self._scratch.pop(tensor.data_ptr(), None)
+        if record is None:
+            raise ValueError("free() was given a tensor that allocate() did not return (or that was freed already)")
+        self._tiers[record.region.tier].free(record.region)
+        self._ledger.add(record.region.tier, record.kind, Use.SCRATCH, -record.region.nbytes)
+
+    def report(self) -> StoreReport:
+        report = self._ledger.report(staging=self._swapper.stats())
+        for tier, storage in self._tiers.items():
+            kept = getattr(storage, "kept_bytes", 0)
+            if kept and tier in report.tiers:
+                report.tiers[tier] = dataclasses.replace(report.tiers[tier], kept=kept)
+        return report
+
+    def reset_peaks(self) -> None:
+        self._ledger.reset_peaks()
+
+    def kind_bytes(self) -> dict[Kind, int]:
+        """Bytes of each model-state kind in their homes, all tiers together (fetched copies excluded)."""
+        return self._ledger.home_bytes(MODEL_STATE_KINDS)
+
+    def close(self) -> None:
+        """Finish every transfer, free every region, close swapper and tiers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._swapper.close()
+        with self._lock:
+            records, scratch = list(self._slices.values()), list(self._scratch.values())
+            self._slices.clear()
+            self._scratch.clear()
+        for record in records:
+            if record.copy is not None:
+                self._tiers[record.copy.tier].free(record.copy)
+            self._tiers[record.home.tier].free(record.home)
+        for item in scratch:
+            self._tiers[item.region.tier].free(item.region)
+        for storage in self._tiers.values():
+            storage.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _record(self, key: SliceKey) -> SliceRecord:
+        record = self._slices.get(key)
+        if record is None:
+            raise ValueError(f"{key} is not registered in the store")
+        return record
+
+    def _storage(self, tier: Tier, *, what: str) -> TierStorage:
+        storage = self._tiers.get(tier)
+        if storage is None:
+            present = ", ".join(t.value for t in self._tiers)
+            raise ValueError(f"{what} needs the {tier.value} tier, but this store has only {present}: configure tiers.{tier.value}")
+        return storage
+
+    def _source_bytes(self, record: SliceRecord, src: torch.Tensor) -> tuple[torch.Tensor, Tier]:
+        if src.dtype != record.dtype or src.numel() != record.numel:
+            raise ValueError(
+                f"write_back of {record.key} expects {record.numel} elements of {record.dtype}, "
+                f"got {src.numel()} of {src.dtype}"
+            )
+        if not src.is_contiguous():
+            raise ValueError(f"write_back of {record.key} needs a contiguous tensor: pass src.contiguous()")
+        # Where the source memory is decides the path: a CUDA tensor is device memory; a host tensor
+        # counts as the fetched copy's tier (the emulated device is host memory), else as cpu memory
+        # (the NVMe tier bounces it if unaligned).
+        tier = Tier.DEVICE if src.is_cuda else (record.copy_tier or Tier.CPU)
+        return src.reshape(-1).view(torch.uint8), tier
+
+    def _free_when_done(self, copy: Region, tier: Tier, kind: Kind, pending: list[Transfer]) -> None:
+        """Free the copy once every transfer in `pending` has finished (in whichever thread ends last)."""
+
+        def free_copy() -> None:
+            self._tiers[tier].free(copy)
+            self._ledger.add(tier, kind, Use.FETCHED, -copy.nbytes)
+
+        if not pending:
+            free_copy()
+            return
+        remaining = [len(pending)]
+        lock = threading.Lock()
+
+        def one_done(_: object) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                free_copy()
+
+        for transfer in pending:
+            transfer.future.add_done_callback(one_done)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _typed(buffer: torch.Tensor | None, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    assert buffer is not None, "a memory region without a tensor"
+    return buffer.view(dtype)[:numel]

@@ -1,0 +1,415 @@
+"""Moves bytes between tiers, asynchronously, through a bounded pool of staging buffers.
+
+Mechanism only: the store (and through it the prefetcher) says what to move; the
+swapper says how. Three paths, chosen from where the two sides live:
+
+- memory <-> memory (device <-> cpu): one tensor copy; on CUDA it runs on a
+  dedicated copy stream and a host-to-device copy completes with an event that
+  `Transfer.wait()` makes the caller's stream wait on, so the host never blocks.
+- cpu <-> nvme: direct; CPU-tier buffers are 4096-aligned, so the NVMe tier reads
+  and writes them with direct I/O and no bounce copy.
+- device <-> nvme: staged, chunk by chunk through the pool (see the note below).
+
+[Note: ordering and the staging pool]
+Operations on one key run one after another, in submission order: a read waits
+for the key's pending write and two writes land in order. Operations on
+different keys run in parallel on the worker threads. A staged transfer keeps
+several chunks in flight, but it only ever *blocks* on the pool while it holds
+no buffer: when the pool is empty and it holds some, it finishes its own oldest
+chunk instead. A blocked transfer therefore never holds a buffer that another
+needs, so transfers sharing a small pool cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections import deque
+from collections.abc import Callable, Generator, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from tierzero.offload.base import IO_ALIGNMENT, Region, Tier, TierStorage
+from tierzero.offload.device import MemoryTier
+from tierzero.offload.cpu import StagingBuffer, StagingPool, StagingStats
+
+__all__ = ["Swapper", "Transfer", "TransferOutcome", "StagingStats"]
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+@dataclass(frozen=True, slots=True)
+class TransferOutcome(Generic[T]):
+    """What a finished operation hands back: its value, and the CUDA event its last copy recorded."""
+
+    value: T | None = None
+    event: torch.cuda.Event | None = None
+
+
+class Transfer(Generic[T]):
+    """A handle on one move in flight. `wait()` returns its value; `await transfer` works too.
+
+    On CUDA a host-to-device copy finishes with an event rather than a host
+    block: `wait()` makes the caller's current stream wait on it, so kernels
+    queued after `wait()` see the bytes while the host runs ahead.
+    """
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future[TransferOutcome[T]]) -> None:
+        self._future = future
+
+    @classmethod
+    def ready(cls, value: T | None = None) -> Transfer[T]:
+        future: Future[TransferOutcome[T]] = Future()
+        future.set_result(TransferOutcome(value=value))
+        return cls(future)
+
+    @property
+    def future(self) -> Future[TransferOutcome[T]]:
+        return self._future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> T:
+        return self._consume(self._future.result(timeout))
+
+    def then(self, fn: Callable[[T | None], U]) -> Transfer[U]:
+        """A transfer that finishes with `fn(value)` once this one has finished."""
+        mapped: Future[TransferOutcome[U]] = Future()
+
+        def chain(done: Future[TransferOutcome[T]]) -> None:
+            try:
+                outcome = done.result()
+                mapped.set_result(TransferOutcome(value=fn(outcome.value), event=outcome.event))
+            except BaseException as exc:
+                mapped.set_exception(exc)
+
+        self._future.add_done_callback(chain)
+        return Transfer(mapped)
+
+    def __await__(self) -> Generator[Any, None, T]:
+        outcome = yield from asyncio.wrap_future(self._future).__await__()
+        return self._consume(outcome)
+
+    @staticmethod
+    def _consume(outcome: TransferOutcome[T]) -> T:
+        if outcome.event is not None:
+            torch.cuda.current_stream().wait_event(outcome.event)
+        return outcome.value  # type: ignore[return-value]
+
+
+@dataclass(slots=True)
+class _KeyTail:
+    """The last operation submitted for a key, which the next one waits for."""
+
+    future: Future[TransferOutcome]
+    taints: bool
+    """Whether a failure of this operation makes later reads of the key fail: true for a
+    write (the bytes on the home are half-written) and for a read that failed for that reason."""
+
+
+class Swapper:
+    """Moves bytes between a tier's region and a memory tensor; see the module note."""
+
+    def __init__(
+        self,
+        *,
+        buffer_size: int,
+        buffer_count: int,
+        host: MemoryTier | None = None,
+        workers: int = 4,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"the swapper needs at least 1 worker thread, got {workers}")
+        self._pool = StagingPool(buffer_size=buffer_size, buffer_count=buffer_count, host=host)
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierzero-swap")
+        self._tails: dict[Hashable, _KeyTail] = {}
+        self._lock = threading.Lock()
+        self._copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, cfg: object, *, host: MemoryTier | None = None, **kwargs: object) -> Swapper:
+        swapper = cfg.swapper  # type: ignore[attr-defined]
+        return cls(buffer_size=swapper.buffer_size, buffer_count=swapper.buffer_count, host=host, **kwargs)
+
+    @property
+    def buffer_size(self) -> int:
+        return self._pool.buffer_size
+
+    def stats(self) -> StagingStats:
+        return self._pool.stats()
+
+    def observe_staging(self, on_change: Callable[[int], None]) -> None:
+        """Have `on_change(delta)` told of every staging byte made or given back, from now on."""
+        self._pool.observe(on_change)
+
+    def read(self, *, key: Hashable, storage: TierStorage, region: Region, dst: torch.Tensor, dst_tier: Tier) -> Transfer:
+        """Copy `region` (held by `storage`) into `dst`, a 1-D uint8 tensor in `dst_tier` memory."""
+        self._check(region, dst, dst_tier)
+        if storage.tier is Tier.NVME and dst_tier is Tier.DEVICE:
+            return self._schedule(key, False, lambda: self._staged_read(storage, region, dst))
+        # A device-resident source may still be being produced on the caller's stream.
+        produced = self._record_current_stream() if region.buffer is not None and region.buffer.is_cuda else None
+        return self._schedule(key, False, lambda: self._direct(storage.read, region, dst, reading=True, produced=produced))
+
+    def write(self, *, key: Hashable, storage: TierStorage, region: Region, src: torch.Tensor, src_tier: Tier) -> Transfer:
+        """Copy `src`, a 1-D uint8 tensor in `src_tier` memory, into `region` (held by `storage`)."""
+        self._check(region, src, src_tier)
+        # The caller may have just produced `src` on its stream: the copy stream waits for that.
+        produced = self._record_current_stream() if src.is_cuda else None
+        if storage.tier is Tier.NVME and src_tier is Tier.DEVICE:
+            return self._schedule(key, True, lambda: self._staged_write(storage, region, src, produced))
+        return self._schedule(key, True, lambda: self._direct(storage.write, region, src, reading=False, produced=produced))
+
+    def close(self) -> None:
+        """Wait for every submitted transfer, then release the staging buffers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            pending = [tail.future for tail in self._tails.values()]
+        for future in pending:
+            future.exception()
+        self._executor.shutdown(wait=True)
+        self._pool.close()
+
+    def _check(self, region: Region, tensor: torch.Tensor, tier: Tier) -> None:
+        if self._closed:
+            raise ValueError("the swapper is closed; open a new TieredStore to move more bytes")
+        if tier is Tier.NVME:
+            raise ValueError("the memory side of a transfer must be the device or cpu tier, got nvme")
+        if tensor.dtype != torch.uint8 or tensor.dim() != 1 or tensor.numel() != region.nbytes:
+            raise ValueError(
+                f"{region.label}: expected a 1-D uint8 tensor of {region.nbytes} bytes, "
+                f"got {tensor.dtype} of shape {tuple(tensor.shape)}"
+            )
+
+    def _schedule(self, key: Hashable, is_write: bool, op: Callable[[], TransferOutcome]) -> Transfer:
+        """Run `op` on a worker after the key's previous operation has finished."""
+        result: Future[TransferOutcome] = Future()
+        with self._lock:
+            previous = self._tails.get(key)
+            tail = self._tails[key] = _KeyTail(result, taints=is_write)
+
+        def run() -> None:
+            if not result.set_running_or_notify_cancel():
+                return
+            try:
+                if previous is not None:
+                    self._follow(key, previous, tail, is_write=is_write)
+                result.set_result(op())
+            except BaseException as exc:
+                result.set_exception(exc)
+
+        def start(_: object = None) -> None:
+            try:
+                self._executor.submit(run)
+            except RuntimeError as exc:  # shut down under us: fail rather than leave it pending forever
+                if result.set_running_or_notify_cancel():
+                    result.set_exception(exc)
+
+        def forget(done: Future[TransferOutcome]) -> None:
+            with self._lock:
+                tail = self._tails.get(key)
+                if tail is not None and tail.future is done:
+                    del self._tails[key]
+
+        result.add_done_callback(forget)
+        if previous is None:
+            start()
+        else:
+            previous.future.add_done_callback(start)
+        return Transfer(result)
+
+    @staticmethod
+    def _follow(key: Hashable, previous: _KeyTail, tail: _KeyTail, *, is_write: bool) -> None:
+        """Checks before an operation that follows `previous` on the same key."""
+        error = previous.future.exception()
+        if error is None:
+            event = previous.future.result().event
+            if event is not None:
+                # A host-to-device copy may still be reading the memory this operation touches.
+                event.synchronize()
+        elif previous.taints and not is_write:
+            # A write replaces the whole region and so restores trust; a read would return torn bytes.
+            tail.taints = True
+            raise RuntimeError(f"{key}: an earlier write of this key failed, its bytes cannot be trusted") from error
+
+    def _direct(
+        self,
+        move: Callable[[Region, torch.Tensor], None],
+        region: Region,
+        tensor: torch.Tensor,
+        *,
+        reading: bool,
+        produced: torch.cuda.Event | None = None,
+    ) -> TransferOutcome:
+        memory = region.buffer
+        if self._copy_stream is None or memory is None or not (memory.is_cuda or tensor.is_cuda):
+            move(region, tensor)  # the tier's own blocking read or write
+            return TransferOutcome()
+        dst, src = (tensor, memory) if reading else (memory, tensor)
+        with torch.cuda.stream(self._copy_stream):
+            if produced is not None:
+                self._copy_stream.wait_event(produced)
+            dst.copy_(src, non_blocking=True)
+            for t in (dst, src):
+                if t.is_cuda:
+                    # The caching allocator must not hand this block to another stream before the copy ran.
+                    t.record_stream(self._copy_stream)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        if not dst.is_cuda:
+            # Host memory is read by the host as soon as the transfer is done.
+            event.synchronize()
+            return TransferOutcome()
+        return TransferOutcome(event=event)
+
+    def _staged_read(self, storage: TierStorage, region: Region, dst: torch.Tensor) -> TransferOutcome:
+        if not _ranged(storage, region, self._pool.buffer_size):
+            return self._bounced(storage.read, region, lambda whole: self._copy_chunk(dst, whole))
+        inflight: deque[tuple[int, int, StagingBuffer, Future[None]]] = deque()
+
+        def finish_oldest() -> None:
+            start, length, buffer, future = inflight.popleft()
+            try:
+                future.result()
+                self._copy_chunk(dst[start : start + length], buffer.tensor[:length])
+            finally:
+                self._pool.release(buffer)
+
+        try:
+            # Up to the pool's size of chunks are read ahead while earlier ones are copied to the device.
+            for start, length in self._chunks(region.nbytes):
+                buffer = self._acquire(inflight, finish_oldest)
+                inflight.append((start, length, buffer, _submit(storage, "read", region, start, buffer.tensor[:length])))
+            while inflight:
+                finish_oldest()
+        finally:
+            self._drain(inflight)
+        return TransferOutcome()
+
+    def _staged_write(
+        self, storage: TierStorage, region: Region, src: torch.Tensor, produced: torch.cuda.Event | None
+    ) -> TransferOutcome:
+        inflight: deque[tuple[int, int, StagingBuffer, Future[None]]] = deque()
+
+        def finish_oldest() -> None:
+            _, _, buffer, future = inflight.popleft()
+            try:
+                future.result()
+            finally:
+                self._pool.release(buffer)
+
+        if produced is not None:
+            produced.synchronize()
+        if not _ranged(storage, region, self._pool.buffer_size):
+            return self._bounced(storage.write, region, lambda whole: self._copy_chunk(whole, src), fill_first=True)
+        try:
+            # Chunk k is copied into a staging buffer while chunk k-1 is still being written.
+            for start, length in self._chunks(region.nbytes):
+                buffer = self._acquire(inflight, finish_oldest)
+                staged = buffer.tensor[:length]
+                try:
+                    self._copy_chunk(staged, src[start : start + length])
+                except BaseException:
+                    self._pool.release(buffer)
+                    raise
+                inflight.append((start, length, buffer, _submit(storage, "write", region, start, staged)))
+            while inflight:
+                finish_oldest()
+        finally:
+            self._drain(inflight)
+        return TransferOutcome()
+
+    def _acquire(self, inflight: deque, finish_oldest: Callable[[], None]) -> StagingBuffer:
+        """A staging buffer; while this transfer holds some, it finishes its own chunks rather than block."""
+        while inflight:
+            buffer = self._pool.try_acquire()
+            if buffer is not None:
+                return buffer
+            finish_oldest()
+        return self._pool.acquire()
+
+    def _drain(self, inflight: deque[tuple[int, int, StagingBuffer, Future[None]]]) -> None:
+        """After an error: let the chunks still in flight finish before their buffers go back."""
+        while inflight:
+            _, _, buffer, future = inflight.popleft()
+            future.exception()
+            self._pool.release(buffer)
+
+    def _chunks(self, nbytes: int) -> list[tuple[int, int]]:
+        size = self._pool.buffer_size
+        return [(start, min(size, nbytes - start)) for start in range(0, nbytes, size)]
+
+    def _bounced(
+        self,
+        move: Callable[[Region, torch.Tensor], None],
+        region: Region,
+        copy: Callable[[torch.Tensor], None],
+        *,
+        fill_first: bool = False,
+    ) -> TransferOutcome:
+        """Stage a whole region at once, for an NVMe tier that cannot move part of a region."""
+        with self._pool.whole_region(region.nbytes) as whole:
+            if fill_first:
+                copy(whole)
+                move(region, whole)
+            else:
+                move(region, whole)
+                copy(whole)
+        return TransferOutcome()
+
+    def _copy_chunk(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A device<->staging copy that is complete when this returns (the staging buffer is reused next)."""
+        if self._copy_stream is None or not (dst.is_cuda or src.is_cuda):
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(self._copy_stream):
+            dst.copy_(src, non_blocking=True)
+        self._copy_stream.synchronize()
+
+    @staticmethod
+    def _record_current_stream() -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event
+
+
+def _ranged(storage: TierStorage, region: Region, chunk: int) -> bool:
+    """Whether `storage` can move part of `region` (its submit_read/submit_write take `start=`).
+
+    [Note: ranged NVMe I/O] The chunked pipeline needs to read and write a byte range
+    of a region. A tier without that is still served, by staging the whole region in
+    one temporary host buffer (reported as staging bytes beyond the pool).
+    """
+    if region.nbytes <= chunk:
+        return True
+    submit = getattr(storage, "submit_read", None)
+    return submit is not None and "start" in inspect.signature(submit).parameters
+
+
+def _submit(storage: TierStorage, verb: str, region: Region, start: int, tensor: torch.Tensor) -> Future[None]:
+    """Move `tensor` to or from bytes [start, start + len) of `region`, returning a future."""
+    assert start % IO_ALIGNMENT == 0, f"{region.label}: chunk start {start} is not aligned"
+    submit = getattr(storage, f"submit_{verb}", None)
+    if start == 0 and tensor.numel() == region.nbytes:
+        if submit is None:
+            future: Future[None] = Future()
+            try:
+                getattr(storage, verb)(region, tensor)
+                future.set_result(None)
+            except BaseException as exc:
+                future.set_exception(exc)
+            return future
+        return submit(region, tensor)
+    assert submit is not None, f"{region.label}: ranged {verb} on a tier without submit_{verb}"
+    return submit(region, tensor, start=start)
