@@ -26,8 +26,11 @@ from tierzero.config_fields import (
     BETAS,
     BOOL,
     DIRECTORY,
+    KEYWORDS,
     LOSS_SCALE,
     NAMES,
+    OPTIONAL_NAME,
+    PATH_OR_GLOB,
     TIER,
     ConfigError,
     GiB,
@@ -143,6 +146,72 @@ class TrainConfig(Section):
     """Samples per rank per forward/backward."""
     seed: int = setting(0, int_check(0))
     """Seed for parameter init and data order (the same on every rank)."""
+    steps: int = setting(100, int_check(1))
+    """Optimizer steps `tierzero train` runs (`--steps` overrides it)."""
+    seq_len: int = setting(128, int_check(1))
+    """Tokens (bytes) per training sequence; at most model.max_seq_len for the built-in models."""
+    log_every: int = setting(10, int_check(1))
+    """`tierzero train` writes a log line every this many steps (the progress bar updates every step)."""
+
+
+MODEL_TYPES = ("gpt", "llama", "transformers")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ModelConfig(Section):
+    """The model `tierzero train` builds, with fresh random weights: a built-in GPT or Llama, or a
+    transformers class by name. The size fields apply to the built-ins."""
+
+    SECTION: ClassVar[str] = "model"
+    type: str = setting("gpt", choice_check(MODEL_TYPES))
+    """gpt (pre-LN, learned positions, tied head), llama (RMSNorm, rotary, SwiGLU, untied head) or
+    transformers."""
+    vocab_size: int = setting(256, int_check(1))
+    """Vocabulary size; 256 for the byte-level data."""
+    n_layer: int = setting(2, int_check(1))
+    """Transformer blocks (one engine unit each)."""
+    n_head: int = setting(2, int_check(1))
+    """Attention heads; must divide model.d_model."""
+    d_model: int = setting(64, int_check(1))
+    """Hidden width."""
+    d_ff: int = setting(256, int_check(1))
+    """Width of the MLP's inner layer."""
+    max_seq_len: int = setting(128, int_check(1))
+    """Longest sequence the model takes (the GPT's learned positions, the Llama's rotary table)."""
+    dropout: float = setting(0.0, float_check(lo=0.0, hi=1.0))
+    """Dropout probability (0 keeps runs deterministic)."""
+    transformers_class: str | None = setting(None, OPTIONAL_NAME)
+    """type transformers: the model class, e.g. GPT2LMHeadModel or LlamaForCausalLM."""
+    transformers_config: dict[str, Any] = setting({}, KEYWORDS)
+    """type transformers: keyword arguments of the class's config (e.g. GPT2Config); nothing is
+    downloaded."""
+
+    def _validate(self) -> None:
+        if self.type == "transformers":
+            if self.transformers_class is None:
+                raise ConfigError(
+                    "model.type is transformers but model.transformers_class is not set: name a class such as "
+                    "GPT2LMHeadModel, or set model.type to gpt or llama",
+                    key="model.transformers_class",
+                )
+        elif self.d_model % self.n_head:
+            raise ConfigError(
+                f"model.d_model {self.d_model} is not a multiple of model.n_head {self.n_head}: "
+                "pick d_model = n_head x head size",
+                key="model.d_model",
+            )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DataConfig(Section):
+    """The byte-level training text `tierzero train` reads."""
+
+    SECTION: ClassVar[str] = "data"
+    path: str | None = setting(None, PATH_OR_GLOB)
+    """A text file, a directory (every file under it) or a glob (** for subdirectories); null: the
+    Python standard library's *.py sources on this machine."""
+    max_bytes: int = setting(64 * MiB, size_check())
+    """Most bytes of the corpus held in memory; files are taken in a seeded order until it is full."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -257,6 +326,8 @@ class Config(Section):
     gradient_accumulation_steps: int = setting(1, int_check(1))
     """Micro-batches whose gradients are summed before each optimizer step."""
     train: TrainConfig = section(TrainConfig)
+    model: ModelConfig = section(ModelConfig)
+    data: DataConfig = section(DataConfig)
     offload: OffloadConfig = section(OffloadConfig)
     tiers: TiersConfig = section(TiersConfig)
     swapper: SwapperConfig = section(SwapperConfig)
@@ -264,6 +335,7 @@ class Config(Section):
 
     def _validate(self) -> None:
         _check_stage_allows_offload(self.zero.stage, self.offload)
+        _check_sequence_fits(self.model, self.train)
         _check_nvme_placement(self)
 
     def placements(self) -> dict[str, Tier]:
@@ -288,6 +360,15 @@ def _check_stage_allows_offload(stage: int, offload: OffloadConfig) -> None:
                 f"needs zero.stage {allowed}; set zero.stage: {min_stage} or offload.{name}: device",
                 key=f"offload.{name}",
             )
+
+
+def _check_sequence_fits(model: ModelConfig, train: TrainConfig) -> None:
+    if model.type != "transformers" and train.seq_len > model.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len {train.seq_len} is above model.max_seq_len {model.max_seq_len}: "
+            "lower train.seq_len or raise model.max_seq_len",
+            key="train.seq_len",
+        )
 
 
 def _check_nvme_placement(cfg: Config) -> None:

@@ -9,6 +9,7 @@ its root class), so tierzero.config holds only the schema and its cross-field ru
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import enum
@@ -175,11 +176,33 @@ NAMES = Check("a list of module class names such as [GPT2Block]", "list[str]", _
 DIRECTORY = Check("a directory path (or null)", "path \\| null", _directory)
 
 
+def _optional_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    return _require(isinstance(value, str) and value.strip(), value).strip()
+
+
+def _keywords(value: Any) -> dict[str, Any]:
+    ok = isinstance(value, Mapping) and all(isinstance(k, str) and k.isidentifier() for k in value)
+    return dict(_require(ok, value))
+
+
+def _path_or_glob(value: Any) -> str | None:
+    if value is None:
+        return None
+    return os.path.expanduser(_require(isinstance(value, str) and value.strip(), value))
+
+
+OPTIONAL_NAME = Check("a class name such as GPT2LMHeadModel (or null)", "str \\| null", _optional_name)
+KEYWORDS = Check("a mapping of keyword arguments such as {n_layer: 2}", "mapping", _keywords)
+PATH_OR_GLOB = Check("a file, directory or glob such as 'corpus/*.txt' (or null)", "path \\| glob \\| null", _path_or_glob)
+
+
 def setting(default: Any, check: Check) -> Any:
     """A leaf field with its default and check; its docstring is the string literal below it."""
     meta = {"check": check}
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 

@@ -1,0 +1,155 @@
+"""Byte-level language-model data: a bounded sample of a local text corpus, batched by step.
+
+The corpus is the files `data.path` names (a file, a directory, or a glob); with none
+given, the Python standard library's own source files, real text found on every machine
+with no download. At most `data.max_bytes` of it is held, as one uint8 tensor: files are
+taken in a seeded order and read with `numpy.fromfile(count=...)`, so a corpus far
+larger than memory is never read whole.
+
+[Note: one global batch per step]
+Batch `index` is drawn from a generator seeded by (seed, index): `global_batch` windows
+of `seq_len + 1` bytes at random offsets. Rank r of `world_size` takes windows
+`[r * micro_batch_size, (r + 1) * micro_batch_size)`, so the ranks of a data-parallel run
+together see exactly the batch a single process with `world_size x micro_batch_size`
+sees, and any batch can be produced again without replaying the ones before it.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tierzero.sizes import format_size
+
+__all__ = ["ByteBatches", "ByteCorpus", "find_files", "load_corpus", "stdlib_dir"]
+
+GLOB_CHARS = frozenset("*?[")
+
+
+def stdlib_dir() -> Path:
+    """Where this Python's standard library sources live."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def find_files(path: str | os.PathLike[str] | None) -> list[Path]:
+    """The corpus files, sorted: one file, every file under a directory, a glob's matches, or the stdlib's *.py."""
+    if path is None:
+        root = stdlib_dir()
+        files = sorted(p for p in root.rglob("*.py") if p.is_file())
+        if not files:
+            raise ValueError(f"data.path is not set and no *.py files were found under {root}: set data.path to a text corpus")
+        return files
+    text = os.path.expanduser(os.fspath(path))
+    if GLOB_CHARS & set(text):
+        files = sorted(Path(p) for p in glob.glob(text, recursive=True) if os.path.isfile(p))
+        if not files:
+            raise ValueError(f"data.path {text!r} matches no files: fix the pattern (use ** for subdirectories) or point it at a file or directory")
+        return files
+    target = Path(text)
+    if target.is_file():
+        return [target]
+    if target.is_dir():
+        files = sorted(p for p in target.rglob("*") if p.is_file())
+        if not files:
+            raise ValueError(f"data.path {target} is an empty directory: put text files in it or point data.path elsewhere")
+        return files
+    raise ValueError(f"data.path {target} does not exist: point it at a text file, a directory or a glob such as 'corpus/*.txt'")
+
+
+@dataclass(slots=True, kw_only=True)
+class ByteCorpus:
+    """The bytes training draws from, and where they came from."""
+
+    tokens: torch.Tensor
+    """uint8, 1-D: the sampled files end to end."""
+    files: list[Path]
+    """The files read, in the order their bytes appear."""
+    total_bytes: int
+    """Bytes of all the corpus files together, of which `tokens` holds at most max_bytes."""
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+
+def load_corpus(files: list[Path], *, max_bytes: int, seed: int) -> ByteCorpus:
+    """At most `max_bytes` of `files`, taken whole in a seeded order (the last one cut short)."""
+    if max_bytes < 1:
+        raise ValueError(f"data.max_bytes is {max_bytes}, expected a positive size")
+    order = np.random.default_rng(seed).permutation(len(files))
+    sizes = [os.path.getsize(f) for f in files]
+    total = sum(sizes)
+    buffer = np.empty(min(total, max_bytes), dtype=np.uint8)
+    filled, used = 0, []
+    for i in order:
+        if filled == buffer.size:
+            break
+        take = min(sizes[i], buffer.size - filled)
+        if take == 0:
+            continue
+        chunk = np.fromfile(files[i], dtype=np.uint8, count=take)
+        buffer[filled : filled + chunk.size] = chunk
+        filled += chunk.size
+        used.append(files[i])
+    return ByteCorpus(tokens=torch.from_numpy(buffer[:filled]), files=used, total_bytes=total)
+
+
+@dataclass(slots=True, kw_only=True)
+class ByteBatches:
+    """(input, target) int64 batches of shape (micro_batch_size, seq_len) for one rank; see [Note: one global batch per step]."""
+
+    corpus: ByteCorpus
+    seq_len: int
+    micro_batch_size: int
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1 or self.micro_batch_size < 1:
+            raise ValueError(f"seq_len {self.seq_len} and micro_batch_size {self.micro_batch_size} must be positive")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        if len(self.corpus) < self.seq_len + 1:
+            raise ValueError(
+                f"the corpus holds {format_size(len(self.corpus))}, fewer than seq_len + 1 = {self.seq_len + 1} bytes: "
+                "add text to data.path, raise data.max_bytes or lower train.seq_len"
+            )
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, rank: int = 0, world_size: int = 1) -> ByteBatches:
+        """Read `cfg.data` (path, max_bytes) and `cfg.train` (seq_len, micro_batch_size, seed)."""
+        corpus = load_corpus(find_files(cfg.data.path), max_bytes=cfg.data.max_bytes, seed=cfg.train.seed)
+        return cls(
+            corpus=corpus,
+            seq_len=cfg.train.seq_len,
+            micro_batch_size=cfg.train.micro_batch_size,
+            seed=cfg.train.seed,
+            rank=rank,
+            world_size=world_size,
+        )
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.world_size
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """Tokens this rank predicts per batch."""
+        return self.micro_batch_size * self.seq_len
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of global batch `index` (a micro-step counter): (input, target)."""
+        if index < 0:
+            raise ValueError(f"batch index {index} is negative")
+        rng = np.random.default_rng((self.seed, index))
+        starts = rng.integers(0, len(self.corpus) - self.seq_len, size=self.global_batch)
+        mine = torch.from_numpy(starts[self.rank * self.micro_batch_size : (self.rank + 1) * self.micro_batch_size])
+        windows = self.corpus.tokens[mine[:, None] + torch.arange(self.seq_len + 1)].long()
+        return windows[:, :-1], windows[:, 1:]
