@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tierzero.offload.base import MODEL_STATE_KINDS, Kind, Region, SliceKey, Tier, TierStorage
-from tierzero.offload.cpu import StagingStats
-from tierzero.sizes import format_size
-from tierzero.swapper import Swapper, Transfer
+from tierzero.store_report import Ledger, StoreReport, Use
+from tierzero.swapper import Swapper
+from tierzero.transfer import Transfer
 
-__all__ = ["SliceState", "StoreReport", "TierUsage", "TieredStore", "Use"]
+# Use lives in store_report.py; tierzero/bench/swap.py and the tests import it from here.
+__all__ = ["SliceState", "TieredStore", "Use"]
 
 
 class SliceState(enum.Enum):
@@ -40,111 +41,6 @@ class SliceState(enum.Enum):
 
 
 _FETCHED_STATES = (SliceState.FETCHING, SliceState.FETCHED, SliceState.WRITING)
-
-
-class Use(enum.Enum):
-    """Why a tier holds bytes."""
-
-    HOME = "home"
-    FETCHED = "fetched"
-    SCRATCH = "scratch"
-    STAGING = "staging"
-
-
-@dataclass(frozen=True, slots=True)
-class TierUsage:
-    """Bytes one tier holds, now and at peak (since the last `reset_peaks`)."""
-
-    capacity: int | None
-    current: int
-    peak: int
-    current_by_kind: dict[Kind, int]
-    peak_by_kind: dict[Kind, int]
-    current_by_use: dict[Use, int]
-    kept: int = 0
-    """Freed host buffers the tier keeps for reuse: memory held beyond `current` (cpu tier)."""
-
-
-@dataclass(frozen=True, slots=True)
-class StoreReport:
-    tiers: dict[Tier, TierUsage]
-    staging: StagingStats
-
-    def format(self) -> str:
-        """A small text table: one row per tier, one column per kind that was ever held."""
-        kinds = [k for k in Kind if any(u.peak_by_kind[k] for u in self.tiers.values())]
-        header = ["tier", "current", "peak", "capacity", "kept", *(f"{k.value} now/peak" for k in kinds)]
-        rows = [header]
-        for tier, usage in self.tiers.items():
-            capacity = "-" if usage.capacity is None else format_size(usage.capacity)
-            per_kind = [f"{format_size(usage.current_by_kind[k])}/{format_size(usage.peak_by_kind[k])}" for k in kinds]
-            sizes = [format_size(n) for n in (usage.current, usage.peak)]
-            rows.append([tier.value, *sizes, capacity, format_size(usage.kept), *per_kind])
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        s = self.staging
-        lines.append(
-            f"staging: {s.buffer_count} x {format_size(s.buffer_size)}, held {format_size(s.held)} "
-            f"(peak {format_size(s.peak_held)}), in use {format_size(s.in_use)} (peak {format_size(s.peak_in_use)})"
-        )
-        return "\n".join(lines)
-
-
-@dataclass(slots=True)
-class _TierLedger:
-    capacity: int | None
-    current: int = 0
-    peak: int = 0
-    by_kind: dict[Kind, int] = field(default_factory=lambda: dict.fromkeys(Kind, 0))
-    peak_by_kind: dict[Kind, int] = field(default_factory=lambda: dict.fromkeys(Kind, 0))
-    by_use: dict[Use, int] = field(default_factory=lambda: dict.fromkeys(Use, 0))
-    home_by_kind: dict[Kind, int] = field(default_factory=lambda: dict.fromkeys(Kind, 0))
-
-    def add(self, kind: Kind, use: Use, delta: int) -> None:
-        self.current += delta
-        self.by_kind[kind] += delta
-        self.by_use[use] += delta
-        if use is Use.HOME:
-            self.home_by_kind[kind] += delta
-        assert self.current >= 0 and self.by_kind[kind] >= 0 and self.by_use[use] >= 0, "accounting went negative"
-        self.peak = max(self.peak, self.current)
-        self.peak_by_kind[kind] = max(self.peak_by_kind[kind], self.by_kind[kind])
-
-    def usage(self) -> TierUsage:
-        return TierUsage(
-            capacity=self.capacity,
-            current=self.current,
-            peak=self.peak,
-            current_by_kind=dict(self.by_kind),
-            peak_by_kind=dict(self.peak_by_kind),
-            current_by_use=dict(self.by_use),
-        )
-
-
-class _Ledger:
-    """Per-tier byte counts; updated from caller and swapper threads alike."""
-
-    def __init__(self, capacities: dict[Tier, int | None]) -> None:
-        self._tiers = {tier: _TierLedger(capacity) for tier, capacity in capacities.items()}
-        self._lock = threading.Lock()
-
-    def add(self, tier: Tier, kind: Kind, use: Use, delta: int) -> None:
-        with self._lock:
-            self._tiers.setdefault(tier, _TierLedger(None)).add(kind, use, delta)
-
-    def report(self, *, staging: StagingStats) -> StoreReport:
-        with self._lock:
-            return StoreReport(tiers={t: ledger.usage() for t, ledger in self._tiers.items()}, staging=staging)
-
-    def reset_peaks(self) -> None:
-        with self._lock:
-            for ledger in self._tiers.values():
-                ledger.peak = ledger.current
-                ledger.peak_by_kind = dict(ledger.by_kind)
-
-    def home_bytes(self, kinds: tuple[Kind, ...]) -> dict[Kind, int]:
-        with self._lock:
-            return {k: sum(ledger.home_by_kind[k] for ledger in self._tiers.values()) for k in kinds}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -191,18 +87,32 @@ class TieredStore:
             assert storage.tier is tier, f"the {storage.tier.value} tier was given as {tier.value}"
         self._tiers = dict(tiers)
         self._swapper = swapper
-        self._ledger = _Ledger({tier: storage.capacity for tier, storage in tiers.items()})
+        self._ledger = Ledger({tier: storage.capacity for tier, storage in tiers.items()})
         self._slices: dict[SliceKey, SliceRecord] = {}
         self._scratch: dict[int, ScratchRecord] = {}
         self._lock = threading.RLock()
         self._closed = False
-        swapper.observe_staging(self._staging_changed)
+        swapper.observe_staging(self._host_pool_changed)
+        observe_bounce = getattr(tiers.get(Tier.NVME), "observe_bounce", None)
+        if observe_bounce is not None:
+            observe_bounce(self._host_pool_changed)
 
     @classmethod
     def from_config(
-        cls, cfg: object, *, rank: int = 0, device: torch.device | None = None, nvme_capacity: int | None = None
+        cls,
+        cfg: object,
+        *,
+        rank: int = 0,
+        device: torch.device | None = None,
+        nvme_capacity: int | None = None,
+        run_id: str | None = None,
     ) -> TieredStore:
-        """Device and CPU tiers always; the NVMe tier only when some state is offloaded to it."""
+        """Device and CPU tiers always; the NVMe tier only when some state is offloaded to it.
+
+        `run_id` names the run directory the ranks' swap files share: pass the same one on
+        every rank (rank 0's `tierzero.offload.nvme_files.new_run_id()`, broadcast), or
+        None for a fresh one per store.
+        """
         from tierzero.offload.cpu import CpuTier
         from tierzero.offload.device import DeviceTier
 
@@ -212,15 +122,16 @@ class TieredStore:
         if Tier.NVME in (offload.params, offload.gradients, offload.optimizer):
             from tierzero.offload.nvme import NvmeTier
 
-            tiers[Tier.NVME] = NvmeTier.from_config(cfg, rank=rank, capacity=nvme_capacity)
+            tiers[Tier.NVME] = NvmeTier.from_config(cfg, rank=rank, capacity=nvme_capacity, run_id=run_id)
         return cls(tiers=tiers, swapper=Swapper.from_config(cfg, host=cpu))
 
     @property
     def swapper(self) -> Swapper:
         return self._swapper
 
-    def _staging_changed(self, delta: int) -> None:
-        # Staging buffers are host memory, made from the CPU tier by `from_config`.
+    def _host_pool_changed(self, delta: int) -> None:
+        # The swapper's staging buffers (made from the CPU tier by `from_config`) and the NVMe
+        # tier's bounce blocks are both host memory: the cpu row of the report counts them.
         self._ledger.add(Tier.CPU, Kind.STAGING, Use.STAGING, delta)
 
     def register(self, key: SliceKey, *, numel: int, dtype: torch.dtype, home: Tier) -> None:
@@ -364,7 +275,8 @@ class TieredStore:
         self._ledger.add(record.region.tier, record.kind, Use.SCRATCH, -record.region.nbytes)
 
     def report(self) -> StoreReport:
-        report = self._ledger.report(staging=self._swapper.stats())
+        bounce_stats = getattr(self._tiers.get(Tier.NVME), "bounce_stats", None)
+        report = self._ledger.report(staging=self._swapper.stats(), bounce=bounce_stats() if bounce_stats else None)
         for tier, storage in self._tiers.items():
             kept = getattr(storage, "kept_bytes", 0)
             if kept and tier in report.tiers:

@@ -22,88 +22,22 @@ needs, so transfers sharing a small pool cannot deadlock.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import threading
 from collections import deque
-from collections.abc import Callable, Generator, Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Protocol
 
 import torch
 
-from tierzero.offload.base import IO_ALIGNMENT, Region, Tier, TierStorage
+from tierzero.offload.base import Region, Tier, TierStorage
 from tierzero.offload.device import MemoryTier
 from tierzero.offload.cpu import StagingBuffer, StagingPool, StagingStats
+from tierzero.transfer import Transfer, TransferOutcome
 
-__all__ = ["Swapper", "Transfer", "TransferOutcome", "StagingStats"]
-
-T = TypeVar("T")
-U = TypeVar("U")
-
-
-@dataclass(frozen=True, slots=True)
-class TransferOutcome(Generic[T]):
-    """What a finished operation hands back: its value, and the CUDA event its last copy recorded."""
-
-    value: T | None = None
-    event: torch.cuda.Event | None = None
-
-
-class Transfer(Generic[T]):
-    """A handle on one move in flight. `wait()` returns its value; `await transfer` works too.
-
-    On CUDA a host-to-device copy finishes with an event rather than a host
-    block: `wait()` makes the caller's current stream wait on it, so kernels
-    queued after `wait()` see the bytes while the host runs ahead.
-    """
-
-    __slots__ = ("_future",)
-
-    def __init__(self, future: Future[TransferOutcome[T]]) -> None:
-        self._future = future
-
-    @classmethod
-    def ready(cls, value: T | None = None) -> Transfer[T]:
-        future: Future[TransferOutcome[T]] = Future()
-        future.set_result(TransferOutcome(value=value))
-        return cls(future)
-
-    @property
-    def future(self) -> Future[TransferOutcome[T]]:
-        return self._future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> T:
-        return self._consume(self._future.result(timeout))
-
-    def then(self, fn: Callable[[T | None], U]) -> Transfer[U]:
-        """A transfer that finishes with `fn(value)` once this one has finished."""
-        mapped: Future[TransferOutcome[U]] = Future()
-
-        def chain(done: Future[TransferOutcome[T]]) -> None:
-            try:
-                outcome = done.result()
-                mapped.set_result(TransferOutcome(value=fn(outcome.value), event=outcome.event))
-            except BaseException as exc:
-                mapped.set_exception(exc)
-
-        self._future.add_done_callback(chain)
-        return Transfer(mapped)
-
-    def __await__(self) -> Generator[Any, None, T]:
-        outcome = yield from asyncio.wrap_future(self._future).__await__()
-        return self._consume(outcome)
-
-    @staticmethod
-    def _consume(outcome: TransferOutcome[T]) -> T:
-        if outcome.event is not None:
-            torch.cuda.current_stream().wait_event(outcome.event)
-        return outcome.value  # type: ignore[return-value]
-
+# Transfer lives in transfer.py; tierzero/bench/ imports it from here.
+__all__ = ["Swapper", "Transfer"]
 
 @dataclass(slots=True)
 class _KeyTail:
@@ -154,10 +88,14 @@ class Swapper:
     def read(self, *, key: Hashable, storage: TierStorage, region: Region, dst: torch.Tensor, dst_tier: Tier) -> Transfer:
         """Copy `region` (held by `storage`) into `dst`, a 1-D uint8 tensor in `dst_tier` memory."""
         self._check(region, dst, dst_tier)
+        # Device memory on either side may still be in use on the caller's stream: a source
+        # being produced, or a destination that kernels queued earlier still read (the caching
+        # allocator hands a block back to its stream before those kernels ran). The copy
+        # stream waits for everything queued on the caller's stream so far.
+        source_on_device = region.buffer is not None and region.buffer.is_cuda
+        produced = self._record_current_stream() if dst.is_cuda or source_on_device else None
         if storage.tier is Tier.NVME and dst_tier is Tier.DEVICE:
-            return self._schedule(key, False, lambda: self._staged_read(storage, region, dst))
-        # A device-resident source may still be being produced on the caller's stream.
-        produced = self._record_current_stream() if region.buffer is not None and region.buffer.is_cuda else None
+            return self._schedule(key, False, lambda: self._staged_read(storage, region, dst, produced))
         return self._schedule(key, False, lambda: self._direct(storage.read, region, dst, reading=True, produced=produced))
 
     def write(self, *, key: Hashable, storage: TierStorage, region: Region, src: torch.Tensor, src_tier: Tier) -> Transfer:
@@ -273,9 +211,13 @@ class Swapper:
             return TransferOutcome()
         return TransferOutcome(event=event)
 
-    def _staged_read(self, storage: TierStorage, region: Region, dst: torch.Tensor) -> TransferOutcome:
-        if not _ranged(storage, region, self._pool.buffer_size):
-            return self._bounced(storage.read, region, lambda whole: self._copy_chunk(dst, whole))
+    def _staged_read(
+        self, storage: TierStorage, region: Region, dst: torch.Tensor, produced: torch.cuda.Event | None
+    ) -> TransferOutcome:
+        ranged = _ranged(storage)
+        if produced is not None and self._copy_stream is not None:
+            # Queued, not waited for on the host: the chunk copies below run after it on the copy stream.
+            self._copy_stream.wait_event(produced)
         inflight: deque[tuple[int, int, StagingBuffer, Future[None]]] = deque()
 
         def finish_oldest() -> None:
@@ -290,7 +232,7 @@ class Swapper:
             # Up to the pool's size of chunks are read ahead while earlier ones are copied to the device.
             for start, length in self._chunks(region.nbytes):
                 buffer = self._acquire(inflight, finish_oldest)
-                inflight.append((start, length, buffer, _submit(storage, "read", region, start, buffer.tensor[:length])))
+                inflight.append((start, length, buffer, ranged.submit_read(region, buffer.tensor[:length], start=start)))
             while inflight:
                 finish_oldest()
         finally:
@@ -300,6 +242,7 @@ class Swapper:
     def _staged_write(
         self, storage: TierStorage, region: Region, src: torch.Tensor, produced: torch.cuda.Event | None
     ) -> TransferOutcome:
+        ranged = _ranged(storage)
         inflight: deque[tuple[int, int, StagingBuffer, Future[None]]] = deque()
 
         def finish_oldest() -> None:
@@ -311,8 +254,6 @@ class Swapper:
 
         if produced is not None:
             produced.synchronize()
-        if not _ranged(storage, region, self._pool.buffer_size):
-            return self._bounced(storage.write, region, lambda whole: self._copy_chunk(whole, src), fill_first=True)
         try:
             # Chunk k is copied into a staging buffer while chunk k-1 is still being written.
             for start, length in self._chunks(region.nbytes):
@@ -323,7 +264,7 @@ class Swapper:
                 except BaseException:
                     self._pool.release(buffer)
                     raise
-                inflight.append((start, length, buffer, _submit(storage, "write", region, start, staged)))
+                inflight.append((start, length, buffer, ranged.submit_write(region, staged, start=start)))
             while inflight:
                 finish_oldest()
         finally:
@@ -350,24 +291,6 @@ class Swapper:
         size = self._pool.buffer_size
         return [(start, min(size, nbytes - start)) for start in range(0, nbytes, size)]
 
-    def _bounced(
-        self,
-        move: Callable[[Region, torch.Tensor], None],
-        region: Region,
-        copy: Callable[[torch.Tensor], None],
-        *,
-        fill_first: bool = False,
-    ) -> TransferOutcome:
-        """Stage a whole region at once, for an NVMe tier that cannot move part of a region."""
-        with self._pool.whole_region(region.nbytes) as whole:
-            if fill_first:
-                copy(whole)
-                move(region, whole)
-            else:
-                move(region, whole)
-                copy(whole)
-        return TransferOutcome()
-
     def _copy_chunk(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """A device<->staging copy that is complete when this returns (the staging buffer is reused next)."""
         if self._copy_stream is None or not (dst.is_cuda or src.is_cuda):
@@ -384,32 +307,17 @@ class Swapper:
         return event
 
 
-def _ranged(storage: TierStorage, region: Region, chunk: int) -> bool:
-    """Whether `storage` can move part of `region` (its submit_read/submit_write take `start=`).
+class RangedStorage(Protocol):
+    """A tier that moves part of a region: `tensor.numel()` bytes at `start` (a multiple of 4096)."""
 
-    [Note: ranged NVMe I/O] The chunked pipeline needs to read and write a byte range
-    of a region. A tier without that is still served, by staging the whole region in
-    one temporary host buffer (reported as staging bytes beyond the pool).
-    """
-    if region.nbytes <= chunk:
-        return True
-    submit = getattr(storage, "submit_read", None)
-    return submit is not None and "start" in inspect.signature(submit).parameters
+    def submit_read(self, region: Region, dst: torch.Tensor, *, start: int = 0) -> Future[None]: ...
+
+    def submit_write(self, region: Region, src: torch.Tensor, *, start: int = 0) -> Future[None]: ...
 
 
-def _submit(storage: TierStorage, verb: str, region: Region, start: int, tensor: torch.Tensor) -> Future[None]:
-    """Move `tensor` to or from bytes [start, start + len) of `region`, returning a future."""
-    assert start % IO_ALIGNMENT == 0, f"{region.label}: chunk start {start} is not aligned"
-    submit = getattr(storage, f"submit_{verb}", None)
-    if start == 0 and tensor.numel() == region.nbytes:
-        if submit is None:
-            future: Future[None] = Future()
-            try:
-                getattr(storage, verb)(region, tensor)
-                future.set_result(None)
-            except BaseException as exc:
-                future.set_exception(exc)
-            return future
-        return submit(region, tensor)
-    assert submit is not None, f"{region.label}: ranged {verb} on a tier without submit_{verb}"
-    return submit(region, tensor, start=start)
+def _ranged(storage: TierStorage) -> RangedStorage:
+    """The NVMe tier as the chunked device<->NVMe pipeline uses it (it needs part-of-region I/O)."""
+    assert callable(getattr(storage, "submit_read", None)) and callable(getattr(storage, "submit_write", None)), (
+        f"the {storage.tier.value} tier cannot move part of a region"
+    )
+    return storage  # type: ignore[return-value]

@@ -163,11 +163,13 @@ def test_accounting_is_exact_per_tier_kind_and_use(tmp_path) -> None:
         assert device.current_by_use == {Use.HOME: 2000, Use.FETCHED: 16000, Use.SCRATCH: 2000, Use.STAGING: 0}
         assert store.kind_bytes()[Kind.MASTER] == 4000  # homes only: the fetched copy is not counted
         cpu = report.tiers[Tier.CPU]
-        # The 12000-byte nvme->device fetch went through staging made from the cpu tier: the pool's
-        # two buffers, or one whole-region buffer where the NVMe tier has no ranged I/O.
-        assert cpu.current_by_use[Use.STAGING] == report.staging.held
-        assert cpu.peak_by_kind[Kind.STAGING] == report.staging.peak_held in (2 * 4096, 12000)
-        assert cpu.current == 4000 + report.staging.held
+        # The 12000-byte nvme->device fetch went through the swapper's two 4096-byte staging buffers
+        # (made from the cpu tier). The NVMe tier bounced the unaligned torch.ones source through one
+        # 64 KiB block and the fetch's 3808-byte last chunk through one 4096-byte block.
+        assert (report.staging.held, report.staging.peak_held) == (2 * 4096, 2 * 4096)
+        assert (report.bounce.held, report.bounce.peak_held, report.bounce.capacity) == (65536 + 4096, 65536 + 4096, 4 * 65536)
+        assert cpu.current_by_use[Use.STAGING] == cpu.current_by_kind[Kind.STAGING] == 2 * 4096 + 65536 + 4096
+        assert cpu.current == 4000 + 2 * 4096 + 65536 + 4096
         store.release(m)
         store.release(e)
         store.free(gathered)
@@ -180,6 +182,7 @@ def test_accounting_is_exact_per_tier_kind_and_use(tmp_path) -> None:
         device_row = next(line for line in table.splitlines() if line.startswith("device"))
         assert device_row.split()[:9] == ["device", "2.0", "KiB", "2.0", "KiB", "64.0", "MiB", "0", "B"]
         assert "staging: 2 x 4.0 KiB, held" in table
+        assert "bounce: at most 4 x 64.0 KiB, held 68.0 KiB (peak 68.0 KiB)" in table
 
 
 def test_release_right_after_write_back_frees_only_when_the_write_is_done(tmp_path) -> None:
@@ -211,19 +214,23 @@ async def _awaited(transfer):
     return await transfer
 
 
+def _config(path, *, optimizer: Tier) -> SimpleNamespace:
+    return SimpleNamespace(
+        offload=SimpleNamespace(params=Tier.DEVICE, gradients=Tier.CPU, optimizer=optimizer),
+        tiers=SimpleNamespace(
+            device=SimpleNamespace(capacity=1 << 20),
+            cpu=SimpleNamespace(capacity=2 << 20, pin_memory=True),
+            nvme=SimpleNamespace(
+                path=str(path), capacity=1 << 20, block_size=1 << 20, queue_depth=2, threads=1, verify=True, backend="pread"
+            ),
+        ),
+        swapper=SimpleNamespace(buffer_size=1 << 16, buffer_count=3),
+    )
+
+
 def test_from_config_builds_nvme_only_when_offloaded(tmp_path) -> None:
     def cfg(optimizer: Tier) -> SimpleNamespace:
-        return SimpleNamespace(
-            offload=SimpleNamespace(params=Tier.DEVICE, gradients=Tier.CPU, optimizer=optimizer),
-            tiers=SimpleNamespace(
-                device=SimpleNamespace(capacity=1 << 20),
-                cpu=SimpleNamespace(capacity=2 << 20, pin_memory=True),
-                nvme=SimpleNamespace(
-                    path=str(tmp_path), capacity=1 << 20, block_size=1 << 20, queue_depth=2, threads=1, verify=True, backend="pread"
-                ),
-            ),
-            swapper=SimpleNamespace(buffer_size=1 << 16, buffer_count=3),
-        )
+        return _config(tmp_path, optimizer=optimizer)
 
     with TieredStore.from_config(cfg(Tier.CPU)) as store:
         assert set(store.report().tiers) == {Tier.DEVICE, Tier.CPU}
@@ -235,6 +242,30 @@ def test_from_config_builds_nvme_only_when_offloaded(tmp_path) -> None:
         store.register(key, numel=100_000, dtype=torch.float32, home=Tier.NVME)
         store.write_back(key, torch.linspace(0, 1, 100_000)).wait()
         assert torch.equal(store.fetch(key, to=Tier.DEVICE).wait(), torch.linspace(0, 1, 100_000))
+
+
+def test_ranks_given_one_run_id_share_its_directory_until_the_last_closes(tmp_path) -> None:
+    from tierzero.offload.nvme_files import new_run_id
+
+    cfg, run_id = _config(tmp_path, optimizer=Tier.NVME), new_run_id()
+    run_dir = tmp_path / run_id
+    stores = [TieredStore.from_config(cfg, rank=rank, run_id=run_id) for rank in (0, 1)]
+    try:
+        assert sorted(p.name for p in run_dir.iterdir()) == ["rank0.owner", "rank0.swap", "rank1.owner", "rank1.swap"]
+        key = SliceKey("u0", Kind.EXP_AVG)
+        for rank, store in enumerate(stores):
+            store.register(key, numel=50_000, dtype=torch.float32, home=Tier.NVME)
+            store.write_back(key, torch.full((50_000,), float(rank + 1))).wait()
+        # Each rank reads its own bytes back: the two swap files do not share extents.
+        for rank, store in enumerate(stores):
+            assert torch.equal(store.fetch(key, to=Tier.CPU).wait(), torch.full((50_000,), float(rank + 1)))
+            store.release(key)
+        stores[0].close()
+        assert sorted(p.name for p in run_dir.iterdir()) == ["rank1.owner", "rank1.swap"]
+    finally:
+        for store in stores:
+            store.close()
+    assert not run_dir.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_from_a_loaded_config_the_nvme_capacity_is_required(tmp_path) -> None:
@@ -341,3 +372,33 @@ def test_kept_host_buffers_are_reported_beside_the_current_bytes() -> None:
         store.fetch(key, to=Tier.CPU).wait()  # the kept buffer serves the same size again
         usage = store.report().tiers[Tier.CPU]
         assert (usage.current, usage.kept, cpu.reused) == (8192, 0, 1)
+
+
+def test_both_host_pools_stay_within_their_bounds_and_are_given_back_on_close(tmp_path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = _store(tmp_path, buffer_size=4096)  # staging 2 x 4 KiB; NVMe bounce at most 4 x 64 KiB
+    keys = [SliceKey(f"u{i}", Kind.EXP_AVG_SQ) for i in range(8)]
+    values = [_values(100_001, torch.float32, seed=i) for i in range(8)]
+    for key in keys:
+        store.register(key, numel=100_000, dtype=torch.float32, home=Tier.NVME)
+
+    def cycle(i: int) -> None:
+        # values[i][1:] starts 4 bytes past an allocation: the NVMe tier must bounce it.
+        store.write_back(keys[i], values[i][1:]).wait(timeout=30)
+        fetched = store.fetch(keys[i], to=Tier.DEVICE).wait(timeout=30)
+        assert torch.equal(fetched, values[i][1:])
+        store.release(keys[i])
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for done in [pool.submit(cycle, i) for i in range(8)]:
+            done.result(timeout=60)  # re-raises a failed check of that thread
+    report = store.report()
+    assert report.staging.capacity == 2 * 4096 and 0 < report.staging.peak_held <= report.staging.capacity
+    assert report.bounce.capacity == 4 * 65536 and 65536 <= report.bounce.peak_held <= report.bounce.capacity
+    cpu = report.tiers[Tier.CPU]
+    assert cpu.current_by_use[Use.STAGING] == report.staging.held + report.bounce.held
+    assert cpu.peak_by_kind[Kind.STAGING] <= report.staging.capacity + report.bounce.capacity
+    store.close()
+    after = store.report()
+    assert after.tiers[Tier.CPU].current_by_use[Use.STAGING] == 0 and after.bounce.held == 0

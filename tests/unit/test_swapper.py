@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import random
 import threading
 import time
@@ -12,81 +14,61 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 import torch
 
-from tierzero.offload.base import IO_ALIGNMENT, Region, Tier, TierStorage, align_up
+from tierzero.offload.base import IO_ALIGNMENT, Region, Tier, TierStorage
 from tierzero.offload.cpu import CpuTier
 from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
 from tierzero.swapper import Swapper
 
 
-class RangedDisk(TierStorage):
-    """An NVMe stand-in over a host tensor that supports the ranged I/O the pipeline uses.
+class GatedNvme(NvmeTier):
+    """The real NVMe tier, with a gate and delays in front of its writes and a log of its I/O.
 
-    Writes can be held at a gate, and every write checks that its source bytes did
-    not change while it was in flight (which a reused staging buffer would do).
+    A write is held until `gate` opens (and sleeps its delay) before it reaches the
+    tier, and checks when it has landed that its source bytes did not change while it
+    was in flight (which a reused staging buffer would do).
     """
 
-    tier = Tier.NVME
-
-    def __init__(self, capacity: int, *, delay: float = 0.0) -> None:
-        self.disk = torch.zeros(capacity, dtype=torch.uint8)
-        self._next = 0
-        self._pool = ThreadPoolExecutor(max_workers=4)
+    def __init__(self, path, *, capacity: int, delay: float = 0.0) -> None:
+        super().__init__(path, capacity=capacity, block_size=64 << 10, queue_depth=4, threads=4)
         self.delay = delay
         self.gate = threading.Event()
         self.gate.set()
         self.write_delays: list[float] = []
-        """Seconds each next write sleeps before landing, first first (then `delay` applies)."""
+        """Seconds each next write waits before it starts, first first (then `delay` applies)."""
         self.calls: list[tuple[str, int, int, int]] = []
-        """(verb, file offset, length, tensor address) of every I/O, in start order."""
-        self._lock = threading.Lock()
-
-    @property
-    def capacity(self) -> int:
-        return self.disk.numel()
-
-    @property
-    def used(self) -> int:
-        return self._next
-
-    def allocate(self, nbytes: int, *, label: str) -> Region:
-        offset, self._next = self._next, self._next + align_up(nbytes)
-        assert self._next <= self.capacity
-        return Region(tier=Tier.NVME, nbytes=nbytes, label=label, offset=offset)
-
-    def free(self, region: Region) -> None:
-        pass
-
-    def read(self, region: Region, dst: torch.Tensor) -> None:
-        self.submit_read(region, dst).result()
-
-    def write(self, region: Region, src: torch.Tensor) -> None:
-        self.submit_write(region, src).result()
+        """(verb, position in the region, length, tensor address) of every I/O, in submission order."""
+        self._held = ThreadPoolExecutor(max_workers=8)
+        self._log_lock = threading.Lock()
 
     def submit_read(self, region: Region, dst: torch.Tensor, *, start: int = 0) -> Future[None]:
-        return self._pool.submit(self._read, region.offset + start, dst)
+        with self._log_lock:
+            self.calls.append(("read", start, dst.numel(), dst.data_ptr()))
+        return super().submit_read(region, dst, start=start)
 
     def submit_write(self, region: Region, src: torch.Tensor, *, start: int = 0) -> Future[None]:
-        assert start + src.numel() <= region.nbytes
-        return self._pool.submit(self._write, region.offset + start, src, zlib.crc32(src.numpy()))
-
-    def _read(self, offset: int, dst: torch.Tensor) -> None:
-        with self._lock:
-            self.calls.append(("read", offset, dst.numel(), dst.data_ptr()))
-        time.sleep(self.delay * random.random())
-        dst.copy_(self.disk[offset : offset + dst.numel()])
-
-    def _write(self, offset: int, src: torch.Tensor, crc: int) -> None:
-        with self._lock:
-            self.calls.append(("write", offset, src.numel(), src.data_ptr()))
+        with self._log_lock:
+            self.calls.append(("write", start, src.numel(), src.data_ptr()))
             pause = self.write_delays.pop(0) if self.write_delays else self.delay * random.random()
-        assert self.gate.wait(timeout=10), "test gate never opened"
-        time.sleep(pause)
-        self.disk[offset : offset + src.numel()].copy_(src)
-        assert zlib.crc32(src.numpy()) == crc, "source bytes changed while the write was in flight"
+        crc = zlib.crc32(src.numpy())
+
+        def held() -> None:
+            assert self.gate.wait(timeout=10), "test gate never opened"
+            time.sleep(pause)
+            NvmeTier.submit_write(self, region, src, start=start).result()
+            assert zlib.crc32(src.numpy()) == crc, "source bytes changed while the write was in flight"
+
+        return self._held.submit(held)
+
+    def disk(self, region: Region) -> torch.Tensor:
+        """The region's bytes as they are in the swap file now."""
+        out = torch.empty(region.nbytes, dtype=torch.uint8)
+        NvmeTier.submit_read(self, region, out).result()
+        return out
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._held.shutdown(wait=True)
+        super().close()
 
 
 def _bytes(n: int, seed: int) -> torch.Tensor:
@@ -98,15 +80,29 @@ def host() -> CpuTier:
     return CpuTier(reuse_limit=0)
 
 
+@pytest.fixture
+def make_disk(tmp_path):
+    """Makes gated NVMe tiers in one directory and closes them after the test."""
+    made: list[GatedNvme] = []
+
+    def make(*, capacity: int, delay: float = 0.0) -> GatedNvme:
+        made.append(GatedNvme(tmp_path, capacity=capacity, delay=delay))
+        return made[-1]
+
+    yield make
+    for disk in made:
+        disk.close()
+
+
 def _tiers(tmp_path, host: CpuTier) -> dict[str, TierStorage]:
     nvme = NvmeTier(tmp_path, capacity=4 << 20, block_size=64 << 10, queue_depth=4, threads=2)
-    return {"device": DeviceTier(), "cpu": host, "nvme": nvme, "ranged": RangedDisk(4 << 20)}
+    return {"device": DeviceTier(), "cpu": host, "nvme": nvme}
 
 
 SIZES = [1, 4095, 4096, 4097, 3 * 4096 + 5, 50_001]
 
 
-@pytest.mark.parametrize("src_name", ["device", "cpu", "nvme", "ranged"])
+@pytest.mark.parametrize("src_name", ["device", "cpu", "nvme"])
 @pytest.mark.parametrize("dst_name", ["device", "cpu"])
 def test_round_trip_between_every_tier_and_memory_is_bit_exact(tmp_path, host, src_name, dst_name) -> None:
     tiers = _tiers(tmp_path, host)
@@ -124,8 +120,8 @@ def test_round_trip_between_every_tier_and_memory_is_bit_exact(tmp_path, host, s
             swapper.read(key=n, storage=storage, region=region, dst=memory.buffer, dst_tier=dst_tier).wait()
             assert torch.equal(memory.buffer, data), f"{src_name}->{dst_name} {n} bytes"
         stats = swapper.stats()
-        uses_pool = src_name == "ranged" and dst_name == "device"
-        assert (stats.peak_in_use > 0) == (uses_pool or (src_name == "nvme" and dst_name == "device"))
+        uses_pool = src_name == "nvme" and dst_name == "device"
+        assert (stats.peak_in_use > 0) == uses_pool
         if uses_pool:
             assert stats.peak_in_use <= stats.capacity and stats.peak_held <= stats.capacity
     finally:
@@ -134,8 +130,8 @@ def test_round_trip_between_every_tier_and_memory_is_bit_exact(tmp_path, host, s
             storage.close()
 
 
-def test_device_to_nvme_is_pipelined_chunk_by_chunk(host) -> None:
-    disk = RangedDisk(1 << 20)
+def test_device_to_nvme_is_pipelined_chunk_by_chunk(make_disk, host) -> None:
+    disk = make_disk(capacity=1 << 20)
     swapper = Swapper(buffer_size=4096, buffer_count=2, host=host)
     device = DeviceTier()
     n = 5 * 4096 + 7
@@ -148,7 +144,7 @@ def test_device_to_nvme_is_pipelined_chunk_by_chunk(host) -> None:
     staging = {ptr for *_, ptr in writes}
     assert len(staging) == 2 and all(p % IO_ALIGNMENT == 0 for p in staging)  # two buffers, alternating
     assert all(p != src.data_ptr() for p in staging)  # device memory never went to the disk directly
-    assert torch.equal(disk.disk[:n], src)
+    assert torch.equal(disk.disk(region), src)
     out = device.allocate(n, label="out")
     swapper.read(key="s", storage=disk, region=region, dst=out.buffer, dst_tier=Tier.DEVICE).wait()
     assert torch.equal(out.buffer, src)
@@ -156,8 +152,8 @@ def test_device_to_nvme_is_pipelined_chunk_by_chunk(host) -> None:
     swapper.close()
 
 
-def test_cpu_nvme_goes_direct_into_the_tier_buffer(host) -> None:
-    disk = RangedDisk(1 << 20)
+def test_cpu_nvme_goes_direct_into_the_tier_buffer(make_disk, host) -> None:
+    disk = make_disk(capacity=1 << 20)
     swapper = Swapper(buffer_size=4096, buffer_count=2, host=host)
     n = 3 * 4096 + 1
     region, buffer = disk.allocate(n, label="s"), host.allocate(n, label="home")
@@ -175,8 +171,8 @@ def test_cpu_nvme_goes_direct_into_the_tier_buffer(host) -> None:
 
 
 @pytest.mark.parametrize("src_tier", [Tier.DEVICE, Tier.CPU])
-def test_a_read_waits_for_the_pending_write_of_its_key(host, src_tier) -> None:
-    disk = RangedDisk(1 << 20)
+def test_a_read_waits_for_the_pending_write_of_its_key(make_disk, host, src_tier) -> None:
+    disk = make_disk(capacity=1 << 20)
     swapper = Swapper(buffer_size=4096, buffer_count=2, host=host)
     n = 3 * 4096
     region = disk.allocate(n, label="k")
@@ -194,8 +190,8 @@ def test_a_read_waits_for_the_pending_write_of_its_key(host, src_tier) -> None:
 
 
 @pytest.mark.parametrize(("src_tier", "n"), [(Tier.CPU, 4096), (Tier.DEVICE, 2 * 4096 + 100)])
-def test_two_writes_of_one_key_land_in_order(host, src_tier, n) -> None:
-    disk = RangedDisk(1 << 20)
+def test_two_writes_of_one_key_land_in_order(make_disk, host, src_tier, n) -> None:
+    disk = make_disk(capacity=1 << 20)
     disk.write_delays = [0.3]  # the first write is slow: unordered, the second would land first
     swapper = Swapper(buffer_size=4096, buffer_count=4, host=host)
     region = disk.allocate(n, label="k")
@@ -204,13 +200,13 @@ def test_two_writes_of_one_key_land_in_order(host, src_tier, n) -> None:
     b = swapper.write(key="k", storage=disk, region=region, src=second, src_tier=src_tier)
     b.wait(timeout=10)
     assert a.done()
-    assert torch.equal(disk.disk[:n], second)
+    assert torch.equal(disk.disk(region), second)
     swapper.close()
 
 
-def test_different_keys_proceed_while_one_is_held(host) -> None:
-    disk = RangedDisk(1 << 20)
-    blocked = RangedDisk(1 << 20)
+def test_different_keys_proceed_while_one_is_held(make_disk, host) -> None:
+    disk = make_disk(capacity=1 << 20)
+    blocked = make_disk(capacity=1 << 20)
     swapper = Swapper(buffer_size=4096, buffer_count=2, host=host)
     slow, fast = blocked.allocate(4096, label="slow"), disk.allocate(4096, label="fast")
     blocked.gate.clear()
@@ -223,8 +219,8 @@ def test_different_keys_proceed_while_one_is_held(host) -> None:
     swapper.close()
 
 
-def test_staging_buffers_under_load_every_byte_verified(host) -> None:
-    disk = RangedDisk(8 << 20, delay=0.002)
+def test_staging_buffers_under_load_every_byte_verified(make_disk, host) -> None:
+    disk = make_disk(capacity=8 << 20, delay=0.002)
     swapper = Swapper(buffer_size=4096, buffer_count=2, host=host, workers=4)
     rng = random.Random(0)
     sizes = [rng.choice([1, 4095, 4096, 4097, 9000, 20_000]) for _ in range(24)]
@@ -248,17 +244,16 @@ def test_staging_buffers_under_load_every_byte_verified(host) -> None:
     swapper.close()
 
 
-def test_reads_after_a_failed_write_fail_until_a_write_succeeds(host) -> None:
-    class Flaky(RangedDisk):
-        fail_next_write = True
+def test_reads_after_a_failed_write_fail_until_a_write_succeeds(make_disk, host, monkeypatch) -> None:
+    disk = make_disk(capacity=1 << 20)
+    real_pwritev, failures = os.pwritev, [OSError(errno.EIO, "disk on fire")]
 
-        def _write(self, offset: int, src: torch.Tensor, crc: int) -> None:
-            if self.fail_next_write:
-                self.fail_next_write = False
-                raise OSError("disk on fire")
-            super()._write(offset, src, crc)
+    def fail_first_write(fd: int, iov: list, offset: int) -> int:
+        if failures:
+            raise failures.pop()
+        return real_pwritev(fd, iov, offset)
 
-    disk = Flaky(1 << 20)
+    monkeypatch.setattr(os, "pwritev", fail_first_write)
     swapper = Swapper(buffer_size=4096, buffer_count=2, host=host)
     region, out = disk.allocate(4096, label="k"), torch.zeros(4096, dtype=torch.uint8)
 
@@ -290,8 +285,8 @@ def test_wrong_sized_tensor_is_refused(host) -> None:
 
 
 @pytest.mark.asyncio
-async def test_transfers_can_be_awaited(host) -> None:
-    disk = RangedDisk(1 << 20)
+async def test_transfers_can_be_awaited(make_disk, host) -> None:
+    disk = make_disk(capacity=1 << 20)
     swapper = Swapper(buffer_size=4096, buffer_count=2, host=host)
     region, data = disk.allocate(10_000, label="k"), _bytes(10_000, 5)
     await swapper.write(key="k", storage=disk, region=region, src=data, src_tier=Tier.DEVICE)

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -197,8 +196,6 @@ class StagingPool:
         self._buffers: list[StagingBuffer] = []
         self._free: list[StagingBuffer] = []
         self._in_use = self._peak_in_use = self._peak_held = 0
-        self._extra = 0
-        """Bytes of whole-region buffers lent now, beyond the pool."""
         self._cond = threading.Condition()
 
     def acquire(self) -> StagingBuffer:
@@ -220,35 +217,8 @@ class StagingPool:
             self._free.append(buffer)
             self._cond.notify()
 
-    @contextmanager
-    def whole_region(self, nbytes: int) -> Iterator[torch.Tensor]:
-        """A temporary aligned host buffer of `nbytes`, beyond the pool, counted as staging while lent.
-
-        For NVMe tiers that cannot move part of a region (see swapper.py, "ranged NVMe I/O").
-        """
-        region = self._host.allocate(nbytes, label="whole-region staging") if self._host is not None else None
-        tensor = region.buffer if region is not None else aligned_empty(nbytes)
-        assert tensor is not None
-        self._count_extra(nbytes)
-        try:
-            yield tensor
-        finally:
-            if region is not None:
-                assert self._host is not None
-                self._host.free(region)
-            self._count_extra(-nbytes)
-
-    def _count_extra(self, delta: int) -> None:
-        with self._cond:
-            self._extra += delta
-            self._in_use += delta
-            self._peak_in_use = max(self._peak_in_use, self._in_use)
-            self._peak_held = max(self._peak_held, self._held())
-            if self._on_change is not None:
-                self._on_change(delta)
-
     def _held(self) -> int:
-        return len(self._buffers) * self.buffer_size + self._extra
+        return len(self._buffers) * self.buffer_size
 
     def observe(self, on_change: Callable[[int], None]) -> None:
         """Report bytes made or given back to `on_change(delta)`, starting with those held now."""

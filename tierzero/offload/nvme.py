@@ -1,108 +1,103 @@
 """The NVMe tier: one preallocated swap file per rank, read and written in aligned chunks.
 
-Layout on disk: `<path>/<run id>/rank<r>.swap` (mode 0600) and `rank<r>.owner` (pid,
-host, start time) in a run directory of mode 0700 that the ranks of one job share. The
-whole capacity is allocated at start-up, so a full disk stops the job before training.
-The files go away on `close()`, at interpreter exit, when the tier is collected, and on
-SIGTERM; a run killed harder than that leaves a directory that `find_leftovers` finds.
+The whole capacity is allocated at start-up, so a full disk stops the job before
+training. Where the files live and how they are cleaned up is in `nvme_files.py`.
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import os
-import shutil
-import signal
-import socket
 import threading
-import time
-import warnings
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
-from tierzero.offload.base import IO_ALIGNMENT, Region, Tier, TierStorage, align_up, aligned_empty
+from tierzero.offload.base import IO_ALIGNMENT, Region, Tier, TierCapacityError, TierStorage, align_up
+from tierzero.offload.nvme_files import (
+    RunFiles,
+    create_swap,
+    new_run_id,
+    register,
+    reopen_direct,
+    unregister,
+    warn_leftovers,
+)
+from tierzero.offload.nvme_backends import AiofilesBackend, ThreadBackend
 from tierzero.offload.nvme_io import (
-    AiofilesBackend,
     BouncePool,
+    BounceStats,
+    ChecksumTable,
     ChunkIO,
     ChunkQueue,
-    ExtentAllocator,
     Op,
     Request,
-    ThreadBackend,
+    checksum_granule,
 )
 from tierzero.sizes import format_size
+
+_RunFiles = RunFiles
+"""The old name: tests/unit/test_bench.py patches `nvme._RunFiles.remove`."""
 
 BACKENDS = ("pread", "aiofiles")
 
 
-class NvmeSpaceError(OSError):
-    """The disk under the NVMe tier cannot hold its capacity."""
+class ExtentAllocator:
+    """First-fit allocation of `IO_ALIGNMENT`-aligned extents in `[0, capacity)`, coalescing on free.
 
-    def __init__(self, *, path: Path, need: int, free: int) -> None:
-        self.path, self.need, self.free = path, need, free
-        super().__init__(
-            errno.ENOSPC,
-            f"NVMe tier needs {format_size(need)} at {path}, {format_size(free)} free: "
-            "lower tiers.nvme.capacity or pick another path",
-        )
+    Not thread-safe on its own: the tier serialises calls under its lock.
+    """
 
-    def __str__(self) -> str:
-        return self.strerror
+    def __init__(self, capacity: int) -> None:
+        assert capacity % IO_ALIGNMENT == 0
+        self.capacity = capacity
+        self.used = 0
+        self._free: list[tuple[int, int]] = [(0, capacity)] if capacity else []
+        self._taken: dict[int, int] = {}
 
+    def allocate(self, nbytes: int, *, label: str) -> int:
+        # An empty slice still gets one block so that every region has its own offset.
+        size = align_up(max(nbytes, 1))
+        for i, (start, length) in enumerate(self._free):
+            if length >= size:
+                if length == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + size, length - size)
+                self._taken[start] = size
+                self.used += size
+                return start
+        what = label
+        if self.used + size <= self.capacity:
+            largest = max((length for _, length in self._free), default=0)
+            what = f"{label} (free space is fragmented: largest free extent {format_size(largest)})"
+        raise TierCapacityError(Tier.NVME, need=size, used=self.used, capacity=self.capacity, what=what)
 
-@dataclass(frozen=True, slots=True)
-class Leftover:
-    """A run directory whose owner processes on this host are all gone."""
+    def free(self, offset: int) -> None:
+        size = self._taken.pop(offset)
+        self.used -= size
+        i = 0
+        while i < len(self._free) and self._free[i][0] < offset:
+            i += 1
+        start, end = offset, offset + size
+        if i < len(self._free) and self._free[i][0] == end:
+            end += self._free.pop(i)[1]
+        if i > 0 and sum(self._free[i - 1]) == start:
+            start = self._free[i - 1][0]
+            i -= 1
+            del self._free[i]
+        self._free.insert(i, (start, end - start))
 
-    dir: Path
-    pid: int
-    size_bytes: int
+    def extent_size(self, offset: int) -> int | None:
+        return self._taken.get(offset)
 
-
-@dataclass(slots=True)
-class _RunFiles:
-    """This rank's files. `remove` takes no lock, so the SIGTERM handler may call it at any moment."""
-
-    run_dir: Path
-    swap: Path
-    owner: Path
-    pid: int = field(default_factory=os.getpid)
-    """The creating process. A forked child (a DataLoader worker) inherits this record and
-    the exit-time finalizer, and must leave its parent's files alone."""
-
-    def remove(self) -> None:
-        if os.getpid() != self.pid:
-            return
-        for path in (self.swap, self.owner):
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
-        try:
-            self.run_dir.rmdir()  # only when the other ranks' files are gone too
-        except OSError:
-            pass
-
-
-# [Note: process-wide registry] SIGTERM arrives with no tier in hand, so the handler
-# reaches the live tiers through this WeakSet; weak, so that registering never keeps a
-# dropped tier (and its memory and threads) alive. Interpreter exit needs no registry:
-# each tier's weakref.finalize runs at exit. The sets of warned paths make each warning
-# appear once per process, as a warning about a path is news only the first time.
-_LIVE: weakref.WeakSet[NvmeTier] = weakref.WeakSet()
-_SIGTERM_LOCK = threading.Lock()
-_sigterm_installed = False
-_warned_buffered: set[Path] = set()
-_warned_leftovers: set[Path] = set()
-os.register_at_fork(after_in_child=_LIVE.clear)
+    @property
+    def free_extents(self) -> list[tuple[int, int]]:
+        """(offset, length) of each free extent, in file order."""
+        return list(self._free)
 
 
 class NvmeTier(TierStorage):
@@ -110,10 +105,12 @@ class NvmeTier(TierStorage):
     at most `queue_depth` of them in flight, on `threads` workers.
 
     `capacity` is rounded up to a multiple of 4096. `submit_read`/`submit_write` return
-    futures; the caller keeps the tensor untouched until its future is done, and orders a
-    read after a pending write of the same region itself (the swapper does). With
-    `verify`, every chunk written is checksummed and checked when read back; a region
-    never written has nothing to check against and reads back unchecked.
+    futures and move all of a region or, with `start`, part of it (the swapper's chunked
+    device<->NVMe path); the caller keeps the tensor untouched until its future is done,
+    and orders a read after a pending write of the same region itself (the swapper
+    does). With `verify`, the bytes written are checksummed by position in the region
+    and checked when read back, whole or in part ([Note: checksums by region position]
+    in nvme_io.py); bytes never written have nothing to check against.
     """
 
     tier = Tier.NVME
@@ -143,14 +140,14 @@ class NvmeTier(TierStorage):
         self.run_id = run_id or new_run_id()
         if "/" in self.run_id or self.run_id in (".", ".."):
             raise ValueError(f"run_id must be a plain directory name, got {self.run_id!r}")
-        _warn_leftovers(self.path)
+        warn_leftovers(self.path)
         size = align_up(capacity)
-        self._files, fd = _create_swap(self.path, self.path / self.run_id, rank=rank, size=size)
+        self._files, fd = create_swap(self.path, self.path / self.run_id, rank=rank, size=size)
         try:
-            fd, self.direct = _reopen_direct(self._files.swap, fd, base=self.path)
+            fd, self.direct = reopen_direct(self._files.swap, fd, base=self.path)
             self._lock = threading.Lock()
             self._allocator = ExtentAllocator(size)
-            self._checksums: dict[int, dict[int, int]] = {}
+            self._checksums: dict[int, ChecksumTable] = {}
             self._pool = BouncePool(block_size=block_size, limit=queue_depth)
             self._queue = ChunkQueue(queue_depth=queue_depth, block_size=block_size)
             engine = self._start_engine(fd)
@@ -159,9 +156,8 @@ class NvmeTier(TierStorage):
             self._files.remove()
             raise
         self._closed = False
-        self._finalizer = weakref.finalize(self, _release, self._queue, engine, fd, self._files)
-        _LIVE.add(self)
-        _install_sigterm_handler()
+        self._finalizer = weakref.finalize(self, _release, self._queue, engine, self._pool, fd, self._files)
+        register(self, self._files)
 
     def _start_engine(self, fd: int) -> ThreadBackend | AiofilesBackend:
         io = ChunkIO(path=self._files.swap, direct=self.direct, pool=self._pool)
@@ -225,6 +221,14 @@ class NvmeTier(TierStorage):
     def bounce_peak_bytes(self) -> int:
         return self._pool.peak_bytes
 
+    def bounce_stats(self) -> BounceStats:
+        """Host memory of the bounce blocks, now and at peak, bounded by queue_depth x block_size."""
+        return self._pool.stats()
+
+    def observe_bounce(self, on_change: Callable[[int], None]) -> None:
+        """Have `on_change(delta)` told of every bounce byte made or dropped, from now on."""
+        self._pool.observe(on_change)
+
     @property
     def inflight_peak(self) -> int:
         """Most chunks ever in flight at once; never above queue_depth."""
@@ -237,7 +241,7 @@ class NvmeTier(TierStorage):
             self._check_open(label)
             offset = self._allocator.allocate(nbytes, label=label)
             if self.verify:
-                self._checksums[offset] = {}
+                self._checksums[offset] = ChecksumTable(checksum_granule(self.block_size))
         return Region(tier=Tier.NVME, nbytes=nbytes, label=label, offset=offset)
 
     def free(self, region: Region) -> None:
@@ -248,26 +252,28 @@ class NvmeTier(TierStorage):
             self._allocator.free(region.offset)
             self._checksums.pop(region.offset, None)
 
-    def read(self, region: Region, dst: torch.Tensor) -> None:
-        self.submit_read(region, dst).result()
+    def read(self, region: Region, dst: torch.Tensor, *, start: int = 0) -> None:
+        self.submit_read(region, dst, start=start).result()
 
-    def write(self, region: Region, src: torch.Tensor) -> None:
-        self.submit_write(region, src).result()
+    def write(self, region: Region, src: torch.Tensor, *, start: int = 0) -> None:
+        self.submit_write(region, src, start=start).result()
 
-    def submit_read(self, region: Region, dst: torch.Tensor) -> Future[None]:
-        """Starts reading the region into `dst`; the future ends when every chunk has landed."""
-        return self._submit(Op.READ, region, dst)
+    def submit_read(self, region: Region, dst: torch.Tensor, *, start: int = 0) -> Future[None]:
+        """Starts reading `dst.numel()` bytes at `start` in the region (a multiple of 4096) into `dst`;
+        the future ends when every chunk has landed."""
+        return self._submit(Op.READ, region, dst, start)
 
-    def submit_write(self, region: Region, src: torch.Tensor) -> Future[None]:
-        """Starts writing `src` into the region (zero-padded to 4096 on disk)."""
-        return self._submit(Op.WRITE, region, src)
+    def submit_write(self, region: Region, src: torch.Tensor, *, start: int = 0) -> Future[None]:
+        """Starts writing `src` at `start` in the region (a multiple of 4096). A write that ends at the
+        region's end is zero-padded to 4096 on disk; one that ends before must end on a multiple of 4096."""
+        return self._submit(Op.WRITE, region, src, start)
 
     def close(self) -> None:
         """Waits for chunks in flight, fails those not started, removes the files. Idempotent."""
         with self._lock:
             self._closed = True
         self._finalizer()
-        _LIVE.discard(self)
+        unregister(self)
 
     def __enter__(self) -> NvmeTier:
         return self
@@ -281,19 +287,8 @@ class NvmeTier(TierStorage):
             f"direct={self.direct}, backend={self.backend})"
         )
 
-    def _submit(self, op: Op, region: Region, tensor: torch.Tensor) -> Future[None]:
-        if (
-            tensor.dtype != torch.uint8
-            or tensor.dim() != 1
-            or tensor.numel() != region.nbytes
-            or tensor.device.type != "cpu"
-            or not tensor.is_contiguous()
-        ):
-            raise ValueError(
-                f"NVMe {op.value} of {region.label} needs a contiguous 1-D uint8 CPU tensor of {region.nbytes} bytes, "
-                f"got {tensor.dtype} of shape {tuple(tensor.shape)} on {tensor.device}: "
-                "pass a flat byte view (t.view(-1).view(torch.uint8))"
-            )
+    def _submit(self, op: Op, region: Region, tensor: torch.Tensor, start: int) -> Future[None]:
+        _check_range(op, region, tensor, start)
         with self._lock:
             self._check_open(region.label)
             extent = None if region.offset is None else self._allocator.extent_size(region.offset)
@@ -307,14 +302,15 @@ class NvmeTier(TierStorage):
         request = Request(
             op=op,
             label=region.label,
-            offset=region.offset,
+            offset=region.offset + start,
+            start=start,
             tensor=tensor,
             view=memoryview(tensor.numpy()),
             future=future,
             remaining=0,
             checksums=checksums,
         )
-        self._queue.submit(request, region.nbytes)
+        self._queue.submit(request, tensor.numel())
         return future
 
     def _check_open(self, label: str) -> None:
@@ -322,10 +318,33 @@ class NvmeTier(TierStorage):
             raise ValueError(f"cannot use {label}: the NVMe tier at {self._files.swap} is closed")
 
 
-def new_run_id() -> str:
-    """A fresh run id: `tz-<date>-<time>-<pid>-<random>`. Ranks of one job share one (rank 0
-    makes it and broadcasts it); the random part keeps two tiers of one process apart."""
-    return f"tz-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{os.urandom(2).hex()}"
+def _check_range(op: Op, region: Region, tensor: torch.Tensor, start: int) -> None:
+    """A user error unless `tensor` is a flat byte tensor for `[start, start + numel)` of the region."""
+    if (
+        tensor.dtype != torch.uint8
+        or tensor.dim() != 1
+        or tensor.device.type != "cpu"
+        or not tensor.is_contiguous()
+        or (start == 0 and tensor.numel() > region.nbytes)
+    ):
+        raise ValueError(
+            f"NVMe {op.value} of {region.label} needs a contiguous 1-D uint8 CPU tensor of {region.nbytes} bytes, "
+            f"got {tensor.dtype} of shape {tuple(tensor.shape)} on {tensor.device}: "
+            "pass a flat byte view (t.view(-1).view(torch.uint8))"
+        )
+    end = start + tensor.numel()
+    if start < 0 or start % IO_ALIGNMENT or end > region.nbytes:
+        raise ValueError(
+            f"NVMe {op.value} of {region.label}: bytes [{start}, {end}) do not fit its {region.nbytes} bytes "
+            f"at a multiple of {IO_ALIGNMENT}: pass start as a multiple of {IO_ALIGNMENT} and at most "
+            f"region.nbytes - start bytes"
+        )
+    if op is Op.WRITE and end % IO_ALIGNMENT and end != region.nbytes:
+        # The last block is written whole (zero-padded), which would clobber the bytes after `end`.
+        raise ValueError(
+            f"NVMe write of {region.label}: a partial write must end on a multiple of {IO_ALIGNMENT} "
+            f"or at the region's end ({region.nbytes}), got bytes [{start}, {end}): write whole blocks"
+        )
 
 
 def _check_settings(*, capacity: int, rank: int, block_size: int, queue_depth: int, threads: int, backend: str) -> None:
@@ -341,177 +360,18 @@ def _check_settings(*, capacity: int, rank: int, block_size: int, queue_depth: i
         raise ValueError(f"tiers.nvme.backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
-def _create_swap(base: Path, run_dir: Path, *, rank: int, size: int) -> tuple[_RunFiles, int]:
-    """Creates the run dir, the owner file and the preallocated swap file.
-
-    On failure removes what it created and nothing else: other ranks' files and whatever
-    else lives under `base` are left as they were.
-    """
-    free = shutil.disk_usage(base).free
-    if size > free:
-        raise NvmeSpaceError(path=base, need=size, free=free)
-    files = _RunFiles(run_dir, run_dir / f"rank{rank}.swap", run_dir / f"rank{rank}.owner")
-    try:
-        run_dir.mkdir(mode=0o700)
-        os.chmod(run_dir, 0o700)  # mkdir's mode is filtered by the umask
-    except FileExistsError:
-        if not run_dir.is_dir():
-            raise ValueError(f"{run_dir} exists and is not a directory: pick another run id") from None
-    created: list[Path] = []
-    fd = -1
-    try:
-        for path in (files.owner, files.swap):
-            try:
-                new_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            except FileExistsError:
-                raise ValueError(
-                    f"{path} already exists: another process uses run id {run_dir.name}, pick another"
-                ) from None
-            created.append(path)
-            os.fchmod(new_fd, 0o600)
-            if path == files.owner:
-                owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "rank": rank}
-                with os.fdopen(new_fd, "w") as out:
-                    json.dump(owner, out)
-            else:
-                fd = new_fd
-        os.posix_fallocate(fd, 0, size)
-    except BaseException as exc:
-        if fd >= 0:
-            os.close(fd)
-        for path in created:
-            path.unlink(missing_ok=True)
-        try:
-            run_dir.rmdir()
-        except OSError:
-            pass
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise NvmeSpaceError(path=base, need=size, free=shutil.disk_usage(base).free) from exc
-        raise
-    return files, fd
-
-
-def _reopen_direct(path: Path, fd: int, *, base: Path) -> tuple[int, bool]:
-    """Swaps `fd` for an O_DIRECT descriptor of `path` where the filesystem allows it (at
-    open and at a first aligned read); otherwise keeps `fd` and warns once per `base`."""
-    try:
-        direct_fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
-        try:
-            os.preadv(direct_fd, [memoryview(aligned_empty(IO_ALIGNMENT).numpy())], 0)
-        except OSError:
-            os.close(direct_fd)
-            raise
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        if base not in _warned_buffered:
-            _warned_buffered.add(base)
-            warnings.warn(
-                f"{base} does not support O_DIRECT: the NVMe tier falls back to buffered I/O, "
-                "which goes through the page cache; put tiers.nvme.path on a local ext4/xfs NVMe disk",
-                stacklevel=3,
-            )
-        return fd, False
-    os.close(fd)
-    return direct_fd, True
-
-
-def _release(queue: ChunkQueue, engine: ThreadBackend | AiofilesBackend, fd: int, files: _RunFiles) -> None:
+def _release(
+    queue: ChunkQueue, engine: ThreadBackend | AiofilesBackend, pool: BouncePool, fd: int, files: RunFiles
+) -> None:
     if os.getpid() != files.pid:
         return  # a forked child: the workers and locks belong to the parent
     try:
         queue.close()
         engine.close()
+        pool.close()
     finally:
         # Even when the workers cannot be stopped cleanly (interpreter exit), the files go.
         os.close(fd)
         files.remove()
 
 
-def _install_sigterm_handler() -> None:
-    """Once per process, from the main thread (only it may set handlers), and only where
-    SIGTERM would otherwise kill the process or run a Python handler: where it is ignored,
-    the process survives it and must keep its files."""
-    global _sigterm_installed
-    if threading.current_thread() is not threading.main_thread():
-        return
-    with _SIGTERM_LOCK:
-        if _sigterm_installed:
-            return
-        previous = signal.getsignal(signal.SIGTERM)
-        if previous is signal.SIG_IGN or previous is None:
-            return
-        signal.signal(signal.SIGTERM, lambda signum, frame: _on_sigterm(previous))
-        _sigterm_installed = True
-
-
-def _on_sigterm(previous: Any) -> None:
-    """Unlinks the live tiers' files, then hands SIGTERM back to the handler that was there.
-
-    Only unlinks: open descriptors keep working on an unlinked file, so a previous Python
-    handler that saves a checkpoint from the tier still can, and the disk space returns
-    when the process ends. Under the default action the process dies by SIGTERM as before.
-    """
-    global _sigterm_installed
-    for tier in list(_LIVE):
-        tier._files.remove()
-    signal.signal(signal.SIGTERM, previous)
-    _sigterm_installed = False
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def find_leftovers(path: str | os.PathLike[str]) -> list[Leftover]:
-    """Run directories under `path` whose owners all ran on this host and are all dead."""
-    found = []
-    host = socket.gethostname()
-    for run_dir in sorted(p for p in Path(path).iterdir() if p.is_dir() and not p.is_symlink()):
-        owners = [_read_owner(f) for f in sorted(run_dir.glob("rank*.owner"))]
-        if not owners or any(o is None or o.get("host") != host or _alive(o) for o in owners):
-            continue
-        try:
-            size = sum(f.lstat().st_blocks * 512 for f in run_dir.iterdir())
-        except FileNotFoundError:
-            continue  # another process is removing it right now
-        found.append(Leftover(dir=run_dir, pid=int(owners[0]["pid"]), size_bytes=size))
-    return found
-
-
-def remove_leftovers(path: str | os.PathLike[str]) -> list[Leftover]:
-    """Deletes what `find_leftovers` finds; returns it."""
-    leftovers = find_leftovers(path)
-    for leftover in leftovers:
-        shutil.rmtree(leftover.dir, ignore_errors=True)
-    return leftovers
-
-
-def _read_owner(path: Path) -> dict[str, Any] | None:
-    """The owner record, or None while it is unreadable (its rank may be writing it right now)."""
-    try:
-        record = json.loads(path.read_text())
-        int(record["pid"]), float(record["started"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return record
-
-
-def _alive(owner: dict[str, Any]) -> bool:
-    """Whether the owner's process still runs; a pid reused by a process started later does not count."""
-    try:
-        created = psutil.Process(int(owner["pid"])).create_time()
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
-    return created <= float(owner["started"]) + 1.0
-
-
-def _warn_leftovers(path: Path) -> None:
-    for leftover in find_leftovers(path):
-        if leftover.dir in _warned_leftovers:
-            continue
-        _warned_leftovers.add(leftover.dir)
-        warnings.warn(
-            f"leftover tierzero run directory {leftover.dir} from a dead run (pid {leftover.pid}), "
-            f"{format_size(leftover.size_bytes)}: delete it to free the space",
-            stacklevel=3,
-        )

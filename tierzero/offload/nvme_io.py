@@ -1,32 +1,28 @@
-"""The mechanism under the NVMe tier: the extent allocator and the chunked, bounded I/O queue.
+"""The mechanism under the NVMe tier: the chunked, bounded I/O queue, its bounce blocks and checksums.
 
-A request (one region read or written) is cut into `block_size` chunks. Chunks from all
+A request (all or part of a region, read or written) is cut into `block_size` chunks. Chunks from all
 requests wait in one FIFO; at most `queue_depth` of them are in flight at once, each run
-by a worker (a thread doing `os.preadv`/`os.pwritev`, or an aiofiles coroutine). A chunk
+by a worker of a backend (nvme_backends.py). A chunk
 goes straight to or from the caller's tensor when direct I/O allows it, else through a
 bounce buffer from a pool that never holds more than `queue_depth` buffers.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import errno
-import os
+import math
 import threading
 import zlib
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import aiofiles
 import torch
 
-from tierzero.offload.base import IO_ALIGNMENT, ChecksumError, Tier, TierCapacityError, align_up, aligned_empty
-from tierzero.sizes import format_size
+from tierzero.offload.base import IO_ALIGNMENT, ChecksumError, align_up, aligned_empty
 
 try:
     # CRC-32C with the SSE4.2/ARMv8 instructions: measured 3.6-6.0 GiB/s against zlib's
@@ -38,60 +34,23 @@ except ImportError:
 
 _ZEROS = memoryview(bytes(IO_ALIGNMENT))
 
+#: The largest span one checksum covers; see [Note: checksums by region position].
+CHECKSUM_SPAN = 1 << 20
 
-class ExtentAllocator:
-    """First-fit allocation of `IO_ALIGNMENT`-aligned extents in `[0, capacity)`, coalescing on free.
 
-    Not thread-safe on its own: the tier serialises calls under its lock.
-    """
+@dataclass(frozen=True, slots=True)
+class BounceStats:
+    """Bounce memory of the NVMe tier: host bytes held now and at peak, and the bound on them."""
 
-    def __init__(self, capacity: int) -> None:
-        assert capacity % IO_ALIGNMENT == 0
-        self.capacity = capacity
-        self.used = 0
-        self._free: list[tuple[int, int]] = [(0, capacity)] if capacity else []
-        self._taken: dict[int, int] = {}
-
-    def allocate(self, nbytes: int, *, label: str) -> int:
-        # An empty slice still gets one block so that every region has its own offset.
-        size = align_up(max(nbytes, 1))
-        for i, (start, length) in enumerate(self._free):
-            if length >= size:
-                if length == size:
-                    del self._free[i]
-                else:
-                    self._free[i] = (start + size, length - size)
-                self._taken[start] = size
-                self.used += size
-                return start
-        what = label
-        if self.used + size <= self.capacity:
-            largest = max((length for _, length in self._free), default=0)
-            what = f"{label} (free space is fragmented: largest free extent {format_size(largest)})"
-        raise TierCapacityError(Tier.NVME, need=size, used=self.used, capacity=self.capacity, what=what)
-
-    def free(self, offset: int) -> None:
-        size = self._taken.pop(offset)
-        self.used -= size
-        i = 0
-        while i < len(self._free) and self._free[i][0] < offset:
-            i += 1
-        start, end = offset, offset + size
-        if i < len(self._free) and self._free[i][0] == end:
-            end += self._free.pop(i)[1]
-        if i > 0 and sum(self._free[i - 1]) == start:
-            start = self._free[i - 1][0]
-            i -= 1
-            del self._free[i]
-        self._free.insert(i, (start, end - start))
-
-    def extent_size(self, offset: int) -> int | None:
-        return self._taken.get(offset)
+    block_size: int
+    limit: int
+    """Blocks the pool may hold: the queue depth."""
+    held: int
+    peak_held: int
 
     @property
-    def free_extents(self) -> list[tuple[int, int]]:
-        """(offset, length) of each free extent, in file order."""
-        return list(self._free)
+    def capacity(self) -> int:
+        return self.block_size * self.limit
 
 
 class BouncePool:
@@ -101,6 +60,7 @@ class BouncePool:
     `block_size` block for a chunk of an unaligned tensor. Each in-flight chunk holds at
     most one block, so with at most `limit` chunks in flight the pool keeps at most
     `limit` blocks: when it must grow past that, a free block of the other size is dropped.
+    An observer (`observe`) hears of every byte made or dropped, for the store's accounting.
     """
 
     def __init__(self, *, block_size: int, limit: int) -> None:
@@ -108,6 +68,7 @@ class BouncePool:
         self._idle: list[torch.Tensor] = []
         self._count = 0
         self._lock = threading.Lock()
+        self._on_change: Callable[[int], None] | None = None
         self.bytes = 0
         self.peak_bytes = 0
 
@@ -117,18 +78,45 @@ class BouncePool:
             for i, block in enumerate(self._idle):
                 if block.numel() == size:
                     return self._idle.pop(i)
+            delta = size
             if self._count == self._limit:
                 assert self._idle, "more chunks in flight than the queue depth"
-                self.bytes -= self._idle.pop().numel()
+                delta -= self._idle.pop().numel()
                 self._count -= 1
             self._count += 1
-            self.bytes += size
-            self.peak_bytes = max(self.peak_bytes, self.bytes)
+            self._changed(delta)
         return aligned_empty(size)
 
     def give(self, block: torch.Tensor) -> None:
         with self._lock:
             self._idle.append(block)
+
+    def observe(self, on_change: Callable[[int], None]) -> None:
+        """Report bytes made or dropped to `on_change(delta)`, starting with those held now."""
+        with self._lock:
+            assert self._on_change is None, "the bounce pool already has an observer"
+            self._on_change = on_change
+            if self.bytes:
+                on_change(self.bytes)
+
+    def stats(self) -> BounceStats:
+        with self._lock:
+            return BounceStats(block_size=self._block_size, limit=self._limit, held=self.bytes, peak_held=self.peak_bytes)
+
+    def close(self) -> None:
+        """Drops every block; the tier's chunks have all ended."""
+        with self._lock:
+            assert len(self._idle) == self._count, "bounce pool closed while a chunk holds a block"
+            self._idle.clear()
+            self._count = 0
+            self._changed(-self.bytes)
+
+    def _changed(self, delta: int) -> None:
+        """Lock held."""
+        self.bytes += delta
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        if self._on_change is not None and delta:
+            self._on_change(delta)
 
 
 class Op(enum.Enum):
@@ -136,18 +124,85 @@ class Op(enum.Enum):
     WRITE = "write"
 
 
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """A span whose bytes read back do not match the checksum written: region position and length."""
+
+    start: int
+    length: int
+    actual: int
+    expected: int
+
+
+class ChecksumTable:
+    """Checksums of one region's written bytes, keyed by position in the region.
+
+    [Note: checksums by region position]
+    A region is read and written whole or in part (the swapper moves it through
+    staging buffers chunk by chunk), so a checksum cannot belong to a request: it
+    belongs to a span of the region. Spans never cross a multiple of `granule`, a
+    power of two that divides the block size, and the queue cuts every request at
+    multiples of the block size *in the region*, so the chunks of a whole read and
+    of a partial read see the same spans. A write records one span per granule it
+    touches and drops the spans it overlaps; a read checks every span that lies
+    inside its chunk. Bytes whose span was partly overwritten by an unaligned
+    partial write (4096-aligned but not granule-aligned) stay unchecked until the
+    next write covers them, as do spans that a partial read only partly covers.
+    """
+
+    def __init__(self, granule: int) -> None:
+        assert granule % IO_ALIGNMENT == 0 and granule & (granule - 1) == 0, granule
+        self._granule = granule
+        self._spans: dict[int, list[tuple[int, int, int]]] = {}
+        """Granule index -> (start, length, checksum) of the spans recorded in it."""
+        self._lock = threading.Lock()
+
+    def record(self, start: int, data: memoryview) -> None:
+        """Checksums `data`, the bytes about to be written at region position `start`."""
+        for lo, hi in self._cut(start, start + len(data)):
+            span = (lo, hi - lo, checksum(data[lo - start : hi - start]))
+            with self._lock:
+                index = lo // self._granule
+                kept = [s for s in self._spans.get(index, ()) if s[0] + s[1] <= lo or s[0] >= hi]
+                self._spans[index] = [*kept, span]
+
+    def check(self, start: int, data: memoryview) -> Mismatch | None:
+        """The first recorded span inside `[start, start + len(data))` whose bytes differ, if any."""
+        end = start + len(data)
+        for index in range(start // self._granule, -(-end // self._granule)):
+            with self._lock:
+                spans = list(self._spans.get(index, ()))
+            for lo, length, expected in spans:
+                if lo >= start and lo + length <= end:
+                    actual = checksum(data[lo - start : lo - start + length])
+                    if actual != expected:
+                        return Mismatch(start=lo, length=length, actual=actual, expected=expected)
+        return None
+
+    def _cut(self, start: int, end: int) -> list[tuple[int, int]]:
+        bounds = [start, *range((start // self._granule + 1) * self._granule, end, self._granule), end]
+        return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+def checksum_granule(block_size: int) -> int:
+    """The span of one checksum for a tier with this block size: a power of two dividing it."""
+    return math.gcd(block_size, CHECKSUM_SPAN)
+
+
 @dataclass(slots=True)
 class Request:
-    """One region read or written; done when its last chunk is."""
+    """One read or write of `tensor.numel()` bytes at region position `start`; done when its last chunk is."""
 
     op: Op
     label: str
     offset: int
+    """File offset of the tensor's first byte: the region's offset plus `start`."""
+    start: int
     tensor: torch.Tensor
     view: memoryview
     future: Future[None]
     remaining: int
-    checksums: dict[int, int] | None
+    checksums: ChecksumTable | None
     error: BaseException | None = None
 
 
@@ -205,7 +260,7 @@ class ChunkIO:
         if req.op is Op.WRITE and req.checksums is not None:
             # Recorded before the bytes reach the disk: a write that fails half-way
             # then reads back as a mismatch instead of as good data.
-            req.checksums[chunk.start] = checksum(view)
+            req.checksums.record(req.start + chunk.start, view)
         return bufs
 
     def finish(self, chunk: Chunk, bufs: ChunkBuffers) -> None:
@@ -214,15 +269,13 @@ class ChunkIO:
             tail = chunk.length - bufs.head
             req.tensor[chunk.start + bufs.head : chunk.start + chunk.length].copy_(bufs.block[:tail])
         if req.op is Op.READ and req.checksums is not None:
-            expected = req.checksums.get(chunk.start)
-            if expected is not None:
-                actual = checksum(req.view[chunk.start : chunk.start + chunk.length])
-                if actual != expected:
-                    raise ChecksumError(
-                        f"checksum mismatch reading {req.label}: {self.path} at offset {chunk.file_offset} "
-                        f"({chunk.length} bytes) has checksum {actual:08x}, {expected:08x} was written; "
-                        "the swap file was changed behind the tier or the disk returned bad data"
-                    )
+            bad = req.checksums.check(req.start + chunk.start, req.view[chunk.start : chunk.start + chunk.length])
+            if bad is not None:
+                raise ChecksumError(
+                    f"checksum mismatch reading {req.label}: {self.path} at offset {req.offset - req.start + bad.start} "
+                    f"({bad.length} bytes) has checksum {bad.actual:08x}, {bad.expected:08x} was written; "
+                    "the swap file was changed behind the tier or the disk returned bad data"
+                )
 
     def release(self, bufs: ChunkBuffers | None) -> None:
         if bufs is not None and bufs.block is not None:
@@ -240,27 +293,6 @@ class ChunkIO:
         )
         wrapped.__cause__ = exc
         return wrapped
-
-
-def transfer(fd: int, op: Op, iov: list[memoryview], offset: int) -> None:
-    """`os.preadv`/`os.pwritev` until every byte of `iov` has moved; short transfers are resumed."""
-    call = os.preadv if op is Op.READ else os.pwritev
-    while iov:
-        done = call(fd, iov, offset)
-        if done == 0:
-            raise OSError(errno.EIO, f"unexpected end of file at offset {offset}")
-        offset += done
-        iov = advance(iov, done)
-
-
-def advance(iov: list[memoryview], done: int) -> list[memoryview]:
-    """What is left of `iov` after its first `done` bytes moved."""
-    rest = list(iov)
-    while rest and done >= len(rest[0]):
-        done -= len(rest.pop(0))
-    if rest and done:
-        rest[0] = rest[0][done:]
-    return rest
 
 
 @dataclass(slots=True)
@@ -283,8 +315,11 @@ class ChunkQueue:
     _idle: threading.Condition = field(default_factory=lambda: threading.Condition(threading.Lock()))
 
     def submit(self, request: Request, nbytes: int) -> None:
-        step = self.block_size
-        chunks = [Chunk(request, start, min(step, nbytes - start)) for start in range(0, nbytes, step)]
+        # Cut at multiples of the block size in the region, not in the request, so that a
+        # partial request's chunks line up with a whole one's (for the checksums).
+        step, first, end = self.block_size, request.start, request.start + nbytes
+        bounds = [first, *range((first // step + 1) * step, end, step), end]
+        chunks = [Chunk(request, lo - first, hi - lo) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
         request.remaining = len(chunks)
         request.future.set_running_or_notify_cancel()
         if not chunks:
@@ -353,118 +388,3 @@ def _settle(req: Request) -> None:
         req.future.set_result(None)
     else:
         req.future.set_exception(req.error)
-
-
-DoneCallback = Callable[[Chunk, BaseException | None], None]
-
-
-class ThreadBackend:
-    """Each chunk on a pool of threads: prepare, `os.preadv`/`os.pwritev` (they drop the GIL), finish."""
-
-    def __init__(self, *, fd: int, io: ChunkIO, threads: int, done: DoneCallback) -> None:
-        self._fd, self._io, self._done = fd, io, done
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierzero-nvme")
-
-    def launch(self, chunk: Chunk) -> None:
-        self._pool.submit(self._run, chunk)
-
-    def _run(self, chunk: Chunk) -> None:
-        error, bufs = None, None
-        try:
-            if chunk.request.error is None:
-                bufs = self._io.prepare(chunk)
-                transfer(self._fd, chunk.request.op, bufs.iov, chunk.file_offset)
-                self._io.finish(chunk, bufs)
-        except BaseException as exc:  # noqa: BLE001 - handed to the request's future
-            error = self._io.describe_failure(chunk, exc)
-        finally:
-            self._io.release(bufs)
-            self._done(chunk, error)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-
-class AiofilesBackend:
-    """Each chunk as a coroutine on an asyncio loop in a background thread, doing its I/O with aiofiles.
-
-    aiofiles runs every file call on the loop's executor (`threads` workers). A file object
-    has one position, so `queue_depth` handles are opened and each chunk borrows one for
-    its seek and read/write.
-    """
-
-    def __init__(
-        self, *, path: Path, io: ChunkIO, threads: int, handles: int, done: DoneCallback
-    ) -> None:
-        self._io, self._done = io, done
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierzero-nvme-aio")
-        self._loop = asyncio.new_event_loop()
-        self._loop.set_default_executor(self._pool)
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tierzero-nvme-loop", daemon=True)
-        self._thread.start()
-        flags = os.O_DIRECT if io.direct else 0
-        opened = asyncio.run_coroutine_threadsafe(self._open(path, flags, handles), self._loop)
-        try:
-            self._handles: asyncio.Queue = opened.result()
-        except BaseException:
-            self._stop_loop()
-            raise
-
-    async def _open(self, path: Path, flags: int, count: int) -> asyncio.Queue:
-        handles: asyncio.Queue = asyncio.Queue()
-        for _ in range(count):
-            opener = lambda p, f: os.open(p, f | flags)  # noqa: E731
-            handles.put_nowait(await aiofiles.open(path, "r+b", buffering=0, opener=opener))
-        return handles
-
-    def launch(self, chunk: Chunk) -> None:
-        asyncio.run_coroutine_threadsafe(self._run(chunk), self._loop)
-
-    async def _run(self, chunk: Chunk) -> None:
-        loop = asyncio.get_running_loop()
-        error, bufs = None, None
-        try:
-            if chunk.request.error is None:
-                bufs = await loop.run_in_executor(None, self._io.prepare, chunk)
-                handle = await self._handles.get()
-                try:
-                    await _aio_transfer(handle, chunk.request.op, bufs.iov, chunk.file_offset)
-                finally:
-                    self._handles.put_nowait(handle)
-                await loop.run_in_executor(None, self._io.finish, chunk, bufs)
-        except BaseException as exc:  # noqa: BLE001 - handed to the request's future
-            error = self._io.describe_failure(chunk, exc)
-        finally:
-            self._io.release(bufs)
-            self._done(chunk, error)
-
-    def close(self) -> None:
-        try:
-            asyncio.run_coroutine_threadsafe(self._close_handles(), self._loop).result()
-        finally:
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-        self._pool.shutdown(wait=True)
-
-    async def _close_handles(self) -> None:
-        while not self._handles.empty():
-            handle = self._handles.get_nowait()
-            try:
-                await handle.close()
-            except RuntimeError:
-                pass  # the executor already stopped at interpreter exit; the process closes the fd
-
-
-async def _aio_transfer(handle: Any, op: Op, iov: list[memoryview], offset: int) -> None:
-    await handle.seek(offset)
-    for buf in iov:
-        while buf:
-            done = await (handle.readinto(buf) if op is Op.READ else handle.write(buf))
-            if not done:
-                raise OSError(errno.EIO, f"unexpected end of file at offset {offset}")
-            offset += done
-            buf = buf[done:]

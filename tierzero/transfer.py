@@ -1,0 +1,85 @@
+"""A handle on bytes in flight between tiers, and what a finished move hands back.
+
+The swapper returns a `Transfer` for every move; the store chains them (`then`) to
+hand typed tensors to the stages. On CUDA the last copy of a move may still run on
+the swapper's copy stream when the move is done on the host: the outcome carries
+the event that copy recorded, and `wait()` (or `await`) makes the caller's current
+stream wait on it instead of blocking the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+
+__all__ = ["Transfer", "TransferOutcome"]
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+@dataclass(frozen=True, slots=True)
+class TransferOutcome(Generic[T]):
+    """What a finished operation hands back: its value, and the CUDA event its last copy recorded."""
+
+    value: T | None = None
+    event: torch.cuda.Event | None = None
+
+
+class Transfer(Generic[T]):
+    """A handle on one move in flight. `wait()` returns its value; `await transfer` works too.
+
+    On CUDA a host-to-device copy finishes with an event rather than a host
+    block: `wait()` makes the caller's current stream wait on it, so kernels
+    queued after `wait()` see the bytes while the host runs ahead.
+    """
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future[TransferOutcome[T]]) -> None:
+        self._future = future
+
+    @classmethod
+    def ready(cls, value: T | None = None) -> Transfer[T]:
+        future: Future[TransferOutcome[T]] = Future()
+        future.set_result(TransferOutcome(value=value))
+        return cls(future)
+
+    @property
+    def future(self) -> Future[TransferOutcome[T]]:
+        return self._future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> T:
+        return self._consume(self._future.result(timeout))
+
+    def then(self, fn: Callable[[T | None], U]) -> Transfer[U]:
+        """A transfer that finishes with `fn(value)` once this one has finished."""
+        mapped: Future[TransferOutcome[U]] = Future()
+
+        def chain(done: Future[TransferOutcome[T]]) -> None:
+            try:
+                outcome = done.result()
+                mapped.set_result(TransferOutcome(value=fn(outcome.value), event=outcome.event))
+            except BaseException as exc:
+                mapped.set_exception(exc)
+
+        self._future.add_done_callback(chain)
+        return Transfer(mapped)
+
+    def __await__(self) -> Generator[Any, None, T]:
+        outcome = yield from asyncio.wrap_future(self._future).__await__()
+        return self._consume(outcome)
+
+    @staticmethod
+    def _consume(outcome: TransferOutcome[T]) -> T:
+        if outcome.event is not None:
+            torch.cuda.current_stream().wait_event(outcome.event)
+        return outcome.value  # type: ignore[return-value]
