@@ -1,0 +1,68 @@
+"""Process-group set-up for `tierzero.initialize`.
+
+Inside a `torchrun` job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) the default
+group is created unless the user already did: NCCL when CUDA is present, gloo
+otherwise. Without those variables the run is a single process and needs no group.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True, slots=True)
+class DistContext:
+    """Where this process sits in the job and which device it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    created_group: bool
+    """True when `setup` created the default group (and `teardown` should destroy it)."""
+
+
+def setup() -> DistContext:
+    """Join (or create) the default process group when launched as one rank of several."""
+    if dist.is_available() and dist.is_initialized():
+        return _context(created=False)
+    env_world = os.environ.get("WORLD_SIZE")
+    if env_world is None or int(env_world) == 1:
+        return DistContext(rank=0, world_size=1, local_rank=0, device=_device(0), created_group=False)
+    missing = [name for name in _LAUNCH_VARS if name not in os.environ]
+    if missing:
+        raise ValueError(
+            f"WORLD_SIZE is {env_world} but {', '.join(missing)} is not set: launch with torchrun, "
+            "or create the process group before tierzero.initialize"
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return _context(created=True)
+
+
+def teardown(ctx: DistContext) -> None:
+    if ctx.created_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _context(*, created: bool) -> DistContext:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return DistContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=_device(local_rank),
+        created_group=created,
+    )
+
+
+def _device(local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")

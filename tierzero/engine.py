@@ -1,0 +1,227 @@
+"""The training engine `tierzero.initialize` returns: forward, backward, step, reports.
+
+The engine owns one stage (which holds the units and their hooks), one tiered store
+(where every slice lives), one flat optimizer and the collective byte counter. It
+decides the per-step scalars — accumulation boundary, gradient scale, clipping
+coefficient, fp16 overflow — identically on every rank, and lets the stage move bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tierzero import comm as C
+from tierzero import dist as D
+from tierzero.offload.base import IO_ALIGNMENT, MODEL_STATE_KINDS, Tier, align_up
+from tierzero.optim import make_optimizer
+from tierzero.precision import dtype_of, make_loss_scaler
+from tierzero.stages import STAGES, Homes, Stage, StepScalars
+from tierzero.stages.base import bind, clip_coefficient, unregister_params
+from tierzero.units import Unit, plan_units
+
+
+class Engine:
+    """A model trained with ZeRO over tiered storage.
+
+    While the engine lives, the trained parameters of `module` are not nn.Parameters:
+    each unit's slots are plain tensor attributes bound by the stage (views of the
+    gathered buffer during compute, empty between), so `module.parameters()` lists only
+    frozen ones. `full_state_dict()` is the way to read the weights.
+    """
+
+    def __init__(self, model: nn.Module, cfg: Any, *, ctx: D.DistContext, store: Any | None = None) -> None:
+        if cfg.zero.stage not in STAGES:
+            raise ValueError(
+                f"zero.stage is {cfg.zero.stage}, this engine runs stages 1, 2 and 3: set zero.stage to 1, 2 or 3"
+            )
+        self.cfg, self._ctx = cfg, ctx
+        self.module = model.to(ctx.device)
+        self.comm = C.CommGroup(rank=ctx.rank, world_size=ctx.world_size, counter=C.CommCounter())
+        self.global_step = 0
+        self.lr = float(cfg.optimizer.lr)
+        self._micro_steps = 0
+        self._param_names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+        self._param_dtype = dtype_of(cfg.precision.param_dtype)
+        self._scaler = make_loss_scaler(cfg.precision)
+        # Only fp16 can overflow where fp32 would not; bf16 shares fp32's exponent range.
+        self._skips_overflow = self._param_dtype == torch.float16
+        self.units = plan_units(model, world_size=ctx.world_size, unit_classes=list(cfg.zero.unit_classes))
+        self.stage = self._make_stage()
+        self.store = store if store is not None else self._make_store()
+        self.stage.store = self.store
+        self._hooks: list[Any] = []
+        try:
+            self._install()
+        except BaseException:
+            # A tier that is too small fails here: leave no swap file or group behind.
+            self.close()
+            raise
+
+    # ---- set-up -------------------------------------------------------------------
+
+    def _make_stage(self) -> Stage:
+        offload = self.cfg.offload
+        return STAGES[self.cfg.zero.stage](
+            units=self.units,
+            store=None,
+            comm=self.comm,
+            optimizer=make_optimizer(self.cfg.optimizer),
+            param_dtype=self._param_dtype,
+            homes=Homes(params=offload.params, grads=offload.gradients, optimizer=offload.optimizer),
+            device=self._ctx.device,
+            overlap=bool(self.cfg.zero.overlap_comm),
+        )
+
+    def _make_store(self) -> Any:
+        from tierzero.store import TieredStore
+
+        # Unless the config sizes the swap file, it holds exactly this rank's NVMe-homed slices.
+        need = sum(
+            align_up(spec.nbytes)
+            for unit in self.units
+            for spec in self.stage.slice_specs(unit)
+            if spec.home is Tier.NVME
+        )
+        capacity = max(need, IO_ALIGNMENT) if self.cfg.tiers.nvme.capacity is None else None
+        return TieredStore.from_config(self.cfg, rank=self._ctx.rank, device=self._ctx.device, nvme_capacity=capacity)
+
+    def _install(self) -> None:
+        empty = torch.empty(0, dtype=self._param_dtype, device=self._ctx.device)
+        for unit in self.units:
+            full = _flat_fp32(unit, device=self._ctx.device)
+            if self.comm.world_size > 1:
+                # Every rank starts from rank 0's weights, as DistributedDataParallel does.
+                torch.distributed.broadcast(full, src=0)
+            self.stage.register(unit, full)
+            unregister_params(unit)
+            bind(unit, [empty] * len(unit.slots))
+            self._hooks.append(unit.module.register_forward_pre_hook(self._pre_hook(unit)))
+            self._hooks.append(unit.module.register_forward_hook(self._post_hook(unit)))
+
+    def _pre_hook(self, unit: Unit) -> Callable[..., None]:
+        return lambda _module, _args: self.stage.pre_forward(unit)
+
+    def _post_hook(self, unit: Unit) -> Callable[..., None]:
+        return lambda _module, _args, output: self.stage.post_forward(unit, output)
+
+    # ---- training -----------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.stage.forward_context():
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        scale = self._scaler.scale
+        self.stage.last_micro_step = (self._micro_steps + 1) % self.cfg.gradient_accumulation_steps == 0
+        (loss * scale if scale != 1.0 else loss).backward()
+        self.stage.after_backward()
+
+    def step(self) -> None:
+        """Count one micro-step; at each accumulation boundary step the optimizer and clear grads."""
+        self._micro_steps += 1
+        if self._micro_steps % self.cfg.gradient_accumulation_steps:
+            return
+        self.stage.prepare_grads()
+        grad_scale = 1.0 / (self.comm.world_size * self.cfg.gradient_accumulation_steps * self._scaler.scale)
+        clip = float(self.cfg.gradient_clipping)
+        norm = self._global_grad_norm(grad_scale) if clip > 0 or self._skips_overflow else 0.0
+        if self._skips_overflow:
+            # The norm is all-reduced, so every rank sees the same overflow and skips together.
+            overflow = not math.isfinite(norm)
+            self._scaler.update(overflow)
+            if overflow:
+                self.stage.zero_grads()
+                return
+        scalars = StepScalars(grad_scale=grad_scale, step=self.global_step + 1, lr=self.lr)
+        self.stage.step(scalars, clip_coef=clip_coefficient(norm, clip))
+        self.global_step += 1
+
+    def _global_grad_norm(self, grad_scale: float) -> float:
+        """‖g‖ over all ranks: one all-reduce of this rank's sum of squares."""
+        sq = self.stage.grad_sq_sum(grad_scale)
+        C.all_reduce(sq, comm=self.comm)
+        total = sq.item()
+        return math.sqrt(total) if math.isfinite(total) else math.inf
+
+    # ---- state and reports --------------------------------------------------------
+
+    @property
+    def loss_scaler(self) -> Any:
+        """The `tierzero.precision` loss scaler (static 1.0 unless fp16): its state is part of a checkpoint."""
+        return self._scaler
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-steps counted by `step()`; a multiple of the accumulation steps at a boundary."""
+        return self._micro_steps
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full fp32 parameters by the model's names, on CPU, on rank 0 (None elsewhere). Collective."""
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            full = self.stage.gather_fp32(unit)
+            if self.comm.rank == 0:
+                for slot in unit.slots:
+                    value = slot.view(full).detach().to("cpu", copy=True)
+                    for b in slot.bindings:
+                        out[b.name] = value
+        if self.comm.rank != 0:
+            return None
+        # Frozen parameters belong to no unit: they are still the module's own, whole.
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            out[name] = param.detach().to("cpu", dtype=torch.float32, copy=True)
+        return {name: out[name] for name in self._param_names}
+
+    def memory_report(self) -> dict[str, Any]:
+        kinds = self.store.kind_bytes()
+        tiers = self.store.report().tiers
+        return {
+            "kinds": {kind.value: int(kinds.get(kind, 0)) for kind in MODEL_STATE_KINDS},
+            "tiers": {
+                tier.value: {"current": usage.current, "peak": usage.peak, "capacity": usage.capacity}
+                for tier, usage in tiers.items()
+            },
+        }
+
+    def comm_report(self) -> dict[str, int]:
+        return self.comm.counter.report()
+
+    def reset_comm_report(self) -> None:
+        self.comm.counter.reset()
+
+    def close(self) -> None:
+        """Remove the hooks, free every tier and file, leave a group this engine created."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.stage.finish()
+        self.store.close()
+        D.teardown(self._ctx)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def initialize(model: nn.Module, config: Any) -> Engine:
+    """Wrap `model` for ZeRO training; `config` is a path, a dict or a tierzero config object."""
+    from tierzero.config import load_config
+
+    cfg = load_config(config)
+    return Engine(model, cfg, ctx=D.setup())
+
+
+def _flat_fp32(unit: Unit, *, device: torch.device) -> torch.Tensor:
+    full = torch.empty(unit.padded_numel, dtype=torch.float32, device=device)
+    first = [getattr(slot.bindings[0].module, slot.bindings[0].attr) for slot in unit.slots]
+    return unit.flatten([p.detach().float() for p in first], out=full)
+
+
+__all__ = ["Engine", "initialize"]

@@ -1,0 +1,365 @@
+"""What stages 1, 2 and 3 share: slice registration, parameter binding, the optimizer step.
+
+[Note: binding parameters]
+A unit's parameters are removed from their modules at set-up. Before each forward of
+the unit, `_UnitParams` (a custom autograd Function with one empty anchor leaf as
+input) returns one view of the unit's full buffer per parameter slot, and these views
+are set as plain attributes on the owning modules. The Function's backward runs once
+all of a use's parameter gradients are known, so it *is* the unit's post-backward hook:
+it hands the gradients to the stage. A unit used twice in one step has two Function
+nodes, hence two post-backward calls; a module that runs no forward simply contributes
+no gradient.
+
+Stage 3 frees the full buffer after forward. Autograd still wants the parameter views
+that ops saved for backward; stage 3's saved-tensor hooks replace any saved tensor
+that lives in a gathered buffer by its (unit, offset, size, stride), and gather the
+unit again if backward unpacks it before the unit's pre-backward hook did.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from tierzero import comm as C
+from tierzero.offload.base import Kind, SliceKey, Tier
+from tierzero.units import Unit, UnitState
+
+
+@dataclass(frozen=True, slots=True)
+class Homes:
+    """The home tier of each kind of model state, from `cfg.offload.*`."""
+
+    params: Tier = Tier.DEVICE
+    grads: Tier = Tier.DEVICE
+    optimizer: Tier = Tier.DEVICE
+
+
+@dataclass(frozen=True, slots=True)
+class StepScalars:
+    """What the engine decided for one optimizer step, the same on every rank."""
+
+    grad_scale: float
+    """Multiplies the summed gradient slices: 1 / (world size x accumulation x loss scale)."""
+    step: int
+    lr: float
+
+
+@dataclass(frozen=True, slots=True)
+class SliceSpec:
+    """One slice a stage keeps per unit: what it holds, how big, where it lives."""
+
+    kind: Kind
+    numel: int
+    dtype: torch.dtype
+    home: Tier
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+#: Gradient reduce-scatters (stages 2, 3) allowed in flight at once.
+MAX_REDUCES_IN_FLIGHT = 2
+
+
+@dataclass(frozen=True, slots=True)
+class _GradReduce:
+    """One unit's gradient reduce-scatter in flight, with the scratch it reads and writes."""
+
+    unit: Unit
+    full: torch.Tensor
+    part: torch.Tensor
+    pending: C.Pending
+
+
+class _UnitParams(torch.autograd.Function):
+    """Returns one view per parameter slot of `unit.gathered`; its backward hands grads to the stage."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, stage: Stage, unit: Unit) -> tuple[torch.Tensor, ...]:
+        ctx.stage, ctx.unit = stage, unit
+        assert unit.gathered is not None
+        return tuple(slot.view(unit.gathered) for slot in unit.slots)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, None, None]:
+        ctx.unit.has_grads = True
+        ctx.unit.pending_uses -= 1
+        ctx.stage.post_backward(ctx.unit, list(grads))
+        return None, None, None
+
+
+class Stage(ABC):
+    """One ZeRO stage over a list of units; every slice is reached through the store."""
+
+    number: ClassVar[int]
+    shards_grads: ClassVar[bool]
+    shards_params: ClassVar[bool]
+
+    def __init__(
+        self,
+        *,
+        units: list[Unit],
+        store: Any,
+        comm: C.CommGroup,
+        optimizer: Any,
+        param_dtype: torch.dtype,
+        homes: Homes,
+        device: torch.device,
+        overlap: bool = True,
+    ) -> None:
+        self.units, self.store, self.comm, self.optimizer = units, store, comm, optimizer
+        self.param_dtype, self.homes, self.device, self.overlap = param_dtype, homes, device, overlap
+        self._reduces: deque[_GradReduce] = deque()
+        self.last_micro_step = True
+        """Set by the engine before each backward: this micro-step ends an accumulation window."""
+        self.mixed = param_dtype != torch.float32
+        self._anchor = torch.empty(0, device=device, requires_grad=True)
+
+    # ---- slices -------------------------------------------------------------------
+
+    def grad_numel(self, unit: Unit) -> int:
+        return unit.shard_numel if self.shards_grads else unit.padded_numel
+
+    def slice_specs(self, unit: Unit) -> list[SliceSpec]:
+        """Every slice this rank keeps for the unit, with its size and home tier."""
+        shard, dtype = unit.shard_numel, self.param_dtype
+        specs = [
+            SliceSpec(Kind.PARAM, shard if self.shards_params else unit.padded_numel, dtype, self.homes.params),
+            SliceSpec(Kind.GRAD, self.grad_numel(unit), dtype, self.homes.grads),
+        ]
+        if self.mixed:
+            specs.append(SliceSpec(Kind.MASTER, shard, torch.float32, self.homes.optimizer))
+        specs += [SliceSpec(kind, shard, torch.float32, self.homes.optimizer) for kind in self.optimizer.state_kinds]
+        return specs
+
+    def register(self, unit: Unit, full_fp32: torch.Tensor) -> None:
+        """Register the unit's slices with the store and write their initial values."""
+        start, end = unit.shard_range(self.comm.rank)
+        initial = {
+            Kind.PARAM: full_fp32[start:end] if self.shards_params else full_fp32,
+            Kind.MASTER: full_fp32[start:end],
+        }
+        for spec in self.slice_specs(unit):
+            value = initial[spec.kind] if spec.kind in initial else torch.zeros(spec.numel, device=full_fp32.device)
+            self._init(SliceKey(unit.name, spec.kind), value.to(spec.dtype), spec.home)
+
+    def _init(self, key: SliceKey, value: torch.Tensor, home: Tier) -> None:
+        self.store.register(key, numel=value.numel(), dtype=value.dtype, home=home)
+        self.store.write_back(key, value.contiguous()).wait()
+
+    @contextmanager
+    def slice(self, unit: Unit, kind: Kind, *, write: bool) -> Iterator[torch.Tensor]:
+        """The slice on the compute device for the duration of the block, written home if `write`."""
+        key = SliceKey(unit.name, kind)
+        tensor = self.store.fetch(key, to=Tier.DEVICE).wait()
+        try:
+            yield tensor
+            if write:
+                self.store.write_back(key).wait()
+        finally:
+            self.store.release(key)
+
+    def scratch(self, unit: Unit, numel: int, dtype: torch.dtype, *, kind: Kind = Kind.GATHERED) -> torch.Tensor:
+        """Device memory for the unit's full parameters (GATHERED) or gradients in flight (GRAD)."""
+        return self.store.allocate(kind=kind, numel=numel, dtype=dtype, tier=Tier.DEVICE, label=unit.name)
+
+    # ---- forward and backward -----------------------------------------------------
+
+    def pre_forward(self, unit: Unit) -> None:
+        self.unshard(unit)
+        if torch.is_grad_enabled():
+            self.bind_params(unit, counts_as_use=True)
+        else:
+            bind(unit, [slot.view(unit.gathered).detach() for slot in unit.slots])
+
+    def bind_params(self, unit: Unit, *, counts_as_use: bool) -> None:
+        """Bind views of the gathered buffer whose gradients reach `post_backward`.
+
+        `counts_as_use` is False for bindings whose backward may never run (stage 3's
+        re-binding for activation checkpointing), so they do not hold back stage 1's
+        reduce-scatter, which waits for the last use of a unit.
+        """
+        if counts_as_use:
+            unit.pending_uses += 1
+        bind(unit, _UnitParams.apply(self._anchor, self, unit))
+
+    def post_forward(self, unit: Unit, output: Any) -> None:
+        """Stage 3 frees the gathered parameters here; stages 1 and 2 keep them."""
+
+    def forward_context(self) -> AbstractContextManager[None]:
+        """Entered around the model's forward (stage 3 installs its saved-tensor hooks)."""
+        return nullcontext()
+
+    def after_backward(self) -> None:
+        """Called once `loss.backward()` returns: finish what the unit hooks left in flight."""
+        self.finish_reduces()
+        for unit in self.units:
+            unit.pending_uses = 0  # uses whose output never reached the loss
+
+    def finish(self) -> None:
+        """Wait for every collective in flight (before the store closes)."""
+        self.finish_reduces()
+
+    @abstractmethod
+    def unshard(self, unit: Unit) -> None:
+        """Make `unit.gathered` hold the full parameters (idempotent)."""
+
+    @abstractmethod
+    def post_backward(self, unit: Unit, grads: list[torch.Tensor]) -> None:
+        """Take one use's parameter gradients (one per slot, zeros where unused)."""
+
+    def reduce_grads(self, unit: Unit, grads: list[torch.Tensor]) -> None:
+        """Flatten `grads` and start their reduce-scatter into the owned GRAD slice (stages 2, 3).
+
+        With overlap on, the collective runs while autograd goes on with the next units;
+        at most `MAX_REDUCES_IN_FLIGHT` are pending, which bounds the gradient scratch.
+        """
+        full = self.scratch(unit, unit.padded_numel, self.param_dtype, kind=Kind.GRAD)
+        unit.flatten(grads, out=full)
+        if self.comm.world_size == 1:
+            # The reduce-scatter of one rank is the identity: add the flat grads directly.
+            with self.slice(unit, Kind.GRAD, write=True) as shard:
+                shard.add_(full)
+            self.store.free(full)
+            return
+        part = self.scratch(unit, unit.shard_numel, self.param_dtype, kind=Kind.GRAD)
+        pending = C.reduce_scatter(part, full, comm=self.comm, async_op=self.overlap)
+        self._reduces.append(_GradReduce(unit=unit, full=full, part=part, pending=pending))
+        while len(self._reduces) > MAX_REDUCES_IN_FLIGHT:
+            self._finish_oldest_reduce()
+
+    def finish_reduces(self) -> None:
+        while self._reduces:
+            self._finish_oldest_reduce()
+
+    def _finish_oldest_reduce(self) -> None:
+        job = self._reduces.popleft()
+        job.pending.wait()
+        with self.slice(job.unit, Kind.GRAD, write=True) as shard:
+            shard.add_(job.part)
+        self.store.free(job.part)
+        self.store.free(job.full)
+
+    # ---- the optimizer step -------------------------------------------------------
+
+    def prepare_grads(self) -> None:
+        """Before the step: stage 1 reduce-scatters its full gradients here."""
+
+    @abstractmethod
+    def grad_slice(self, grads: torch.Tensor, unit: Unit) -> torch.Tensor:
+        """This rank's summed gradient slice inside the fetched GRAD tensor."""
+
+    def grad_sq_sum(self, scale: float) -> torch.Tensor:
+        """Sum of squares of this rank's scaled gradient slices, in fp32 (one 0-d tensor)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for unit in self.units:
+            with self.slice(unit, Kind.GRAD, write=False) as grads:
+                g = self.grad_slice(grads, unit).float()
+                total += g.dot(g) * (scale * scale) if scale != 1.0 else g.dot(g)
+        return total
+
+    def zero_grads(self) -> None:
+        """Drop this step's gradients (an fp16 overflow skips the step)."""
+        for unit in self.units:
+            unit.has_grads = False
+            with self.slice(unit, Kind.GRAD, write=True) as grads:
+                grads.zero_()
+
+    def step(self, scalars: StepScalars, *, clip_coef: float) -> None:
+        # A unit that ran no forward since the last step keeps its parameters and states,
+        # as torch.optim skips parameters whose .grad is None. Every rank runs the same
+        # modules (ZeRO's collectives assume it), so every rank skips the same units.
+        for unit in self.units:
+            if unit.has_grads:
+                self._step_unit(unit, scalars, clip_coef=clip_coef)
+            unit.has_grads = False
+
+    def _step_unit(self, unit: Unit, scalars: StepScalars, *, clip_coef: float) -> None:
+        kinds = self.optimizer.state_kinds
+        with self.slice(unit, Kind.GRAD, write=True) as grads, self._states(unit, kinds) as states:
+            g = self.grad_slice(grads, unit).float()
+            if scalars.grad_scale * clip_coef != 1.0:
+                g.mul_(scalars.grad_scale * clip_coef)
+            with self._master(unit) as (master, fetched):
+                self.optimizer.step(param=master, grad=g, states=states, step=scalars.step, lr=scalars.lr)
+                self.publish(unit, master, fetched)
+            grads.zero_()
+
+    @contextmanager
+    def _states(self, unit: Unit, kinds: tuple[Kind, ...]) -> Iterator[dict[Kind, torch.Tensor]]:
+        fetched: dict[Kind, torch.Tensor] = {}
+        try:
+            for kind in kinds:
+                fetched[kind] = self.store.fetch(SliceKey(unit.name, kind), to=Tier.DEVICE).wait()
+            yield fetched
+            for kind in kinds:
+                self.store.write_back(SliceKey(unit.name, kind)).wait()
+        finally:
+            for kind in fetched:
+                self.store.release(SliceKey(unit.name, kind))
+
+    @contextmanager
+    def _master(self, unit: Unit, *, write: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(fp32 slice the optimizer steps, the fetched tensor holding it).
+
+        The slice is MASTER in mixed precision; in fp32 the PARAM slice is its own master
+        (the owned range of the full PARAM buffer in stages 1 and 2).
+        """
+        kind = Kind.MASTER if self.mixed else Kind.PARAM
+        with self.slice(unit, kind, write=write) as fetched:
+            master = fetched
+            if kind is Kind.PARAM and not self.shards_params:
+                start, end = unit.shard_range(self.comm.rank)
+                master = fetched[start:end]
+            yield master, fetched
+
+    @abstractmethod
+    def publish(self, unit: Unit, master: torch.Tensor, fetched: torch.Tensor) -> None:
+        """Bring the compute-dtype parameters up to date with the stepped fp32 slice."""
+
+    def gather_fp32(self, unit: Unit) -> torch.Tensor:
+        """The unit's full fp32 parameters (a collective: every rank must call it)."""
+        full = torch.empty(unit.padded_numel, dtype=torch.float32, device=self.device)
+        with self._master(unit, write=False) as (master, _):
+            C.all_gather(full, master.clone(), comm=self.comm)
+        return full
+
+
+def bind(unit: Unit, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
+    """Set each slot's tensor on every module attribute that names it."""
+    for slot, tensor in zip(unit.slots, tensors, strict=True):
+        for b in slot.bindings:
+            setattr(b.module, b.attr, tensor)
+
+
+def unregister_params(unit: Unit) -> None:
+    """Take the unit's nn.Parameters off their modules; `bind` sets plain tensors in their place."""
+    for slot in unit.slots:
+        for b in slot.bindings:
+            if b.attr in b.module._parameters:
+                del b.module._parameters[b.attr]
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1."""
+    if max_norm <= 0 or not math.isfinite(total_norm):
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def mark_state(unit: Unit, to: UnitState) -> None:
+    allowed = {
+        UnitState.GATHERING: (UnitState.SHARDED,),
+        UnitState.GATHERED: (UnitState.GATHERING, UnitState.SHARDED),
+        UnitState.SHARDED: (UnitState.GATHERED,),
+    }[to]
+    unit.transition(to, allowed_from=allowed)

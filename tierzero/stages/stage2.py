@@ -1,0 +1,25 @@
+"""Stage 2: as stage 1, but gradients are sharded too.
+
+Each unit's gradients are reduce-scattered as soon as that unit's backward is done
+(the autograd post-backward of its parameters; one unit is one bucket), overlapped
+with the rest of backward, summed into the owned GRAD slice, and the full gradients
+are dropped: only the slice outlives the unit's backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierzero.stages.stage1 import ReplicatedParamsStage
+from tierzero.units import Unit
+
+
+class Stage2(ReplicatedParamsStage):
+    number = 2
+    shards_grads = True
+
+    def post_backward(self, unit: Unit, grads: list[torch.Tensor]) -> None:
+        self.reduce_grads(unit, grads)
+
+    def grad_slice(self, grads: torch.Tensor, unit: Unit) -> torch.Tensor:
+        return grads

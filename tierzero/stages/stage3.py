@@ -1,0 +1,189 @@
+"""Stage 3: parameters sharded at rest, gathered per unit just in time.
+
+Forward, per unit: all-gather before, free after. Backward, per unit: all-gather again
+when the gradient of the unit's output arrives, reduce-scatter the parameter gradients
+into the owned slice when the unit's post-backward runs, free both. Between the two,
+the parameter views that autograd saved are stand-ins (see [Note: binding parameters]
+in stages/base.py), so freeing a unit really frees its memory.
+
+The root unit (parameters outside the wrapped blocks) wraps the whole model, so it is
+gathered from the start of forward to its end and again through all of backward: the
+peak of gathered bytes is the root plus the units in flight, never the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tierzero import comm as C
+from tierzero.offload.base import Kind, SliceKey, Tier
+from tierzero.stages.base import Stage, bind, mark_state
+from tierzero.units import ROOT, Unit, UnitState
+
+
+@dataclass(frozen=True, slots=True)
+class SavedView:
+    """A saved tensor that lived in a unit's gathered buffer, by position rather than by memory."""
+
+    unit: Unit
+    offset: int
+    """Elements from the start of the gathered buffer."""
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class Stage3(Stage):
+    number = 3
+    shards_grads = True
+    shards_params = True
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # Storage address of each gathered buffer -> its unit, for the pack hook.
+        self._by_storage: dict[int, Unit] = {}
+        self._gathering: dict[str, C.Pending] = {}
+        self._empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
+        self._order: list[Unit] = []
+        """Units in the order the last forward first ran them: what to prefetch next."""
+        self._order_now: list[Unit] = []
+
+    # ---- gather and free ----------------------------------------------------------
+
+    def start_gather(self, unit: Unit) -> None:
+        """Start the unit's all-gather (asynchronous when overlapping); idempotent."""
+        if unit.state is not UnitState.SHARDED:
+            return
+        mark_state(unit, UnitState.GATHERING)
+        gathered = self.scratch(unit, unit.padded_numel, self.param_dtype)
+        # The fetched shard is released only once the gather has read it (unshard).
+        shard = self.store.fetch(SliceKey(unit.name, Kind.PARAM), to=Tier.DEVICE).wait()
+        self._gathering[unit.name] = C.all_gather(gathered, shard, comm=self.comm, async_op=self.overlap)
+        unit.gathered = gathered
+        self._by_storage[gathered.untyped_storage().data_ptr()] = unit
+
+    def unshard(self, unit: Unit) -> None:
+        self.start_gather(unit)
+        if unit.state is UnitState.GATHERING:
+            self._gathering.pop(unit.name).wait()
+            self.store.release(SliceKey(unit.name, Kind.PARAM))
+            mark_state(unit, UnitState.GATHERED)
+
+    def reshard(self, unit: Unit) -> None:
+        if unit.state is UnitState.GATHERING:
+            self.unshard(unit)  # a prefetch nobody used: let it land, then drop it
+        if unit.state is not UnitState.GATHERED:
+            return
+        assert unit.gathered is not None
+        del self._by_storage[unit.gathered.untyped_storage().data_ptr()]
+        bind(unit, [self._empty] * len(unit.slots))
+        self.store.free(unit.gathered)
+        unit.gathered = None
+        mark_state(unit, UnitState.SHARDED)
+
+    def _prefetch(self, unit: Unit, *, step: int) -> None:
+        """Start gathering the unit after (`step=1`) or before (-1) `unit` in the last forward's order.
+
+        At most two block units are gathered or gathering at once (besides the root),
+        which is the peak-memory promise of stage 3. The decision depends only on the
+        order and on unit states, never on timing, so every rank issues the same
+        collectives in the same order.
+        """
+        if unit not in self._order:
+            return
+        index = self._order.index(unit) + step
+        if unit.name == ROOT and step < 0:
+            index = len(self._order) - 1  # backward starts at the root, then the last block
+        if not 0 <= index < len(self._order):
+            return
+        target = self._order[index]
+        live = sum(1 for u in self.units if u.state is not UnitState.SHARDED and u.name != ROOT)
+        if target.name != ROOT and live <= 1:
+            self.start_gather(target)
+
+    # ---- hooks --------------------------------------------------------------------
+
+    def pre_forward(self, unit: Unit) -> None:
+        super().pre_forward(unit)
+        if torch.is_grad_enabled():
+            if unit not in self._order_now:
+                self._order_now.append(unit)
+            self._prefetch(unit, step=1)
+
+    def post_forward(self, unit: Unit, output: Any) -> None:
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        if outputs and torch.is_grad_enabled():
+            torch.autograd.graph.register_multi_grad_hook(outputs, lambda _: self.pre_backward(unit), mode="any")
+        self.reshard(unit)
+
+    def pre_backward(self, unit: Unit) -> None:
+        self.unshard(unit)
+        # Activation checkpointing (non-reentrant) re-runs the unit's forward without its
+        # module hooks: it must find the weights bound, and requiring grad as in the first
+        # forward (it checks that the same tensors get saved). Its gradients flow through
+        # the first forward's graph, so this Function's backward never runs.
+        with torch.enable_grad():
+            self.bind_params(unit, counts_as_use=False)
+        self._prefetch(unit, step=-1)
+
+    def post_backward(self, unit: Unit, grads: list[torch.Tensor]) -> None:
+        self.reduce_grads(unit, grads)
+        self.reshard(unit)
+
+    def after_backward(self) -> None:
+        super().after_backward()
+        for unit in self.units:
+            self.reshard(unit)
+        if self._order_now:
+            self._order, self._order_now = self._order_now, []
+
+    def forward_context(self) -> AbstractContextManager[None]:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | SavedView:
+        try:
+            unit = self._by_storage.get(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return tensor
+        if unit is None or unit.gathered is None or tensor.dtype != unit.gathered.dtype:
+            return tensor
+        offset = tensor.storage_offset() - unit.gathered.storage_offset()
+        if not 0 <= offset < unit.gathered.numel():
+            return tensor  # shares the storage but not the buffer: keep it as it is
+        return SavedView(unit=unit, offset=offset, size=tuple(tensor.size()), stride=tuple(tensor.stride()))
+
+    def _unpack(self, saved: torch.Tensor | SavedView) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        # Normally the output hook gathered the unit already; a parameter used outside
+        # its unit's forward (a tied weight) is gathered here, on first need.
+        self.unshard(saved.unit)
+        gathered = saved.unit.gathered
+        assert gathered is not None
+        return gathered.as_strided(saved.size, saved.stride, gathered.storage_offset() + saved.offset)
+
+    # ---- step ---------------------------------------------------------------------
+
+    def grad_slice(self, grads: torch.Tensor, unit: Unit) -> torch.Tensor:
+        return grads
+
+    def publish(self, unit: Unit, master: torch.Tensor, fetched: torch.Tensor) -> None:
+        if self.mixed:
+            with self.slice(unit, Kind.PARAM, write=True) as shard:
+                shard.copy_(master)
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors inside a forward's output: nested tuples, lists and mappings (HF ModelOutput too)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)

@@ -1,0 +1,199 @@
+"""Cutting a model into units: one flat, padded parameter buffer per wrapped module.
+
+A unit is the granularity of gathering, of reduce-scatter and of I/O. By default the
+units are the blocks of the model's largest `nn.ModuleList` (its transformer layers)
+plus a *root* unit holding every other parameter; `unit_classes` names module classes
+to wrap instead, like FSDP's auto-wrap policy.
+
+Each unit's parameters are laid end to end in one buffer whose length is padded to a
+multiple of `world_size x align_numel`, so rank r owns the contiguous slice
+`[r * shard_numel, (r + 1) * shard_numel)` and every slice is I/O-aligned.
+
+A parameter reachable from two units (tied weights across units) belongs to the root;
+a parameter reachable twice from the same unit (GPT-2's embedding and LM head, both in
+the root) occupies one slot with two bindings. Frozen parameters (`requires_grad=False`)
+belong to no unit: they stay on their modules, whole on every rank, and are not trained.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tierzero.offload.base import IO_ALIGNMENT, align_up
+
+ROOT = "root"
+#: Elements per alignment step: a 2-byte slice of this many elements is one I/O block.
+DEFAULT_ALIGN_NUMEL = IO_ALIGNMENT // 2
+
+
+class UnitState(enum.Enum):
+    """Whether the unit's full parameters are materialised on the compute device."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """One place a parameter is reachable: `module.<attr>`, known to the user as `name`."""
+
+    module: nn.Module
+    attr: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSlot:
+    """One parameter inside a unit's flat buffer."""
+
+    name: str
+    shape: torch.Size
+    offset: int
+    numel: int
+    bindings: tuple[Binding, ...]
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.narrow(0, self.offset, self.numel).view(self.shape)
+
+
+@dataclass(slots=True, eq=False)
+class Unit:
+    """A wrapped module's parameters as one flat buffer, and its gathering state (compared by identity)."""
+
+    name: str
+    module: nn.Module
+    slots: tuple[ParamSlot, ...]
+    numel: int
+    padded_numel: int
+    world_size: int
+    state: UnitState = UnitState.SHARDED
+    gathered: torch.Tensor | None = field(default=None, repr=False)
+    """The full parameter buffer while GATHERED (stage 3) or from forward to step (stages 1, 2)."""
+    pending_uses: int = 0
+    """Forward uses in this micro-step whose backward has not run yet."""
+    has_grads: bool = False
+    """Some use of the unit produced gradients since the last optimizer step."""
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        start = rank * self.shard_numel
+        return start, start + self.shard_numel
+
+    def transition(self, to: UnitState, *, allowed_from: tuple[UnitState, ...]) -> None:
+        assert self.state in allowed_from, f"unit {self.name}: {self.state.value} -> {to.value}"
+        self.state = to
+
+    def flatten(self, tensors: list[torch.Tensor], *, out: torch.Tensor) -> torch.Tensor:
+        """Write one tensor per slot into `out` (padded length), zeroing the padding."""
+        assert out.numel() == self.padded_numel and len(tensors) == len(self.slots)
+        for slot, t in zip(self.slots, tensors):
+            out.narrow(0, slot.offset, slot.numel).copy_(t.reshape(-1))
+        out.narrow(0, self.numel, self.padded_numel - self.numel).zero_()
+        return out
+
+
+def plan_units(
+    model: nn.Module,
+    *,
+    world_size: int,
+    unit_classes: list[str] | tuple[str, ...] = (),
+    align_numel: int = DEFAULT_ALIGN_NUMEL,
+) -> list[Unit]:
+    """The model's units, wrapped blocks first in module order, the root unit last.
+
+    Raises ValueError when `unit_classes` names a class the model does not contain.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    wrapped = _wrapped_modules(model, unit_classes)
+    unit_of_module = _owner_names(model, wrapped)
+    bindings = _bindings_by_param(model)
+
+    grouped: dict[str, list[tuple[nn.Parameter, list[Binding]]]] = {name: [] for name in [*wrapped, ROOT]}
+    for param, binds in bindings:
+        owners = {unit_of_module[b.name.rpartition(".")[0]] for b in binds}
+        owner = owners.pop() if len(owners) == 1 else ROOT
+        grouped[owner].append((param, binds))
+
+    modules = {**wrapped, ROOT: model}
+    units = []
+    for name, params in grouped.items():
+        if params:
+            units.append(_make_unit(name, modules[name], params, world_size=world_size, align_numel=align_numel))
+    return units
+
+
+def _wrapped_modules(model: nn.Module, unit_classes: list[str] | tuple[str, ...]) -> dict[str, nn.Module]:
+    if unit_classes:
+        wanted = set(unit_classes)
+        found: dict[str, nn.Module] = {}
+        for name, module in model.named_modules():
+            inside_wrapped = any(name.startswith(prefix + ".") for prefix in found)
+            if name and not inside_wrapped and type(module).__name__ in wanted:
+                found[name] = module
+        seen = {type(m).__name__ for m in model.modules()}
+        missing = sorted(wanted - seen)
+        if missing:
+            raise ValueError(
+                f"zero.unit_classes names {missing}, which the model does not contain; "
+                f"its module classes include {sorted(seen)[:12]}: fix zero.unit_classes"
+            )
+        return found
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        return {}
+    name, largest = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
+    return {f"{name}.{i}": child for i, child in enumerate(largest)}
+
+
+def _owner_names(model: nn.Module, wrapped: dict[str, nn.Module]) -> dict[str, str]:
+    """Module name -> the unit that owns its parameters (nearest wrapped ancestor, else root)."""
+    owners = {}
+    for name, _ in model.named_modules(remove_duplicate=False):
+        owner = ROOT
+        for prefix in wrapped:
+            if name == prefix or name.startswith(prefix + "."):
+                owner = prefix
+                break
+        owners[name] = owner
+    return owners
+
+
+def _bindings_by_param(model: nn.Module) -> list[tuple[nn.Parameter, list[Binding]]]:
+    """Every distinct parameter with all places it is reachable, in `named_parameters` order."""
+    by_id: dict[int, tuple[nn.Parameter, list[Binding]]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is None or not param.requires_grad:
+                continue
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            entry = by_id.setdefault(id(param), (param, []))
+            if all(b.module is not module or b.attr != attr for b in entry[1]):
+                entry[1].append(Binding(module=module, attr=attr, name=name))
+    return list(by_id.values())
+
+
+def _make_unit(
+    name: str,
+    module: nn.Module,
+    params: list[tuple[nn.Parameter, list[Binding]]],
+    *,
+    world_size: int,
+    align_numel: int,
+) -> Unit:
+    slots, offset = [], 0
+    for param, binds in params:
+        slots.append(
+            ParamSlot(name=binds[0].name, shape=param.shape, offset=offset, numel=param.numel(), bindings=tuple(binds))
+        )
+        offset += param.numel()
+    padded = align_up(max(offset, 1), world_size * align_numel)
+    return Unit(name=name, module=module, slots=tuple(slots), numel=offset, padded_numel=padded, world_size=world_size)
