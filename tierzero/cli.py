@@ -16,12 +16,15 @@ def _build_parser() -> argparse.ArgumentParser:
     from tierzero import __version__
     from tierzero.bench import add_bench_commands
     from tierzero.config_cli import add_config_commands
+    from tierzero.train import add_demo_command, add_train_command
 
     parser = argparse.ArgumentParser(prog="tierzero", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tierzero {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_bench_commands(commands)
     add_config_commands(commands)
+    add_train_command(commands)
+    add_demo_command(commands)
     return parser
 
 

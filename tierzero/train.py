@@ -1,0 +1,282 @@
+"""`tierzero train` and `tierzero demo`: build the configured model and data, train, summarise.
+
+The loop is the engine's public API and nothing more: `engine(x, y)`, `engine.backward`,
+`engine.step`, `engine.memory_report`. Under torchrun every rank trains its slice of each
+global batch (see tierzero.data) and rank 0 alone prints. Ctrl-C ends the step in flight,
+closes the engine (which removes its swap files), prints the summary so far and exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.nn.functional as F
+
+from tierzero.sizes import format_size
+
+__all__ = ["RunSummary", "add_demo_command", "add_train_command", "run_demo", "run_train", "train"]
+
+DEMO_CONFIG = Path("configs") / "demo.yaml"
+DEMO_SWAP = Path(".tierzero-swap")
+TIERS = ("device", "cpu", "nvme")
+
+
+def add_train_command(subparsers: Any) -> None:
+    """Register `tierzero train` on the `tierzero` command's sub-parsers."""
+    parser = subparsers.add_parser("train", help="train the configured model on byte-level text")
+    parser.add_argument("--config", required=True, help="a tierzero .yaml/.yml/.json config (or a DeepSpeed .json)")
+    _add_run_flags(parser)
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.set_defaults(func=run_train)
+
+
+def add_demo_command(subparsers: Any) -> None:
+    """Register `tierzero demo`: `train --config configs/demo.yaml` swapping to ./.tierzero-swap."""
+    parser = subparsers.add_parser("demo", help=f"train the demo model ({DEMO_CONFIG}), swapping to ./{DEMO_SWAP}")
+    parser.add_argument("--config", default=None, help=f"another config to run instead of {DEMO_CONFIG}")
+    _add_run_flags(parser)
+    parser.set_defaults(func=run_demo, resume=False)
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps to run (overrides train.steps)")
+    parser.add_argument("--nvme-path", default=None, help="directory for the swap files (overrides tiers.nvme.path)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override one dotted config key, e.g. --set optimizer.lr=3e-4 (the value is read as YAML)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar; log lines only")
+
+
+def run_train(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
+    """`tierzero train`: 0 when done, 130 when interrupted; user errors raise ValueError/OSError."""
+    from tierzero.config import load_config
+    from tierzero.config_cli import parse_overrides
+
+    overrides = parse_overrides(args.overrides, nvme_path=args.nvme_path)
+    if args.steps is not None:
+        overrides["train.steps"] = args.steps
+    cfg = load_config(args.config, overrides=overrides)
+    summary = train(cfg, resume=args.resume, progress=not args.no_progress, out=out or sys.stdout)
+    return 130 if summary.interrupted else 0
+
+
+def run_demo(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
+    """`tierzero demo`: the demo config, with its swap files under ./.tierzero-swap unless --nvme-path is given."""
+    created = False
+    if args.nvme_path is None:
+        created = not DEMO_SWAP.exists()
+        DEMO_SWAP.mkdir(exist_ok=True)
+        args.nvme_path = str(DEMO_SWAP)
+    args.config = args.config or str(_demo_config())
+    try:
+        return run_train(args, out=out)
+    finally:
+        if created and DEMO_SWAP.is_dir() and not any(DEMO_SWAP.iterdir()):
+            DEMO_SWAP.rmdir()
+
+
+def _demo_config() -> Path:
+    """configs/demo.yaml from the working directory, else from the checkout this package runs from."""
+    if DEMO_CONFIG.is_file():
+        return DEMO_CONFIG
+    beside = Path(__file__).resolve().parents[1] / DEMO_CONFIG
+    if beside.is_file():
+        return beside
+    raise OSError(f"demo config {DEMO_CONFIG} not found in {Path.cwd()} nor beside the package: run from the tierzero checkout or pass --config")
+
+
+# ---------------------------------------------------------------- the loop
+
+
+@dataclass(slots=True, kw_only=True)
+class RunSummary:
+    """What one `train` call did; `format()` is the table printed at the end."""
+
+    steps: int = 0
+    planned_steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    tokens: int = 0
+    """Tokens trained on, over all ranks."""
+    seconds: float = 0.0
+    """Wall time of the steps (set-up excluded)."""
+    parameters: int = 0
+    state_bytes: int = 0
+    """Model-state bytes per rank (params, grads, master, Adam states) from the engine's accounting."""
+    peak_tier_bytes: dict[str, int] = field(default_factory=dict)
+    tier_capacity: dict[str, int | None] = field(default_factory=dict)
+    peak_rss: int = 0
+    io_wait_s: float | None = None
+    interrupted: bool = False
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def format(self) -> str:
+        first = f"{self.losses[0]:.4f}" if self.losses else "-"
+        last = f"{self.losses[-1]:.4f}" if self.losses else "-"
+        rows = [
+            ("steps", f"{self.steps} of {self.planned_steps}" + (" (interrupted)" if self.interrupted else "")),
+            ("loss first -> last", f"{first} -> {last}"),
+            ("tokens/s", f"{self.tokens_per_s:,.0f}"),
+            ("time", f"{self.seconds:.1f} s"),
+            ("parameters", f"{self.parameters:,}"),
+            ("training state", format_size(self.state_bytes) + self._state_ratio()),
+            ("peak RSS", format_size(self.peak_rss)),
+        ]
+        if self.io_wait_s is not None:
+            rows.append(("I/O wait", f"{self.io_wait_s:.2f} s"))
+        lines = ["", "tierzero train summary", *(f"  {k:<20} {v}" for k, v in rows)]
+        lines += ["", f"  {'tier':<8} {'peak':>12} {'capacity':>12}"]
+        for tier in TIERS:
+            if tier in self.peak_tier_bytes:
+                capacity = self.tier_capacity.get(tier)
+                shown = format_size(capacity) if capacity is not None else "unbounded"
+                lines.append(f"  {tier:<8} {format_size(self.peak_tier_bytes[tier]):>12} {shown:>12}")
+        return "\n".join(lines) + "\n"
+
+    def _state_ratio(self) -> str:
+        capacity = self.tier_capacity.get("device")
+        return f" ({self.state_bytes / capacity:.1f}x the device capacity)" if capacity else ""
+
+
+def train(cfg: Any, *, resume: bool = False, progress: bool = True, out: TextIO | None = None) -> RunSummary:
+    """Train `cfg.model` on `cfg.data` for `cfg.train.steps` optimizer steps; rank 0 reports to `out`."""
+    import tierzero
+    from tierzero.data import ByteBatches
+    from tierzero.engine import Engine
+    from tierzero.models import build_model, count_parameters
+
+    out = out or sys.stdout
+    if resume and not hasattr(Engine, "load_checkpoint"):
+        raise ValueError("--resume needs checkpoints, which this engine cannot load yet (no Engine.load_checkpoint): run without --resume")
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model)
+    summary = RunSummary(planned_steps=cfg.train.steps, parameters=count_parameters(model))
+    engine = tierzero.initialize(model, cfg)
+    rank, world = _rank_and_world()
+    try:
+        if resume:
+            engine.load_checkpoint()
+        data = ByteBatches.from_config(cfg, rank=rank, world_size=world)
+        _loop(engine, cfg, data=data, summary=summary, show=rank == 0, progress=progress, out=out)
+    except BaseException:
+        # The first error is the one to report; a close that fails after it would hide it.
+        with contextlib.suppress(Exception):
+            engine.close()
+        raise
+    engine.close()
+    if rank == 0:
+        out.write(summary.format())
+        out.flush()
+    return summary
+
+
+def _loop(engine: Any, cfg: Any, *, data: Any, summary: RunSummary, show: bool, progress: bool, out: TextIO) -> None:
+    from tqdm import tqdm
+
+    accumulation = cfg.gradient_accumulation_steps
+    tokens_per_step = data.tokens_per_batch * data.world_size * accumulation
+    device = _compute_device()
+    start = engine.global_step
+    bar = tqdm(total=cfg.train.steps, initial=start, disable=not (show and progress), unit="step", dynamic_ncols=True)
+    rss = _RssProbe()
+    began = time.perf_counter()
+    try:
+        for step in range(start, cfg.train.steps):
+            t0 = time.perf_counter()
+            loss = _train_step(engine, data, step=step, accumulation=accumulation, device=device, is_hf=cfg.model.type == "transformers")
+            elapsed = time.perf_counter() - t0
+            summary.steps, summary.tokens = summary.steps + 1, summary.tokens + tokens_per_step
+            summary.losses.append(loss)
+            _note_memory(engine, summary, rss)
+            postfix = _postfix(loss, tokens_per_step / elapsed, summary, engine)
+            bar.set_postfix_str(postfix, refresh=False)
+            bar.update(1)
+            if show and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
+                bar.write(f"step {step + 1}/{cfg.train.steps} {postfix}", file=out)
+    except KeyboardInterrupt:
+        summary.interrupted = True
+        if show:
+            bar.write(f"interrupted after {summary.steps} steps: closing the engine and removing swap files", file=out)
+    finally:
+        summary.seconds = time.perf_counter() - began
+        bar.close()
+
+
+def _train_step(engine: Any, data: Any, *, step: int, accumulation: int, device: torch.device, is_hf: bool) -> float:
+    """One optimizer step over `accumulation` micro-batches; the mean loss over them and over ranks."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for micro in range(accumulation):
+        x, y = (t.to(device, non_blocking=True) for t in data.batch(step * accumulation + micro))
+        if is_hf:
+            logits = engine(input_ids=x).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        else:
+            _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total)
+        total /= torch.distributed.get_world_size()
+    return total.item() / accumulation
+
+
+def _postfix(loss: float, tokens_per_s: float, summary: RunSummary, engine: Any) -> str:
+    # Peaks, not end-of-step values: a stage-3 device tier is empty between steps.
+    tiers = " ".join(f"{tier}<={format_size(summary.peak_tier_bytes[tier])}" for tier in TIERS if tier in summary.peak_tier_bytes)
+    parts = [f"loss={loss:.4f}", f"tok/s={tokens_per_s:,.0f}", tiers]
+    wait = _last_io_wait(engine)
+    if wait is not None:
+        summary.io_wait_s = (summary.io_wait_s or 0.0) + wait
+        parts.append(f"io_wait={wait:.2f}s")
+    return " ".join(p for p in parts if p)
+
+
+def _last_io_wait(engine: Any) -> float | None:
+    """Seconds compute waited on I/O in the last step, where the engine reports its prefetcher."""
+    report_fn = getattr(engine, "prefetch_report", None)
+    report = report_fn() if callable(report_fn) else None
+    return float(report.waited_s) if report is not None else None
+
+
+def _note_memory(engine: Any, summary: RunSummary, rss: _RssProbe) -> None:
+    report = engine.memory_report()
+    summary.state_bytes = sum(report["kinds"].values())
+    for tier, usage in report["tiers"].items():
+        summary.peak_tier_bytes[tier] = max(summary.peak_tier_bytes.get(tier, 0), int(usage["peak"]))
+        summary.tier_capacity[tier] = usage["capacity"]
+    summary.peak_rss = max(summary.peak_rss, rss.sample())
+
+
+class _RssProbe:
+    """This process's resident set size, by psutil."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._process = psutil.Process(os.getpid())
+
+    def sample(self) -> int:
+        return int(self._process.memory_info().rss)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _compute_device() -> torch.device:
+    # tierzero.dist.setup has already selected this rank's GPU where there is one.
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
