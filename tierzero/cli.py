@@ -16,6 +16,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from tierzero import __version__
     from tierzero.bench import add_bench_commands
     from tierzero.config_cli import add_config_commands
+    from tierzero.consolidate import add_consolidate_command
     from tierzero.train import add_demo_command, add_train_command
 
     parser = argparse.ArgumentParser(prog="tierzero", description=__doc__.splitlines()[0])
@@ -25,6 +26,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_config_commands(commands)
     add_train_command(commands)
     add_demo_command(commands)
+    add_consolidate_command(commands)
     return parser
 
 

@@ -315,6 +315,21 @@ class PrefetchConfig(Section):
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class CheckpointConfig(Section):
+    """Sharded checkpoints: what `tierzero train` writes and `--resume` continues from."""
+
+    SECTION: ClassVar[str] = "checkpoint"
+    dir: str | None = setting(None, DIRECTORY)
+    """Directory of the checkpoints, one `<step>` directory each and a `latest` pointer (created when
+    needed; made absolute when loaded); null: `tierzero train` saves none."""
+    every: int = setting(0, int_check(0))
+    """`tierzero train` saves every this many optimizer steps, and after the last one (0: only after
+    the last one)."""
+    keep: int = setting(2, int_check(1))
+    """Newest checkpoints kept under checkpoint.dir; older ones are deleted after each save."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class Config(Section):
     """Everything one training run needs, checked as a whole."""
 
@@ -332,6 +347,7 @@ class Config(Section):
     tiers: TiersConfig = section(TiersConfig)
     swapper: SwapperConfig = section(SwapperConfig)
     prefetch: PrefetchConfig = section(PrefetchConfig)
+    checkpoint: CheckpointConfig = section(CheckpointConfig)
 
     def _validate(self) -> None:
         _check_stage_allows_offload(self.zero.stage, self.offload)

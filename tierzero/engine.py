@@ -9,7 +9,9 @@ coefficient, fp16 overflow — identically on every rank, and lets the stage mov
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -159,6 +161,36 @@ class Engine:
     def micro_steps(self) -> int:
         """Micro-steps counted by `step()`; a multiple of the accumulation steps at a boundary."""
         return self._micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        # Only a checkpoint load sets it, together with global_step.
+        self._micro_steps = value
+
+    def save_checkpoint(self, root: str | os.PathLike[str] | None = None, *, keep: int | None = None) -> Path:
+        """Save this step under `root` (default checkpoint.dir), keeping the newest `keep` (default checkpoint.keep).
+
+        Collective: every rank calls it after the same `step()`. See tierzero/checkpoint.py.
+        """
+        from tierzero.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, self._checkpoint_root(root), keep=self.cfg.checkpoint.keep if keep is None else keep)
+
+    def load_checkpoint(self, root: str | os.PathLike[str] | None = None) -> Path:
+        """Load the checkpoint `root` names, or the newest complete one under it (default checkpoint.dir).
+
+        Sets `global_step`; raises FileNotFoundError when there is none. Collective.
+        """
+        from tierzero.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, self._checkpoint_root(root))
+
+    def _checkpoint_root(self, root: str | os.PathLike[str] | None) -> Path:
+        if root is not None:
+            return Path(root)
+        if self.cfg.checkpoint.dir is None:
+            raise ValueError("no checkpoint directory: pass one, or set checkpoint.dir in the config")
+        return Path(self.cfg.checkpoint.dir)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full fp32 parameters by the model's names, on CPU, on rank 0 (None elsewhere). Collective."""

@@ -153,12 +153,11 @@ def train(cfg: Any, *, resume: bool = False, progress: bool = True, out: TextIO 
     """Train `cfg.model` on `cfg.data` for `cfg.train.steps` optimizer steps; rank 0 reports to `out`."""
     import tierzero
     from tierzero.data import ByteBatches
-    from tierzero.engine import Engine
     from tierzero.models import build_model, count_parameters
 
     out = out or sys.stdout
-    if resume and not hasattr(Engine, "load_checkpoint"):
-        raise ValueError("--resume needs checkpoints, which this engine cannot load yet (no Engine.load_checkpoint): run without --resume")
+    if resume and cfg.checkpoint.dir is None:
+        raise ValueError("--resume needs checkpoint.dir, where the checkpoints are: set it in the config or with --set checkpoint.dir=PATH")
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
     summary = RunSummary(planned_steps=cfg.train.steps, parameters=count_parameters(model))
@@ -166,13 +165,16 @@ def train(cfg: Any, *, resume: bool = False, progress: bool = True, out: TextIO 
     rank, world = _rank_and_world()
     try:
         if resume:
-            engine.load_checkpoint()
+            _resume(engine, cfg, show=rank == 0, out=out)
         data = ByteBatches.from_config(cfg, rank=rank, world_size=world)
         _loop(engine, cfg, data=data, summary=summary, show=rank == 0, progress=progress, out=out)
-    except BaseException:
+    except BaseException as exc:
         # The first error is the one to report; a close that fails after it would hide it.
         with contextlib.suppress(Exception):
             engine.close()
+        lost = _lost_rank(exc, rank=rank, world=world, step=engine.global_step + 1)
+        if lost is not None:
+            raise lost from exc
         raise
     engine.close()
     if rank == 0:
@@ -187,7 +189,8 @@ def _loop(engine: Any, cfg: Any, *, data: Any, summary: RunSummary, show: bool, 
     accumulation = cfg.gradient_accumulation_steps
     tokens_per_step = data.tokens_per_batch * data.world_size * accumulation
     device = _compute_device()
-    start = engine.global_step
+    # Loop steps, not optimizer steps: an fp16 step skipped on overflow still used its batches.
+    start = engine.micro_steps // accumulation
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not (show and progress), unit="step", dynamic_ncols=True)
     rss = _RssProbe()
     began = time.perf_counter()
@@ -204,6 +207,10 @@ def _loop(engine: Any, cfg: Any, *, data: Any, summary: RunSummary, show: bool, 
             bar.update(1)
             if show and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
                 bar.write(f"step {step + 1}/{cfg.train.steps} {postfix}", file=out)
+            if _checkpoint_due(cfg, step + 1):
+                saved = engine.save_checkpoint()
+                if show:
+                    bar.write(f"saved checkpoint {saved}", file=out)
     except KeyboardInterrupt:
         summary.interrupted = True
         if show:
@@ -211,6 +218,40 @@ def _loop(engine: Any, cfg: Any, *, data: Any, summary: RunSummary, show: bool, 
     finally:
         summary.seconds = time.perf_counter() - began
         bar.close()
+
+
+def _resume(engine: Any, cfg: Any, *, show: bool, out: TextIO) -> None:
+    try:
+        loaded = engine.load_checkpoint()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"--resume found no complete checkpoint under {cfg.checkpoint.dir}: run without --resume to start from step 0"
+        ) from None
+    if show:
+        out.write(f"resumed from {loaded} at step {engine.micro_steps // cfg.gradient_accumulation_steps}\n")
+
+
+def _lost_rank(exc: BaseException, *, rank: int, world: int, step: int) -> ConnectionError | None:
+    """A one-line error for a collective that failed because a peer died (its sockets closed) or hung (timeout).
+
+    A ConnectionError is an OSError, which the command prints as one line and exits 2.
+    """
+    if world == 1 or not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc).strip()
+    if not (isinstance(exc, torch.distributed.DistError) or "gloo" in text or "NCCL" in text):
+        return None
+    cause = text.splitlines()[0] if text else type(exc).__name__
+    return ConnectionError(
+        f"rank {rank} of {world} lost contact with another rank in step {step} ({cause}): that rank died or hung, "
+        "so the job stops; relaunch it with --resume to continue from the last checkpoint"
+    )
+
+
+def _checkpoint_due(cfg: Any, steps_done: int) -> bool:
+    """After the last step, and every checkpoint.every steps, when checkpoint.dir is set."""
+    every = cfg.checkpoint.every
+    return cfg.checkpoint.dir is not None and (steps_done == cfg.train.steps or (every > 0 and steps_done % every == 0))
 
 
 def _train_step(engine: Any, data: Any, *, step: int, accumulation: int, device: torch.device, is_hf: bool) -> float:

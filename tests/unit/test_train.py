@@ -138,13 +138,9 @@ def test_ctrl_c_stops_cleanly_with_exit_130_and_no_swap_files(tmp_path: Path, mo
     assert list(swap.iterdir()) == []
 
 
-def test_resume_without_checkpoint_support_is_a_one_line_error(tmp_path: Path) -> None:
-    from tierzero.engine import Engine
-
-    if hasattr(Engine, "load_checkpoint"):
-        pytest.skip("the engine loads checkpoints now: test resuming instead")
+def test_resume_without_a_checkpoint_dir_is_a_one_line_error(tmp_path: Path) -> None:
     config, _ = _tiny_config(tmp_path, nvme=False)
-    with pytest.raises(ValueError, match=r"^--resume needs checkpoints, which this engine cannot load yet"):
+    with pytest.raises(ValueError, match=r"^--resume needs checkpoint.dir, where the checkpoints are"):
         T.run_train(_parse(["train", "--config", str(config), "--resume"]))
 
 

@@ -1,0 +1,399 @@
+"""Atomic, sharded checkpoints of an engine: save at one world size, load at any.
+
+Saving step S under `root`:
+1. rank 0 creates `root/.tmp-S-<random>`; every rank streams its own slices into
+   `rank-<r>.safetensors` one slice at a time (fetched from its tier to host memory,
+   written, released: the whole state is never staged), and its RNG states into
+   `rank-<r>.json`; each file is checksummed as written and fsynced;
+2. rank 0 writes `manifest.json` (layouts, dtypes, world size, config, scalars, every
+   file's size and checksum), fsyncs the directory, renames it to `root/S`, fsyncs
+   `root`, then replaces `root/latest` (temp file + rename) and prunes to the last K.
+
+A crash anywhere leaves either the old set of checkpoints or the new one: a directory
+is complete exactly when it is named by a step and holds a manifest, and `.tmp-*`
+directories are never loaded (the next successful save deletes them). Every outcome
+is agreed by all ranks, so an error on one rank (a full disk) is raised on all of them
+rather than leaving the others waiting in a collective.
+
+Loading reads the manifest, verifies the size and checksum of every file it will read
+before using a byte of it, and writes each slice home through the store. The layout
+(see [Note: checkpoint layout] in checkpoint_manifest.py) lets a checkpoint written
+at N ranks load at M.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from tierzero.checkpoint_engine import (
+    config_json,
+    own_range,
+    read_scalars,
+    require_step_boundary,
+    restore_scalars,
+    saved_specs,
+    slice_for_reading,
+    unit_layout,
+    wanted_range,
+)
+from tierzero.checkpoint_format import (
+    CheckpointError,
+    FileRecord,
+    SafetensorsStream,
+    TensorEntry,
+    checksum_algorithm,
+    dtype_from_name,
+    dtype_name,
+    fsync_dir,
+    read_json,
+    verify_file,
+    write_json,
+    write_text_atomic,
+)
+from tierzero.checkpoint_manifest import (
+    MANIFEST,
+    MODULE_PREFIX,
+    Manifest,
+    UnitLayout,
+    rank_state_file,
+    rank_tensor_file,
+    tensor_name,
+)
+from tierzero.checkpoint_rng import rng_state, set_rng_state
+from tierzero.checkpoint_shards import ShardReader
+from tierzero.offload.base import Kind, SliceKey, Tier
+
+if TYPE_CHECKING:
+    from tierzero.comm import CommGroup
+    from tierzero.engine import Engine
+    from tierzero.stages.base import SliceSpec
+    from tierzero.units import Unit
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointWriteError",
+    "find_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+T = TypeVar("T")
+
+
+class CheckpointWriteError(OSError):
+    """A save failed on some rank; the half-written directory is gone and earlier checkpoints are untouched."""
+
+
+# ---- finding checkpoints -----------------------------------------------------------
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under `root` (step-named directories with a manifest), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.name.isdigit() and p.is_dir() and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: int(p.name))
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """`path` itself when it is a checkpoint, else the newest complete checkpoint under it.
+
+    The directories decide, not `latest` (which is for people and tools): a save killed
+    between its rename and the pointer's update has still written a complete, newer
+    checkpoint. Raises FileNotFoundError when there is none; a `.tmp-*` directory is refused.
+    """
+    path = Path(path)
+    if path.name.startswith(TMP_PREFIX):
+        raise CheckpointError(f"{path} is a half-written checkpoint (a save that never finished): load a step directory instead")
+    if (path / MANIFEST).is_file():
+        return path
+    complete = list_checkpoints(path)
+    if not complete:
+        raise FileNotFoundError(
+            f"no complete checkpoint under {path} (a step directory holding {MANIFEST}): "
+            "save one first, or pass the directory of an existing checkpoint"
+        )
+    return complete[-1]
+
+
+# ---- saving ------------------------------------------------------------------------
+
+
+def save_checkpoint(engine: Engine, root: str | Path, *, keep: int | None = None) -> Path:
+    """Write `root/<engine.global_step>` atomically, point `root/latest` at it, keep the newest `keep`.
+
+    Collective: every rank calls it at the same step. Raises CheckpointWriteError (an
+    OSError) on every rank when any rank fails; earlier checkpoints are left intact.
+    """
+    if keep is not None and keep < 1:
+        raise ValueError(f"checkpoint keep must be >= 1 (or None to keep all), got {keep}")
+    require_step_boundary(engine, action="save a checkpoint")
+    root, comm, step = Path(root), engine.comm, engine.global_step
+    engine.stage.finish()  # parameter all-gathers still in flight write the buffers being saved
+    algorithm, fail = checksum_algorithm(), _save_failure(step, root)
+    made = _on_every_rank(comm, lambda: _make_tmp_dir(root, step) if comm.rank == 0 else None, fail=fail)
+    tmp = _from_rank0(comm, made)
+    assert tmp is not None
+    try:
+        records = _on_every_rank(comm, lambda: _write_rank_files(engine, tmp, algorithm=algorithm), fail=fail)
+        per_rank = _all_gather_objects(comm, records)
+        return _on_every_rank(
+            comm, lambda: _publish(engine, root, tmp, per_rank, algorithm=algorithm, keep=keep), fail=fail
+        )
+    except CheckpointWriteError:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _all_gather_objects(comm, None)  # every rank raises once the half-written directory is gone
+        raise
+
+
+def _make_tmp_dir(root: Path, step: int) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{TMP_PREFIX}{step}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    return tmp
+
+
+def _write_rank_files(engine: Engine, tmp: Path, *, algorithm: str) -> list[FileRecord]:
+    """This rank's slices streamed one at a time, its module's buffers and frozen parameters, its RNG states."""
+    rank = engine.comm.rank
+    todo = [(unit, spec) for unit in engine.units for spec in saved_specs(engine, unit)]
+    entries = [TensorEntry(tensor_name(unit.name, spec.kind.value), unit.shard_numel, spec.dtype) for unit, spec in todo]
+    module = engine.module.state_dict()
+    entries += [TensorEntry(MODULE_PREFIX + name, t.numel(), t.dtype, tuple(t.shape)) for name, t in module.items()]
+    stream = SafetensorsStream(tmp / rank_tensor_file(rank), entries, algorithm=algorithm)
+    try:
+        for (unit, spec), entry in zip(todo, entries, strict=False):
+            with slice_for_reading(engine, unit, spec) as tensor:
+                stream.write(entry.name, own_range(engine, unit, spec, tensor))
+        for name, tensor in module.items():
+            stream.write(MODULE_PREFIX + name, tensor.detach())
+        tensors = stream.finish()
+    except BaseException:
+        stream.abort()
+        raise
+    state = write_json(tmp / rank_state_file(rank), {"rank": rank, "rng": rng_state()}, algorithm=algorithm)
+    return [tensors, state]
+
+
+def _publish(engine: Engine, root: Path, tmp: Path, per_rank: list[list[FileRecord]], *, algorithm: str, keep: int | None) -> Path:
+    """Rank 0: manifest, rename into place, move `latest`, prune. Other ranks only learn the path."""
+    final = root / str(engine.global_step)
+    if engine.comm.rank != 0:
+        return final
+    manifest = Manifest(
+        step=engine.global_step,
+        world_size=engine.comm.world_size,
+        stage=engine.stage.number,
+        param_dtype=dtype_name(engine.stage.param_dtype),
+        checksum=algorithm,
+        scalars=read_scalars(engine),
+        units=tuple(unit_layout(engine, unit) for unit in engine.units),
+        files={record.name: record for records in per_rank for record in records},
+        config=config_json(engine.cfg),
+    )
+    write_json(tmp / MANIFEST, manifest.to_json(), algorithm=algorithm)
+    fsync_dir(tmp)
+    replaced = None
+    if final.exists():
+        # The same step saved twice (e.g. right after a resume): the new copy replaces it.
+        replaced = root / f"{TMP_PREFIX}old-{final.name}-{secrets.token_hex(4)}"
+        final.rename(replaced)
+    tmp.rename(final)
+    fsync_dir(root)
+    write_text_atomic(root / LATEST, f"{final.name}\n")
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    _prune(root, keep=keep, current=final)
+    return final
+
+
+def _prune(root: Path, *, keep: int | None, current: Path) -> None:
+    """Delete all but the newest `keep` checkpoints, and `.tmp-*` directories of saves that died."""
+    for stale in root.glob(f"{TMP_PREFIX}*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+    if keep is None:
+        return
+    complete = list_checkpoints(root)
+    for old in complete[: max(0, len(complete) - keep)]:
+        if old != current:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- loading -----------------------------------------------------------------------
+
+
+def load_checkpoint(engine: Engine, path: str | Path) -> Path:
+    """Load the checkpoint `path` names (or the newest complete one under it) into `engine`.
+
+    Collective. Every file is verified before any state changes; a mismatch raises
+    CheckpointError (a ValueError) naming the file on every rank. Returns the directory loaded.
+    """
+    require_step_boundary(engine, action="load a checkpoint")
+    directory = find_checkpoint(path)
+    engine.stage.finish()
+    loaded = _on_every_rank(engine.comm, lambda: _prepare_load(engine, directory), fail=CheckpointError)
+    _on_every_rank(engine.comm, lambda: _write_slices(engine, loaded.reader, loaded.plan), fail=CheckpointError)
+    _on_every_rank(engine.comm, lambda: _load_module_state(engine, loaded.reader), fail=CheckpointError)
+    restore_scalars(engine, loaded.reader.manifest.scalars)
+    set_rng_state(loaded.rng)
+    return directory
+
+
+@dataclass(frozen=True, slots=True)
+class _SliceLoad:
+    """One slice to fill: logical elements [start, end) of `source` in the checkpoint's unit."""
+
+    unit: Unit
+    spec: SliceSpec
+    layout: UnitLayout
+    source: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Load:
+    """A verified checkpoint, ready to write into the engine."""
+
+    reader: ShardReader
+    plan: list[_SliceLoad]
+    rng: dict[str, Any]
+
+
+def _prepare_load(engine: Engine, directory: Path) -> _Load:
+    manifest = Manifest.read(directory)
+    reader = ShardReader(directory, manifest)
+    plan = []
+    for unit in engine.units:
+        layout = manifest.unit(unit.name)
+        mine = unit_layout(engine, unit)
+        if layout is None or not layout.same_parameters(mine):
+            raise CheckpointError(
+                f"{directory / MANIFEST}: unit {unit.name} "
+                + ("is missing" if layout is None else "holds other parameters than this model's")
+                + ": load a checkpoint of the same model (and zero.unit_classes)"
+            )
+        for spec in saved_specs(engine, unit):
+            start, end = wanted_range(engine, unit, spec)
+            source = _source_kind(spec.kind, layout, directory=directory)
+            plan.append(_SliceLoad(unit=unit, spec=spec, layout=layout, source=source, start=start, end=end))
+    # The files of the ranges this rank reads, and the one it takes buffers and frozen parameters from.
+    needed = {rank for s in plan for rank in reader.files_for(s.layout, s.start, s.end)}
+    reader.verify(needed | {engine.comm.rank % manifest.world_size})
+    return _Load(reader=reader, plan=plan, rng=_read_rng(engine, directory, manifest))
+
+
+def _write_slices(engine: Engine, reader: ShardReader, plan: list[_SliceLoad]) -> None:
+    """Each slice in turn: read its range on the host, cast, write it home."""
+    for s in plan:
+        stored = torch.empty(s.end - s.start, dtype=dtype_from_name(s.layout.kinds[s.source], where=str(reader.directory)))
+        value = reader.read(s.layout, s.source, s.start, s.end, out=stored).to(s.spec.dtype)
+        if s.spec.home is Tier.DEVICE:
+            value = value.to(engine.stage.device)
+        engine.store.write_back(SliceKey(s.unit.name, s.spec.kind), value.contiguous()).wait()
+
+
+def _load_module_state(engine: Engine, reader: ShardReader) -> None:
+    """Buffers and frozen parameters, from this rank's file (or, at a larger world size, rank r % N's)."""
+    expected = engine.module.state_dict()
+    if not expected:
+        return
+    source = engine.comm.rank % reader.manifest.world_size
+    values = reader.whole_tensors(source, prefix=MODULE_PREFIX)
+    missing = sorted(set(expected) - set(values))
+    if missing:
+        raise CheckpointError(
+            f"{reader.directory / rank_tensor_file(source)} has no {missing[0]} (of {len(missing)} missing module "
+            "buffers or frozen parameters): load a checkpoint of the same model"
+        )
+    with torch.no_grad():
+        for name, tensor in expected.items():
+            tensor.copy_(values[name])
+
+
+def _read_rng(engine: Engine, directory: Path, manifest: Manifest) -> dict[str, Any]:
+    # At another world size the ranks beyond the writer's reuse its ranks' generators.
+    name = rank_state_file(engine.comm.rank % manifest.world_size)
+    verify_file(directory, manifest.file(name, directory=directory), algorithm=manifest.checksum)
+    rng = read_json(directory / name).get("rng")
+    if not isinstance(rng, dict) or not {"torch", "numpy", "python"} <= set(rng):
+        raise CheckpointError(f"{directory / name} holds no RNG state: it is corrupt or was edited")
+    return rng
+
+
+def _source_kind(kind: Kind, layout: UnitLayout, *, directory: Path) -> str:
+    """Which stored kind fills `kind`: fp32 masters fill both PARAM and MASTER when present.
+
+    In mixed precision the stored PARAM is the master cast down, so reading the master
+    and casting gives the same bits, and a fp32 run resumed in bf16 (or back) works too.
+    """
+    if kind in (Kind.PARAM, Kind.MASTER):
+        return Kind.MASTER.value if Kind.MASTER.value in layout.kinds else Kind.PARAM.value
+    if kind.value not in layout.kinds:
+        raise CheckpointError(
+            f"{directory / MANIFEST}: unit {layout.name} has no {kind.value} state (it holds {sorted(layout.kinds)}): "
+            "resume with the optimizer the checkpoint was trained with"
+        )
+    return kind.value
+
+
+# ---- agreeing across ranks ---------------------------------------------------------
+
+
+def _on_every_rank(comm: CommGroup, fn: Callable[[], T], *, fail: Callable[[str], Exception]) -> T:
+    """Run `fn` on this rank; if it failed on any rank, raise `fail(first message)` on every rank.
+
+    Without this, a rank whose disk filled would raise while the others wait forever in
+    the next collective.
+    """
+    value, local, error = None, None, None
+    try:
+        value = fn()
+    except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+        local, error = exc, f"rank {comm.rank}: {exc}"
+    failed = [e for e in _all_gather_objects(comm, error) if e is not None]
+    if failed:
+        raise fail(failed[0]) from local
+    return value  # type: ignore[return-value]
+
+
+def _all_gather_objects(comm: CommGroup, value: Any) -> list[Any]:
+    if comm.world_size == 1:
+        return [value]
+    # Plain Python values between live ranks of one job (pickled in memory, never on disk).
+    out: list[Any] = [None] * comm.world_size
+    torch.distributed.all_gather_object(out, value)
+    return out
+
+
+def _from_rank0(comm: CommGroup, value: T) -> T:
+    if comm.world_size == 1:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _save_failure(step: int, root: Path) -> Callable[[str], Exception]:
+    def make(error: str) -> Exception:
+        previous = list_checkpoints(root)
+        kept = f"the previous checkpoint {previous[-1]} is intact and still loads" if previous else "no earlier checkpoint exists"
+        return CheckpointWriteError(
+            f"checkpoint of step {step} under {root} was not written ({error}); {kept}: "
+            "free space or pick another checkpoint.dir"
+        )
+
+    return make

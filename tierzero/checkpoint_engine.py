@@ -1,0 +1,99 @@
+"""What checkpoints read from and write to an engine: its slices, layouts and scalars.
+
+Kept apart from checkpoint.py so that the file protocol there never reaches into the
+engine's attributes itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tierzero.checkpoint_format import dtype_name
+from tierzero.checkpoint_manifest import EngineScalars, SlotLayout, UnitLayout
+from tierzero.offload.base import Kind, SliceKey, Tier
+
+if TYPE_CHECKING:
+    from tierzero.engine import Engine
+    from tierzero.stages.base import SliceSpec
+    from tierzero.units import Unit
+
+
+def saved_specs(engine: Engine, unit: Unit) -> list[SliceSpec]:
+    # Gradients are zero at a step boundary: they are not state worth saving.
+    return [spec for spec in engine.stage.slice_specs(unit) if spec.kind is not Kind.GRAD]
+
+
+def own_range(engine: Engine, unit: Unit, spec: SliceSpec, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's range of the unit's logical buffer: the slice itself, or its range of a replicated buffer."""
+    if spec.numel == unit.shard_numel:
+        return tensor
+    assert spec.numel == unit.padded_numel, (unit.name, spec)
+    start, end = unit.shard_range(engine.comm.rank)
+    return tensor[start:end]
+
+
+def wanted_range(engine: Engine, unit: Unit, spec: SliceSpec) -> tuple[int, int]:
+    if spec.numel == unit.shard_numel:
+        return unit.shard_range(engine.comm.rank)
+    return 0, unit.padded_numel
+
+
+@contextmanager
+def slice_for_reading(engine: Engine, unit: Unit, spec: SliceSpec) -> Iterator[torch.Tensor]:
+    """The slice's current bytes: its home tensor in memory tiers, a host copy of an NVMe home."""
+    key = SliceKey(unit.name, spec.kind)
+    if spec.home is not Tier.NVME:
+        yield engine.store.home_tensor(key)
+        return
+    tensor = engine.store.fetch(key, to=Tier.CPU).wait()
+    try:
+        yield tensor
+    finally:
+        engine.store.release(key)
+
+
+def unit_layout(engine: Engine, unit: Unit) -> UnitLayout:
+    return UnitLayout(
+        name=unit.name,
+        numel=unit.numel,
+        padded_numel=unit.padded_numel,
+        world_size=unit.world_size,
+        slots=tuple(
+            SlotLayout(names=tuple(b.name for b in slot.bindings), shape=tuple(slot.shape), offset=slot.offset, numel=slot.numel)
+            for slot in unit.slots
+        ),
+        kinds={spec.kind.value: dtype_name(spec.dtype) for spec in saved_specs(engine, unit)},
+    )
+
+
+def read_scalars(engine: Engine) -> EngineScalars:
+    return EngineScalars(
+        global_step=engine.global_step,
+        micro_steps=engine.micro_steps,
+        lr=engine.lr,
+        loss_scaler=engine.loss_scaler.state_dict(),
+    )
+
+
+def restore_scalars(engine: Engine, scalars: EngineScalars) -> None:
+    engine.global_step, engine.micro_steps, engine.lr = scalars.global_step, scalars.micro_steps, scalars.lr
+    engine.loss_scaler.load_state_dict(scalars.loss_scaler)
+
+
+def require_step_boundary(engine: Engine, *, action: str) -> None:
+    accumulation = engine.cfg.gradient_accumulation_steps
+    if engine.micro_steps % accumulation:
+        raise ValueError(
+            f"cannot {action} in the middle of gradient accumulation "
+            f"({engine.micro_steps % accumulation} of {accumulation} micro-steps done): call it after engine.step() "
+            "completes an optimizer step"
+        )
+
+
+def config_json(cfg: Any) -> dict[str, Any]:
+    to_dict = getattr(cfg, "to_dict", None)
+    return to_dict() if callable(to_dict) else {}
