@@ -330,6 +330,16 @@ class CheckpointConfig(Section):
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class DistConfig(Section):
+    """The process group `tierzero.initialize` creates under torchrun."""
+
+    SECTION: ClassVar[str] = "dist"
+    timeout: float = setting(600.0, float_check(lo=0.0, lo_open=True))
+    """Seconds a collective may wait for another rank before the job stops with an error naming the
+    lost rank; a dead rank is noticed at once, a hung one after this long."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class Config(Section):
     """Everything one training run needs, checked as a whole."""
 
@@ -348,6 +358,7 @@ class Config(Section):
     swapper: SwapperConfig = section(SwapperConfig)
     prefetch: PrefetchConfig = section(PrefetchConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
+    dist: DistConfig = section(DistConfig)
 
     def _validate(self) -> None:
         _check_stage_allows_offload(self.zero.stage, self.offload)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -28,8 +29,12 @@ class DistContext:
     """True when `setup` created the default group (and `teardown` should destroy it)."""
 
 
-def setup() -> DistContext:
-    """Join (or create) the default process group when launched as one rank of several."""
+def setup(*, timeout_s: float = 600.0) -> DistContext:
+    """Join (or create) the default process group when launched as one rank of several.
+
+    `timeout_s` bounds how long a collective of a group created here waits for a rank
+    that hung; a group the user created keeps its own timeout.
+    """
     if dist.is_available() and dist.is_initialized():
         return _context(created=False)
     env_world = os.environ.get("WORLD_SIZE")
@@ -44,7 +49,9 @@ def setup() -> DistContext:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(
+        backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=timeout_s)
+    )
     return _context(created=True)
 
 
