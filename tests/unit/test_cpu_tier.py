@@ -62,6 +62,29 @@ def test_kept_buffers_are_bounded_by_the_reuse_limit() -> None:
     assert tier.kept_bytes == 0
 
 
+def test_by_default_kept_buffers_never_lift_what_the_tier_holds_past_its_live_peak() -> None:
+    tier = CpuTier(capacity=None)
+    # A step's pattern: three slices live at once, then released.
+    first = [tier.allocate(1 << 20, label=f"a{i}") for i in range(3)]
+    for region in first:
+        tier.free(region)
+    assert tier.kept_bytes == 3 << 20 and tier.held == 3 << 20
+    # The same sizes next step come from the kept buffers, and nothing new is held.
+    second = [tier.allocate(1 << 20, label=f"b{i}") for i in range(3)]
+    assert tier.reused == 3 and tier.held == 3 << 20
+    for region in second:
+        tier.free(region)
+    # A new size drops kept buffers so that held stays at the live peak (3 MiB) ...
+    odd = tier.allocate(2 << 20, label="odd")
+    assert tier.held == 3 << 20 and tier.kept_bytes == 1 << 20
+    # ... and a live set past the old peak holds exactly the live bytes.
+    big = tier.allocate(4 << 20, label="big")
+    assert tier.used == 6 << 20 and tier.held == 6 << 20 and tier.kept_bytes == 0
+    tier.free(odd)
+    tier.free(big)
+    tier.close()
+
+
 def test_kept_buffers_make_room_before_a_refusal() -> None:
     # 3 MiB kept and 1 MiB live in a 4 MiB tier: a new 2 MiB region fits once kept ones go.
     tier = CpuTier(capacity=4 << 20, reuse_limit=8 << 20)

@@ -9,10 +9,14 @@ block up to a power of two, so a 40 GiB budget could hold only ~20 GiB of slices
 The module also holds the swapper's staging pool: aligned host buffers made from
 this tier, lent to one transfer at a time.
 
-Freed buffers are kept for reuse by exact size, up to `reuse_limit` bytes,
-because pinning is slow (it walks and locks every page). Kept buffers still hold
-memory, so they count against the capacity: when a new allocation would not fit,
-kept buffers are dropped first, and only then is the allocation refused.
+Freed buffers are kept for reuse by exact size, because pinning is slow (it walks
+and locks every page) and even unpinned fresh memory is slow to fill: its pages are
+faulted in and zeroed during the first read into it, which halves an NVMe read. Kept
+buffers still hold memory, so they count against the capacity: when a new allocation
+would not fit, kept buffers are dropped first, and only then is the allocation
+refused. With no `reuse_limit` the tier never holds more than the high-water mark of
+its live bytes: keeping a freed buffer never grows what it holds, and a new
+allocation past that mark drops kept buffers first, so reuse costs no peak memory.
 """
 
 from __future__ import annotations
@@ -26,8 +30,6 @@ import torch
 
 from tierzero.offload.base import IO_ALIGNMENT, Region, Tier, align_up, aligned_empty
 from tierzero.offload.device import MemoryTier
-
-DEFAULT_REUSE_LIMIT = 256 << 20
 
 _CUDA_HOST_REGISTER_PORTABLE = 1
 """Pinned for every CUDA context, not only the current device's."""
@@ -48,16 +50,18 @@ class CpuTier(MemoryTier):
     """Host memory, budgeted; buffers aligned to 4096 and pinned when CUDA is available."""
 
     def __init__(
-        self, *, capacity: int | None = None, pin_memory: bool = True, reuse_limit: int = DEFAULT_REUSE_LIMIT
+        self, *, capacity: int | None = None, pin_memory: bool = True, reuse_limit: int | None = None
     ) -> None:
         super().__init__(tier=Tier.CPU, capacity=capacity)
-        if reuse_limit < 0:
+        if reuse_limit is not None and reuse_limit < 0:
             raise ValueError(f"reuse_limit must be >= 0 bytes, got {reuse_limit}")
         # Without CUDA there is nothing to pin against (pinning would raise).
         self.pinned = pin_memory and torch.cuda.is_available()
         self.reuse_limit = reuse_limit
+        """Most bytes of freed buffers kept; None: bounded by the high-water mark of live bytes."""
         self._kept: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._kept_bytes = 0
+        self._live_peak = 0
         self.reused = 0
         """Allocations served from kept buffers (for tests and reports)."""
 
@@ -81,13 +85,15 @@ class CpuTier(MemoryTier):
             raise ValueError(f"a cpu region needs a positive size, got {nbytes} bytes for {label}")
         with self._lock:
             self._reserve(nbytes, label=label)
+            live_peak_before = self._live_peak
+            self._live_peak = max(self._live_peak, self._used)
             kept = self._kept.get(nbytes)
             buffer = kept.pop() if kept else None
             if buffer is not None:
                 self._kept_bytes -= nbytes
                 self.reused += 1
             else:
-                dropped = self._make_room(nbytes)
+                dropped = self._make_room(live_peak_before)
         if buffer is None:
             self._unpin_all(dropped)
             try:
@@ -105,18 +111,26 @@ class CpuTier(MemoryTier):
             self._kept_bytes = 0
         self._unpin_all(dropped)
 
-    def _make_room(self, nbytes: int) -> list[torch.Tensor]:
-        """Drop kept buffers until `nbytes` more fit in the capacity; lock held."""
+    def _make_room(self, live_peak_before: int) -> list[torch.Tensor]:
+        """Drop kept buffers until what the tier holds fits its bound; lock held.
+
+        `_reserve` already counted the new bytes in `_used`. The bound is the capacity,
+        and without a `reuse_limit` also the high-water mark of live bytes before this
+        allocation (or the live bytes now, when they pass it).
+        """
+        bounds = [self._capacity] if self._capacity is not None else []
+        if self.reuse_limit is None:
+            bounds.append(max(live_peak_before, self._used))
+        if not bounds:
+            return []
+        bound = min(bounds)
         dropped: list[torch.Tensor] = []
-        if self._capacity is None:
-            return dropped
         for size in sorted(self._kept, reverse=True):
             buffers = self._kept[size]
-            while buffers and self._used + self._kept_bytes > self._capacity:
+            while buffers and self._used + self._kept_bytes > bound:
                 dropped.append(buffers.pop())
                 self._kept_bytes -= size
-        # `_reserve` already counted nbytes in `_used`, so held <= capacity here means it fits.
-        assert self._used + self._kept_bytes <= self._capacity or not self._kept_bytes, "kept buffers not dropped"
+        assert self._used + self._kept_bytes <= bound or not self._kept_bytes, "kept buffers not dropped"
         return dropped
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
@@ -129,7 +143,7 @@ class CpuTier(MemoryTier):
         nbytes = buffer.numel()
         with self._lock:
             # Keeping moves bytes from used to kept, so what the tier holds never grows here.
-            keep = self._kept_bytes + nbytes <= self.reuse_limit
+            keep = self.reuse_limit is None or self._kept_bytes + nbytes <= self.reuse_limit
             if keep:
                 self._kept[nbytes].append(buffer)
                 self._kept_bytes += nbytes
