@@ -260,7 +260,7 @@ class NvmeTierConfig(Section):
     start-up)."""
     block_size: int = setting(8 * MiB, size_check(multiple_of=IO_ALIGNMENT))
     """Bytes per I/O request; a multiple of 4096 for direct I/O."""
-    queue_depth: int = setting(8, int_check(1))
+    queue_depth: int = setting(16, int_check(1))
     """I/O requests in flight at once."""
     threads: int = setting(8, int_check(1))
     """Worker threads issuing the I/O."""

@@ -41,7 +41,7 @@ def test_defaults_are_the_documented_ones() -> None:
     assert (cfg.tiers.device.capacity, cfg.tiers.cpu.capacity, cfg.tiers.cpu.pin_memory) == (None, None, True)
     n = cfg.tiers.nvme
     assert (n.path, n.capacity, n.block_size, n.queue_depth, n.threads, n.verify, n.backend) == (
-        None, None, 8 * MiB, 8, 8, False, "pread",
+        None, None, 8 * MiB, 16, 8, False, "pread",
     )
     assert (cfg.swapper.buffer_size, cfg.swapper.buffer_count) == (8 * MiB, 8)
     assert (cfg.prefetch.bytes, cfg.prefetch.max_live_bytes) == (64 * MiB, GiB)

@@ -123,7 +123,7 @@ class NvmeTier(TierStorage):
         rank: int = 0,
         run_id: str | None = None,
         block_size: int = 8 << 20,
-        queue_depth: int = 8,
+        queue_depth: int = 16,
         threads: int = 8,
         verify: bool = False,
         backend: str = "pread",
