@@ -240,3 +240,11 @@ def test_bench_swap_fails_on_bytes_never_freed_and_on_files_left(
     stdout = capsys.readouterr().out
     assert re.search(r"^FAILED: cpu tier: [0-9.]+ [KM]iB still accounted after every release$", stdout, re.M), stdout
     assert re.search(r"^FAILED: NVMe tier: .*tz-bench-swap-\d+ left behind after close$", stdout, re.M), stdout
+
+
+def test_bench_adam_reports_both_rates_and_identical_bits(capsys: pytest.CaptureFixture[str]) -> None:
+    from tierzero.cli import main
+
+    assert main(["bench", "adam", "--params", "1M", "--steps", "2"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert re.match(r"^CPU Adam, 1M fp32 params, 2 steps, .* ratio [0-9.]+, bitwise identical$", line), line

@@ -1,4 +1,4 @@
-"""`tierzero bench`: measure the NVMe tier against fio (`nvme`) and stress the swapper (`swap`).
+"""`tierzero bench`: the NVMe tier against fio (`nvme`), the swapper under stress (`swap`), CPU Adam (`adam`).
 
 The tiers, the store and matplotlib are imported only when a subcommand runs.
 """
@@ -21,6 +21,15 @@ def _run_swap(args: argparse.Namespace) -> int:
     return command(args)
 
 
+def _run_adam(args: argparse.Namespace) -> int:
+    from tierzero.bench.adam import bench_cpu_adam
+    from tierzero.sizes import parse_size
+
+    result = bench_cpu_adam(parse_size(args.params), steps=args.steps, split=args.split)
+    print(result.summary())
+    return 0 if result.identical else 1
+
+
 def add_bench_commands(subparsers: Any) -> None:
     """Adds `bench nvme` and `bench swap` to the `tierzero` command's sub-parsers."""
     from tierzero.bench.nvme import add_arguments as add_nvme_arguments
@@ -40,3 +49,11 @@ def add_bench_commands(subparsers: Any) -> None:
     )
     add_swap_arguments(swap)
     swap.set_defaults(func=_run_swap)
+    adam = commands.add_parser(
+        "adam", help="CPU Adam: tierzero's flat step beside torch.optim.AdamW(fused=True)",
+        description="Parameters updated per second, both optimizers alternating step by step, results compared bitwise.",
+    )
+    adam.add_argument("--params", default="100M", help="fp32 parameters to update (default 100M; 'M' is 10^6)")
+    adam.add_argument("--steps", type=int, default=10, help="timed steps of each (default 10)")
+    adam.add_argument("--split", type=int, default=1, help="sub-slices stepped on as many threads (default 1)")
+    adam.set_defaults(func=_run_adam)
