@@ -19,10 +19,10 @@ from torch import nn
 
 from tierzero import comm as C
 from tierzero import dist as D
-from tierzero.offload.base import IO_ALIGNMENT, MODEL_STATE_KINDS, Tier, align_up
+from tierzero.offload.base import IO_ALIGNMENT, MODEL_STATE_KINDS, Kind, Tier, align_up
 from tierzero.optim import make_optimizer
 from tierzero.precision import dtype_of, make_loss_scaler
-from tierzero.stages import STAGES, Homes, Stage, StepScalars
+from tierzero.stages import STAGES, Homes, Stage, Stage3, StepScalars
 from tierzero.stages.base import bind, clip_coefficient, unregister_params
 from tierzero.units import Unit, plan_units
 
@@ -56,6 +56,7 @@ class Engine:
         self.stage = self._make_stage()
         self.store = store if store is not None else self._make_store()
         self.stage.store = self.store
+        self._attach_prefetch()
         self._hooks: list[Any] = []
         try:
             self._install()
@@ -92,6 +93,23 @@ class Engine:
         capacity = max(need, IO_ALIGNMENT) if self.cfg.tiers.nvme.capacity is None else None
         return TieredStore.from_config(self.cfg, rank=self._ctx.rank, device=self._ctx.device, nvme_capacity=capacity)
 
+    def _attach_prefetch(self) -> None:
+        """Stage 3 fetches parameter slices ahead of their gathers, within `cfg.prefetch`'s budgets."""
+        from tierzero.prefetch import Prefetcher
+        from tierzero.stages.param_prefetch import ParamPrefetch
+
+        if not isinstance(self.stage, Stage3):
+            return
+        # What a fetched copy costs the device tier: the slice's home region, I/O-aligned.
+        unit_bytes = {
+            unit.name: align_up(spec.nbytes)
+            for unit in self.units
+            for spec in self.stage.slice_specs(unit)
+            if spec.kind is Kind.PARAM
+        }
+        policy = Prefetcher.from_config(self.cfg, unit_bytes=unit_bytes)
+        self.stage.param_prefetch = ParamPrefetch(store=self.store, policy=policy)
+
     def _install(self) -> None:
         empty = torch.empty(0, dtype=self._param_dtype, device=self._ctx.device)
         for unit in self.units:
@@ -120,6 +138,11 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         scale = self._scaler.scale
         self.stage.last_micro_step = (self._micro_steps + 1) % self.cfg.gradient_accumulation_steps == 0
+        if self.stage.last_micro_step and self._steps_in_backward():
+            # Nothing of the step waits for all gradients: each unit steps as soon as its own
+            # gradient is complete, overlapping the rest of backward; step() then only counts.
+            grad_scale = 1.0 / (self.comm.world_size * self.cfg.gradient_accumulation_steps * scale)
+            self.stage.begin_backward_step(StepScalars(grad_scale=grad_scale, step=self.global_step + 1, lr=self.lr))
         (loss * scale if scale != 1.0 else loss).backward()
         self.stage.after_backward()
 
@@ -142,6 +165,10 @@ class Engine:
         scalars = StepScalars(grad_scale=grad_scale, step=self.global_step + 1, lr=self.lr)
         self.stage.step(scalars, clip_coef=clip_coefficient(norm, clip))
         self.global_step += 1
+
+    def _steps_in_backward(self) -> bool:
+        """Stage 3 without clipping or fp16 overflow checks: no step-wide decision needs every gradient."""
+        return isinstance(self.stage, Stage3) and float(self.cfg.gradient_clipping) <= 0 and not self._skips_overflow
 
     def _global_grad_norm(self, grad_scale: float) -> float:
         """‖g‖ over all ranks: one all-reduce of this rank's sum of squares."""
@@ -219,6 +246,14 @@ class Engine:
                 for tier, usage in tiers.items()
             },
         }
+
+    def prefetch_report(self) -> Any:
+        """The last step's `tierzero.prefetch.StepReport` (hits, misses, seconds waited on I/O), or None.
+
+        Only stage 3 prefetches; None before the first step ends.
+        """
+        prefetch = getattr(self.stage, "param_prefetch", None)
+        return None if prefetch is None else prefetch.last_report
 
     def comm_report(self) -> dict[str, int]:
         return self.comm.counter.report()

@@ -161,6 +161,11 @@ class Prefetcher:
         return self._order
 
     @property
+    def exhausted(self) -> bool:
+        """Following, and every event of the learned order has run: no unit runs again in this step."""
+        return self._in_step and self._mode is Mode.FOLLOWING and self._pos == len(self._order)
+
+    @property
     def in_flight_bytes(self) -> int:
         return sum(f.nbytes for f in self._fetches.values() if f.state is FetchState.IN_FLIGHT)
 
@@ -276,6 +281,17 @@ class Prefetcher:
         else:
             self._misses += 1
         self._waited_s += waited_s
+
+    def cancel_step(self) -> None:
+        """Close a step in which no unit ran (the engine opened it early, to fetch ahead of a forward that
+        never came): no report, the learned order unchanged."""
+        self._require_step(True, "cancel_step")
+        if self._observed:
+            raise RuntimeError(f"cancel_step() after {len(self._observed)} recorded events: call end_step() instead")
+        self._in_step = False
+        self._step -= 1
+        self._mode = Mode.FOLLOWING if self._order else Mode.LEARNING
+        self._reset_step()
 
     def end_step(self) -> StepReport:
         """Close the step, adopt its order when it was learning or diverged, and report."""

@@ -30,6 +30,7 @@ import torch
 
 from tierzero import comm as C
 from tierzero.offload.base import Kind, SliceKey, Tier
+from tierzero.offload.optimizer_step import PendingWrite, PipelineReport
 from tierzero.units import Unit, UnitState
 
 
@@ -78,6 +79,8 @@ class _GradReduce:
     full: torch.Tensor
     part: torch.Tensor
     pending: C.Pending
+    final: bool
+    """No other use of the unit is left in this backward: its gradient is complete once this lands."""
 
 
 class _UnitParams(torch.autograd.Function):
@@ -123,6 +126,10 @@ class Stage(ABC):
         """Set by the engine before each backward: this micro-step ends an accumulation window."""
         self.mixed = param_dtype != torch.float32
         self._anchor = torch.empty(0, device=device, requires_grad=True)
+        self.last_step_report: PipelineReport | None = None
+        """What the last optimizer step's pipeline did (resident groups, seconds waiting on reads)."""
+        self._backward_step: Any = None
+        """The `optim_step.BackwardStep` of this backward, when the engine asked for one."""
 
     # ---- slices -------------------------------------------------------------------
 
@@ -206,8 +213,11 @@ class Stage(ABC):
             unit.pending_uses = 0  # uses whose output never reached the loss
 
     def finish(self) -> None:
-        """Wait for every collective in flight (before the store closes)."""
+        """Wait for every collective and write-back in flight (before the store closes)."""
         self.finish_reduces()
+        if self._backward_step is not None:
+            self._backward_step.abort()  # a backward that never ended: no unit is half-stepped
+            self._backward_step = None
 
     @abstractmethod
     def unshard(self, unit: Unit) -> None:
@@ -230,10 +240,11 @@ class Stage(ABC):
             with self.slice(unit, Kind.GRAD, write=True) as shard:
                 shard.add_(full)
             self.store.free(full)
+            self._grad_complete(unit, final=unit.pending_uses == 0)
             return
         part = self.scratch(unit, unit.shard_numel, self.param_dtype, kind=Kind.GRAD)
         pending = C.reduce_scatter(part, full, comm=self.comm, async_op=self.overlap)
-        self._reduces.append(_GradReduce(unit=unit, full=full, part=part, pending=pending))
+        self._reduces.append(_GradReduce(unit=unit, full=full, part=part, pending=pending, final=unit.pending_uses == 0))
         while len(self._reduces) > MAX_REDUCES_IN_FLIGHT:
             self._finish_oldest_reduce()
 
@@ -248,6 +259,11 @@ class Stage(ABC):
             shard.add_(job.part)
         self.store.free(job.part)
         self.store.free(job.full)
+        self._grad_complete(job.unit, final=job.final)
+
+    def _grad_complete(self, unit: Unit, *, final: bool) -> None:
+        if final and self._backward_step is not None and self.last_micro_step:
+            self._backward_step.ready(unit)
 
     # ---- the optimizer step -------------------------------------------------------
 
@@ -275,37 +291,28 @@ class Stage(ABC):
                 grads.zero_()
 
     def step(self, scalars: StepScalars, *, clip_coef: float) -> None:
-        # A unit that ran no forward since the last step keeps its parameters and states,
-        # as torch.optim skips parameters whose .grad is None. Every rank runs the same
-        # modules (ZeRO's collectives assume it), so every rank skips the same units.
-        for unit in self.units:
-            if unit.has_grads:
-                self._step_unit(unit, scalars, clip_coef=clip_coef)
-            unit.has_grads = False
+        """Step every unit with gradients where the optimizer states live (stages/optim_step.py)."""
+        from tierzero.stages.optim_step import run_step
 
-    def _step_unit(self, unit: Unit, scalars: StepScalars, *, clip_coef: float) -> None:
-        kinds = self.optimizer.state_kinds
-        with self.slice(unit, Kind.GRAD, write=True) as grads, self._states(unit, kinds) as states:
-            g = self.grad_slice(grads, unit).float()
-            if scalars.grad_scale * clip_coef != 1.0:
-                g.mul_(scalars.grad_scale * clip_coef)
-            with self._master(unit) as (master, fetched):
-                self.optimizer.step(param=master, grad=g, states=states, step=scalars.step, lr=scalars.lr)
-                self.publish(unit, master, fetched)
-            grads.zero_()
+        report = run_step(self, scalars, clip_coef=clip_coef, **self._step_hooks())
+        if report.groups or self.last_step_report is None:
+            self.last_step_report = report
 
-    @contextmanager
-    def _states(self, unit: Unit, kinds: tuple[Kind, ...]) -> Iterator[dict[Kind, torch.Tensor]]:
-        fetched: dict[Kind, torch.Tensor] = {}
-        try:
-            for kind in kinds:
-                fetched[kind] = self.store.fetch(SliceKey(unit.name, kind), to=Tier.DEVICE).wait()
-            yield fetched
-            for kind in kinds:
-                self.store.write_back(SliceKey(unit.name, kind)).wait()
-        finally:
-            for kind in fetched:
-                self.store.release(SliceKey(unit.name, kind))
+    def begin_backward_step(self, scalars: StepScalars) -> None:
+        """Step each unit during the coming backward, as soon as its gradient is complete (stage 3)."""
+        from tierzero.stages.optim_step import BackwardStep
+
+        self._backward_step = BackwardStep(self, scalars, written=self._step_hooks().get("written"))
+
+    def finish_backward_step(self) -> None:
+        """Step the last unit of the backward step (after every gradient has landed)."""
+        job, self._backward_step = self._backward_step, None
+        if job is not None:
+            self.last_step_report = job.finish()
+
+    def _step_hooks(self) -> dict[str, Any]:
+        """`first` and `written` for `run_step` (stage 3 starts the next forward's fetches from them)."""
+        return {}
 
     @contextmanager
     def _master(self, unit: Unit, *, write: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -323,8 +330,11 @@ class Stage(ABC):
             yield master, fetched
 
     @abstractmethod
-    def publish(self, unit: Unit, master: torch.Tensor, fetched: torch.Tensor) -> None:
-        """Bring the compute-dtype parameters up to date with the stepped fp32 slice."""
+    def publish(self, unit: Unit, master: torch.Tensor) -> list[PendingWrite]:
+        """Bring the compute-dtype parameters up to date with the stepped fp32 slice.
+
+        Returns the writes it started whose sources must outlive the call.
+        """
 
     def gather_fp32(self, unit: Unit) -> torch.Tensor:
         """The unit's full fp32 parameters (a collective: every rank must call it)."""

@@ -18,6 +18,7 @@ import torch
 
 from tierzero import comm as C
 from tierzero.offload.base import Kind, SliceKey, Tier
+from tierzero.offload.optimizer_step import PendingWrite
 from tierzero.stages.base import Stage, mark_state
 from tierzero.units import Unit, UnitState
 
@@ -74,15 +75,19 @@ class ReplicatedParamsStage(Stage):
         start, end = unit.shard_range(self.comm.rank)
         yield unit.gathered[start:end], unit.gathered
 
-    def publish(self, unit: Unit, master: torch.Tensor, fetched: torch.Tensor) -> None:
+    def publish(self, unit: Unit, master: torch.Tensor) -> list[PendingWrite]:
         """Start the all-gather of the updated slices into the full compute-dtype parameters."""
-        if self.comm.world_size == 1 and not self.mixed:
-            return  # the stepped slice is the whole fp32 parameter buffer already
         self.unshard(unit)
         assert unit.gathered is not None
-        shard = master.to(self.param_dtype, copy=True)
+        if self.comm.world_size == 1 and not self.mixed:
+            # The full buffer is the fp32 parameters: the stepped slice is, or goes back into, it.
+            if master.data_ptr() != unit.gathered.data_ptr():
+                unit.gathered.copy_(master)
+            return []
+        shard = master.to(device=self.device, dtype=self.param_dtype, copy=True)
         pending = C.all_gather(unit.gathered, shard, comm=self.comm, async_op=self.overlap)
         self._gathers[unit.name] = _InFlight(pending=pending, buffer=shard)
+        return []
 
 
 class Stage1(ReplicatedParamsStage):

@@ -9,6 +9,13 @@ in stages/base.py), so freeing a unit really frees its memory.
 The root unit (parameters outside the wrapped blocks) wraps the whole model, so it is
 gathered from the start of forward to its end and again through all of backward: the
 peak of gathered bytes is the root plus the units in flight, never the whole model.
+
+Below the gathers, the PARAM slices themselves come up the tiers ahead of use: the
+engine gives the stage a `ParamPrefetch` (stages/param_prefetch.py), which follows the
+unit order learned in the first step. Without clipping or fp16 overflow checks, the
+optimizer step runs during backward: each unit steps as soon as its gradient is
+complete (`BackwardStep` in stages/optim_step.py), its states read while backward goes
+on, and the next forward's first units start coming up as soon as they are stepped.
 """
 
 from __future__ import annotations
@@ -22,7 +29,10 @@ import torch
 
 from tierzero import comm as C
 from tierzero.offload.base import Kind, SliceKey, Tier
-from tierzero.stages.base import Stage, bind, mark_state
+from tierzero.offload.optimizer_step import PendingWrite
+from tierzero.prefetch import Phase
+from tierzero.stages.param_prefetch import ParamPrefetch
+from tierzero.stages.base import Stage, StepScalars, bind, mark_state
 from tierzero.units import ROOT, Unit, UnitState
 
 
@@ -51,6 +61,9 @@ class Stage3(Stage):
         self._order: list[Unit] = []
         """Units in the order the last forward first ran them: what to prefetch next."""
         self._order_now: list[Unit] = []
+        self.param_prefetch: ParamPrefetch | None = None
+        """Set by the engine: fetches PARAM slices up the tiers ahead of their gathers."""
+        self._phase = Phase.FORWARD
 
     # ---- gather and free ----------------------------------------------------------
 
@@ -61,7 +74,10 @@ class Stage3(Stage):
         mark_state(unit, UnitState.GATHERING)
         gathered = self.scratch(unit, unit.padded_numel, self.param_dtype)
         # The fetched shard is released only once the gather has read it (unshard).
-        shard = self.store.fetch(SliceKey(unit.name, Kind.PARAM), to=Tier.DEVICE).wait()
+        if self.param_prefetch is None:
+            shard = self.store.fetch(SliceKey(unit.name, Kind.PARAM), to=Tier.DEVICE).wait()
+        else:
+            shard = self.param_prefetch.acquire(unit.name, self._phase)
         self._gathering[unit.name] = C.all_gather(gathered, shard, comm=self.comm, async_op=self.overlap)
         unit.gathered = gathered
         self._by_storage[gathered.untyped_storage().data_ptr()] = unit
@@ -70,7 +86,10 @@ class Stage3(Stage):
         self.start_gather(unit)
         if unit.state is UnitState.GATHERING:
             self._gathering.pop(unit.name).wait()
-            self.store.release(SliceKey(unit.name, Kind.PARAM))
+            if self.param_prefetch is None:
+                self.store.release(SliceKey(unit.name, Kind.PARAM))
+            else:
+                self.param_prefetch.done_with(unit.name)
             mark_state(unit, UnitState.GATHERED)
 
     def reshard(self, unit: Unit) -> None:
@@ -108,6 +127,7 @@ class Stage3(Stage):
     # ---- hooks --------------------------------------------------------------------
 
     def pre_forward(self, unit: Unit) -> None:
+        self._phase = Phase.FORWARD
         super().pre_forward(unit)
         if torch.is_grad_enabled():
             if unit not in self._order_now:
@@ -121,6 +141,7 @@ class Stage3(Stage):
         self.reshard(unit)
 
     def pre_backward(self, unit: Unit) -> None:
+        self._phase = Phase.BACKWARD
         self.unshard(unit)
         # Activation checkpointing (non-reentrant) re-runs the unit's forward without its
         # module hooks: it must find the weights bound, and requiring grad as in the first
@@ -140,8 +161,54 @@ class Stage3(Stage):
             self.reshard(unit)
         if self._order_now:
             self._order, self._order_now = self._order_now, []
+        if self.param_prefetch is not None:
+            self.param_prefetch.end_step(keep_warm=True)
+        # After end_step, so that the last units' new slices can start up for the next forward.
+        self.finish_backward_step()
+        if self.param_prefetch is not None:
+            if not self.last_micro_step:
+                # The next micro-step's forward comes without an optimizer step in between:
+                # its first units can start coming up now.
+                self.param_prefetch.begin_step()
+
+    def step(self, scalars: StepScalars, *, clip_coef: float) -> None:
+        super().step(scalars, clip_coef=clip_coef)
+        if self.param_prefetch is not None and self.param_prefetch.policy.order:
+            # Fetch the next forward's first units while the caller gets the next batch.
+            self.param_prefetch.begin_step()
+
+    def gather_fp32(self, unit: Unit) -> torch.Tensor:
+        if self.param_prefetch is not None:
+            self.param_prefetch.end_step()  # it reads the slices itself: drop the copies fetched ahead
+        return super().gather_fp32(unit)
+
+    def _step_hooks(self) -> dict[str, Any]:
+        prefetch = self.param_prefetch
+        if prefetch is None or not prefetch.policy.order:
+            return {}
+        # The next forward's first units step first, and their new slices start coming up
+        # while the other units step: otherwise nothing could hide their reads.
+        first: list[str] = []
+        budget = prefetch.policy.prefetch_bytes
+        for event in prefetch.policy.order:
+            size = prefetch.policy.unit_bytes[event.unit]
+            if event.unit in first or (first and size > budget):
+                break
+            first.append(event.unit)
+            budget -= size
+        return {"first": first, "written": lambda unit: prefetch.warm(unit) if unit in first else None}
+
+    def finish(self) -> None:
+        super().finish()
+        if self.param_prefetch is not None:
+            self.param_prefetch.end_step()
 
     def forward_context(self) -> AbstractContextManager[None]:
+        if self.param_prefetch is not None:
+            if torch.is_grad_enabled():
+                self.param_prefetch.begin_step()
+            else:
+                self.param_prefetch.end_step()  # an inference forward: on demand, outside any step
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | SavedView:
@@ -171,10 +238,12 @@ class Stage3(Stage):
     def grad_slice(self, grads: torch.Tensor, unit: Unit) -> torch.Tensor:
         return grads
 
-    def publish(self, unit: Unit, master: torch.Tensor, fetched: torch.Tensor) -> None:
-        if self.mixed:
-            with self.slice(unit, Kind.PARAM, write=True) as shard:
-                shard.copy_(master)
+    def publish(self, unit: Unit, master: torch.Tensor) -> list[PendingWrite]:
+        if not self.mixed:
+            return []  # the PARAM slice is its own master: the step pipeline writes it home
+        # Straight to the home tier in the compute dtype, without reading the old slice first.
+        value = master.to(self.param_dtype)
+        return [PendingWrite(self.store.write_back(SliceKey(unit.name, Kind.PARAM), value), value)]
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

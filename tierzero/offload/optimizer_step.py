@@ -1,0 +1,201 @@
+"""The optimizer step where the optimizer states live: device, host, or a pipeline over NVMe.
+
+The step tier is the device when the states live there, else the host (CPU): states
+homed on the CPU tier are stepped in place by torch's fused CPU kernel, and states
+homed on NVMe are read into host memory a unit at a time. Gradients living on the
+device are copied into host scratch first; the new parameters go to their home tier
+in the compute dtype (the stage's `publish`).
+
+[Note: the step pipeline]
+Each unit's step needs a group of slices (gradient, fp32 master, exp_avg,
+exp_avg_sq). `StepPipeline.run` walks the groups in unit order and, while group j
+computes, has group j+1 being read and group j-1 being written back:
+
+    push(j+1): drain writes until only group j-1's are pending     (bounds memory)
+               start reading group j+1
+               wait for group j's reads, compute j, start writing j back, release j
+
+so at most three groups are resident at once (`MAX_RESIDENT_GROUPS`). A group whose
+slices live in memory costs nothing here: fetching a slice to its own home tier
+hands back the home tensor and its write-back is a no-op, so device and CPU homes
+take the same path with nothing to overlap. The arithmetic is the same on every
+path — the same kernel on the same fp32 values — so where the states live changes
+no bit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tierzero.offload.base import Kind, SliceKey, Tier
+from tierzero.transfer import Transfer
+
+__all__ = ["MAX_RESIDENT_GROUPS", "PendingWrite", "SliceGroup", "StepPipeline", "PipelineReport", "step_tier"]
+
+#: Groups whose slices are in host memory at once: one read ahead, one computing, one writing.
+MAX_RESIDENT_GROUPS = 3
+
+
+def step_tier(optimizer_home: Tier) -> Tier:
+    """Where the optimizer step runs: on the device for device-homed states, else on the host."""
+    return Tier.DEVICE if optimizer_home is Tier.DEVICE else Tier.CPU
+
+
+@dataclass(frozen=True, slots=True)
+class SliceGroup:
+    """The slices one unit's step reads and writes back, each fetched to the tier named beside it."""
+
+    unit: str
+    fetches: tuple[tuple[Kind, Tier], ...]
+
+    def keys(self) -> list[SliceKey]:
+        return [SliceKey(self.unit, kind) for kind, _ in self.fetches]
+
+
+@dataclass(frozen=True, slots=True)
+class PendingWrite:
+    """A write the compute started itself (the new parameters), with the source it reads kept alive."""
+
+    transfer: Transfer[None]
+    source: torch.Tensor
+
+
+@dataclass(slots=True)
+class _Writing:
+    """A group written back and released: done once every write and the release's free have run."""
+
+    done: list[threading.Event] = field(default_factory=list)
+    sources: list[torch.Tensor] = field(default_factory=list)
+    transfers: list[Transfer[None]] = field(default_factory=list)
+
+    def wait(self) -> None:
+        """Block until the group has landed; a write that failed raises here."""
+        for event in self.done:
+            event.wait()
+        for transfer in self.transfers:
+            transfer.future.result()
+
+
+@dataclass(slots=True)
+class PipelineReport:
+    """What one run of the pipeline did."""
+
+    groups: int = 0
+    """Groups pushed."""
+    peak_resident_groups: int = 0
+    """Most groups fetched or still writing at once: at most MAX_RESIDENT_GROUPS."""
+    read_wait_s: float = 0.0
+    """Seconds the compute waited for reads."""
+    unfinished: list[_Writing] = field(default_factory=list, repr=False)
+    """The last groups' write-backs, still landing when `run(drain=False)` returned."""
+
+    def wait(self) -> None:
+        """Block until every write-back of the run has landed and its host copies are freed."""
+        while self.unfinished:
+            self.unfinished.pop(0).wait()
+
+
+#: One group's compute: the fetched slices by kind in, the writes it started out.
+Compute = Callable[[SliceGroup, dict[Kind, torch.Tensor]], Sequence[PendingWrite]]
+
+
+class StepPipeline:
+    """Reads slice groups ahead of the compute and writes them back behind it; see the module note.
+
+    Fed one group at a time (`push`), as each becomes ready to step (stage 3 pushes a
+    unit as soon as backward has finished its gradient), or all at once (`run`). A
+    pushed group's reads start at once; it computes when the next group is pushed (so
+    its reads overlap whatever the caller did in between) or at `flush`.
+    """
+
+    def __init__(
+        self, store: object, compute: Compute, *, written: Callable[[SliceGroup], None] | None = None
+    ) -> None:
+        """`written(group)` is told once the group's write-backs are queued: a read of its slices
+        submitted after that sees the new bytes, as the swapper orders a key's operations."""
+        self._store, self._compute, self._written = store, compute, written
+        self._writing: deque[_Writing] = deque()
+        self._waiting: tuple[SliceGroup, dict[Kind, Transfer[torch.Tensor]]] | None = None
+        self.report = PipelineReport()
+
+    def push(self, group: SliceGroup) -> None:
+        """Start reading `group`, then compute the group pushed before it."""
+        while len(self._writing) > 1:
+            self._writing.popleft().wait()
+        reads = self._read(group)
+        self.report.groups += 1
+        resident = len(self._writing) + 1 + (self._waiting is not None)
+        self.report.peak_resident_groups = max(self.report.peak_resident_groups, resident)
+        previous, self._waiting = self._waiting, (group, reads)
+        if previous is not None:
+            self._step(*previous)
+
+    def flush(self, *, drain: bool = True) -> PipelineReport:
+        """Compute the last group pushed. With `drain=False` the last write-backs may still be
+        landing on return: they overlap whatever the caller does next, and `report.wait()`
+        finishes them."""
+        previous, self._waiting = self._waiting, None
+        if previous is not None:
+            self._step(*previous)
+        self.report.unfinished = list(self._writing)
+        self._writing.clear()
+        if drain:
+            self.report.wait()
+        return self.report
+
+    def abort(self) -> None:
+        """After a failure: drop the group read ahead unchanged and let every write land."""
+        previous, self._waiting = self._waiting, None
+        if previous is not None:
+            group, reads = previous
+            for kind, transfer in reads.items():
+                transfer.future.exception()
+                self._store.release(SliceKey(group.unit, kind))  # type: ignore[attr-defined]
+        self.flush(drain=True)
+
+    def run(self, groups: Sequence[SliceGroup], *, drain: bool = True) -> PipelineReport:
+        """Push every group in order, then flush."""
+        try:
+            for group in groups:
+                self.push(group)
+        except BaseException:
+            self.abort()
+            raise
+        return self.flush(drain=drain)
+
+    def _step(self, group: SliceGroup, reads: dict[Kind, Transfer[torch.Tensor]]) -> None:
+        started = time.perf_counter()
+        try:
+            fetched = {kind: transfer.wait() for kind, transfer in reads.items()}
+        finally:
+            self.report.read_wait_s += time.perf_counter() - started
+        writes = list(self._compute(group, fetched))
+        self._writing.append(self._write_back(group, writes))
+        if self._written is not None:
+            self._written(group)
+
+    def _read(self, group: SliceGroup) -> dict[Kind, Transfer[torch.Tensor]]:
+        store = self._store
+        return {kind: store.fetch(SliceKey(group.unit, kind), to=tier) for kind, tier in group.fetches}  # type: ignore[attr-defined]
+
+    def _write_back(self, group: SliceGroup, writes: list[PendingWrite]) -> _Writing:
+        store = self._store
+        job = _Writing(sources=[w.source for w in writes])
+        transfers = [w.transfer for w in writes]
+        for key in group.keys():
+            transfer = store.write_back(key)  # type: ignore[attr-defined]
+            store.release(key)  # type: ignore[attr-defined]
+            # Registered after the release's own callback, so this one fires after the free.
+            transfers.append(transfer)
+        job.transfers = transfers
+        for transfer in transfers:
+            event = threading.Event()
+            transfer.future.add_done_callback(lambda _f, e=event: e.set())
+            job.done.append(event)
+        return job

@@ -1,0 +1,144 @@
+"""One optimizer step of a stage, run where its optimizer states live.
+
+Which slices a unit's step needs, and the arithmetic on them; the movement of bytes
+is `tierzero.offload.optimizer_step.StepPipeline`'s (see [Note: the step pipeline]
+there). The arithmetic is the same whatever the placement: gradients are copied into
+fp32 scratch on the step tier, scaled, and the fused kernel steps the fp32 master with
+the states; so device, CPU and NVMe homes give identical bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierzero.offload.base import Kind, Tier
+from tierzero.offload.optimizer_step import PendingWrite, PipelineReport, SliceGroup, StepPipeline, step_tier
+
+if TYPE_CHECKING:
+    from tierzero.stages.base import Stage, StepScalars
+    from tierzero.units import Unit
+
+
+def slice_group(stage: Stage, unit: Unit) -> SliceGroup:
+    """The slices the unit's step fetches, and where to: states to the step tier, grads as cheaply as possible."""
+    tier = step_tier(stage.homes.optimizer)
+    # Memory-homed gradients are read in place (copied into step-tier scratch by the
+    # compute); NVMe-homed ones have to come up to the step tier.
+    grad_tier = tier if stage.homes.grads is Tier.NVME else stage.homes.grads
+    fetches: list[tuple[Kind, Tier]] = [(Kind.GRAD, grad_tier)]
+    if stage.mixed:
+        fetches.append((Kind.MASTER, tier))
+    elif stage.shards_params:
+        fetches.append((Kind.PARAM, tier))  # fp32 stage 3: the PARAM slice is its own master
+    fetches += [(kind, tier) for kind in stage.optimizer.state_kinds]
+    return SliceGroup(unit=unit.name, fetches=tuple(fetches))
+
+
+def run_step(
+    stage: Stage,
+    scalars: StepScalars,
+    *,
+    clip_coef: float,
+    first: list[str] | None = None,
+    written: Callable[[str], None] | None = None,
+) -> PipelineReport:
+    """Step every unit that has gradients, in unit order, through the pipeline.
+
+    A unit that ran no forward since the last step keeps its parameters and states, as
+    torch.optim skips parameters whose .grad is None. Every rank runs the same modules
+    (ZeRO's collectives assume it), so every rank skips the same units. The units in
+    `first` step first, in that order, and `written(unit)` is told as soon as a unit's
+    new parameters are on their way home.
+    """
+    units = [unit for unit in stage.units if unit.has_grads]
+    for unit in stage.units:
+        unit.has_grads = False
+    head = [unit for name in first or () for unit in units if unit.name == name]
+    ordered = head + [unit for unit in units if unit not in head]
+    pipeline = _pipeline(stage, scalars, clip_coef=clip_coef, written=written)
+    # Drained: the step leaves no host copy behind, so the next step's memory starts from zero.
+    return pipeline.run([slice_group(stage, unit) for unit in ordered])
+
+
+class BackwardStep:
+    """The optimizer step run during backward: each unit steps once backward has finished its gradient.
+
+    Only where no step-wide decision waits for all gradients: no clipping (the global
+    norm) and no fp16 overflow check. A unit is pushed when its gradient is final; its
+    states are read while backward goes on with the next units, and it computes when
+    the next unit is pushed (see `StepPipeline`). The arithmetic is `run_step`'s, so
+    the bits are the same as stepping after backward.
+    """
+
+    def __init__(self, stage: Stage, scalars: StepScalars, *, written: Callable[[str], None] | None = None) -> None:
+        self._stage = stage
+        self._pipeline = _pipeline(stage, scalars, clip_coef=1.0, written=written)
+
+    def ready(self, unit: Unit) -> None:
+        """`unit`'s gradient for this step is complete: start its step."""
+        unit.has_grads = False
+        self._pipeline.push(slice_group(self._stage, unit))
+
+    def finish(self) -> PipelineReport:
+        """Step the last unit pushed and let every write-back land."""
+        return self._pipeline.flush()
+
+    def abort(self) -> None:
+        self._pipeline.abort()
+
+
+def _pipeline(
+    stage: Stage, scalars: StepScalars, *, clip_coef: float, written: Callable[[str], None] | None
+) -> StepPipeline:
+    by_name = {unit.name: unit for unit in stage.units}
+
+    def compute(group: SliceGroup, fetched: dict[Kind, torch.Tensor]) -> list[PendingWrite]:
+        return _step_unit(stage, by_name[group.unit], fetched, scalars, clip_coef=clip_coef)
+
+    told = None if written is None else (lambda group: written(group.unit))
+    return StepPipeline(stage.store, compute, written=told)
+
+
+def _step_unit(
+    stage: Stage, unit: Unit, fetched: dict[Kind, torch.Tensor], scalars: StepScalars, *, clip_coef: float
+) -> list[PendingWrite]:
+    tier = step_tier(stage.homes.optimizer)
+    store = stage.store
+    grads = fetched[Kind.GRAD]
+    source = stage.grad_slice(grads, unit)
+    g = store.allocate(kind=Kind.GRAD, numel=source.numel(), dtype=torch.float32, tier=tier, label=f"{unit.name} step")
+    master, scratch_master = _master(stage, unit, fetched, tier)
+    try:
+        g.copy_(source)
+        if scalars.grad_scale * clip_coef != 1.0:
+            g.mul_(scalars.grad_scale * clip_coef)
+        states = {kind: fetched[kind] for kind in stage.optimizer.state_kinds}
+        stage.optimizer.step(param=master, grad=g, states=states, step=scalars.step, lr=scalars.lr)
+        writes = stage.publish(unit, master)
+        grads.zero_()
+    finally:
+        store.free(g)
+        if scratch_master:
+            store.free(master)
+    return writes
+
+
+def _master(stage: Stage, unit: Unit, fetched: dict[Kind, torch.Tensor], tier: Tier) -> tuple[torch.Tensor, bool]:
+    """(the fp32 slice to step, whether it is step-tier scratch the caller frees)."""
+    if Kind.MASTER in fetched:
+        return fetched[Kind.MASTER], False
+    if Kind.PARAM in fetched:
+        return fetched[Kind.PARAM], False
+    # fp32 stages 1 and 2: the owned range of the full parameters, resident on the device.
+    stage.unshard(unit)
+    assert unit.gathered is not None
+    start, end = unit.shard_range(stage.comm.rank)
+    own = unit.gathered[start:end]
+    if tier is Tier.DEVICE:
+        return own, False
+    copy = stage.store.allocate(kind=Kind.MASTER, numel=own.numel(), dtype=torch.float32, tier=tier, label=unit.name)
+    copy.copy_(own)
+    return copy, True

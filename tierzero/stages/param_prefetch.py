@@ -1,0 +1,143 @@
+"""Stage 3's parameter slices, fetched up the tiers ahead of their all-gathers.
+
+The policy (which units, how many bytes) is `tierzero.prefetch.Prefetcher`'s; this
+file moves the bytes: each planned unit's PARAM slice is fetched to the device tier
+through the store (NVMe homes come up through the swapper's host staging buffers),
+and the stage takes it from here when it starts the unit's all-gather. One step of
+the policy is one forward and its backward.
+
+A unit is recorded when its shard is needed (the stage's `start_gather`), which is
+the order the bytes are consumed in, also when the stage starts a gather early.
+Fetches only run while a step is open and following the learned order; outside one
+(a no-grad forward) every fetch is on demand and counts nowhere.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from tierzero.offload.base import Kind, SliceKey, Tier
+from tierzero.prefetch import FetchState, Phase, Prefetcher, StepReport
+from tierzero.store import SliceState
+from tierzero.transfer import Transfer
+
+__all__ = ["ParamPrefetch"]
+
+
+class ParamPrefetch:
+    """Fetches stage 3's PARAM slices to the device ahead of use, as the prefetch policy plans."""
+
+    def __init__(self, *, store: Any, policy: Prefetcher) -> None:
+        self.store, self.policy = store, policy
+        self._ahead: dict[str, Transfer[torch.Tensor]] = {}
+        """Prefetches issued and not yet consumed, by unit."""
+        self._kept: set[str] = set()
+        """Units whose slice stays fetched for their next occurrence (`Prefetcher.keep_resident`)."""
+        self._early: dict[str, Transfer[torch.Tensor]] = {}
+        """Fetches started between steps (`warm`), which the next step's plan adopts."""
+        self._in_step = False
+        self._recorded = 0
+        self.last_report: StepReport | None = None
+
+    @property
+    def in_step(self) -> bool:
+        return self._in_step
+
+    def begin_step(self) -> None:
+        """Open a step and start its first fetches; a no-op in a step opened early that nothing used yet."""
+        if self._in_step and not self._recorded:
+            return
+        if self._in_step:
+            self.end_step()  # a second forward before any backward: the first step is over
+        self.policy.begin_step()
+        self._in_step, self._recorded = True, 0
+        self._issue()
+        self._drop_early()  # a warm fetch the plan did not want (the order's first unit changed)
+
+    def warm(self, unit: str) -> None:
+        """Start fetching `unit`, one of the next step's first, before that step opens: between
+        steps, or once every unit of this step has run (the backward's last optimizer steps)."""
+        key = SliceKey(unit, Kind.PARAM)
+        if (self._in_step and not self.policy.exhausted) or unit in self._early or self.store.state(key) is not SliceState.HOME:
+            return
+        self._early[unit] = self.store.fetch(key, to=Tier.DEVICE)
+
+    def acquire(self, unit: str, phase: Phase) -> torch.Tensor:
+        """The unit's PARAM slice on the device: prefetched (a hit if it already landed) or fetched now."""
+        key = SliceKey(unit, Kind.PARAM)
+        if not self._in_step:
+            return self.store.fetch(key, to=Tier.DEVICE).wait()
+        self.policy.record(unit, phase)
+        self._recorded += 1
+        self._settle()
+        transfer = self._ahead.pop(unit, None)
+        if transfer is None and unit in self._kept:
+            self._kept.discard(unit)
+            transfer = self.store.fetch(key, to=Tier.DEVICE)  # still fetched: hands back the same copy
+        ready = transfer is not None and transfer.done()
+        if transfer is None:
+            transfer = self.store.fetch(key, to=Tier.DEVICE)
+        started = time.perf_counter()
+        shard = transfer.wait()
+        waited = 0.0 if ready else time.perf_counter() - started
+        self.policy.consumed(unit, ready=ready, waited_s=waited)
+        self._issue()
+        return shard
+
+    def done_with(self, unit: str) -> None:
+        """The unit's gather has read the slice: drop it, unless it runs again next."""
+        if self._in_step and self.policy.keep_resident(unit):
+            self._kept.add(unit)
+            return
+        self.store.release(SliceKey(unit, Kind.PARAM))
+        if self._in_step:
+            self._issue()  # the slice is home again: its next occurrence can be fetched ahead
+
+    def end_step(self, *, keep_warm: bool = False) -> StepReport | None:
+        """Close the step, drop what was fetched ahead and not used; None for a step nothing used.
+
+        `keep_warm` keeps the slices `warm` started for the next step's first units.
+        """
+        if not self._in_step:
+            return None
+        self._in_step = False
+        self._settle()
+        if self._recorded:
+            self.last_report = self.policy.end_step()
+        else:
+            self.policy.cancel_step()
+        if not keep_warm:
+            self._drop_early()
+        for unit in [*self._ahead, *self._kept]:
+            self.store.release(SliceKey(unit, Kind.PARAM))
+        self._ahead.clear()
+        self._kept.clear()
+        return self.last_report if self._recorded else None
+
+    def _settle(self) -> None:
+        """Tell the policy which prefetches have landed (their bytes left the in-flight budget)."""
+        for unit, transfer in self._ahead.items():
+            if transfer.done() and self.policy.fetch_state(unit) is FetchState.IN_FLIGHT:
+                self.policy.completed(unit)
+
+    def _issue(self) -> None:
+        self._settle()
+        for request in self.policy.plan():
+            key = SliceKey(request.unit, Kind.PARAM)
+            early = self._early.pop(request.unit, None)
+            if early is not None:
+                self._ahead[request.unit] = early
+                self.policy.issued(request.unit)
+                continue
+            if self.store.state(key) is not SliceState.HOME:
+                break  # still held by its previous use: try again at the next unit, in order
+            self._ahead[request.unit] = self.store.fetch(key, to=Tier.DEVICE)
+            self.policy.issued(request.unit)
+
+    def _drop_early(self) -> None:
+        for unit in self._early:
+            self.store.release(SliceKey(unit, Kind.PARAM))
+        self._early.clear()
