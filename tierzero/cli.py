@@ -1,4 +1,4 @@
-"""The `tierzero` command: `bench`, `config`, and (as the engine grows) `train` and `estimate`.
+"""The `tierzero` command: `train`, `demo`, `estimate`, `consolidate`, `config` and `bench`.
 
 User errors (a bad config, a full disk) print one line to stderr and exit 2,
 without a traceback; anything else is a bug and keeps its traceback.
@@ -17,6 +17,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from tierzero.bench import add_bench_commands
     from tierzero.config_cli import add_config_commands
     from tierzero.consolidate import add_consolidate_command
+    from tierzero.estimate import add_estimate_command
     from tierzero.train import add_demo_command, add_train_command
 
     parser = argparse.ArgumentParser(prog="tierzero", description=__doc__.splitlines()[0])
@@ -26,6 +27,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_config_commands(commands)
     add_train_command(commands)
     add_demo_command(commands)
+    add_estimate_command(commands)
     add_consolidate_command(commands)
     return parser
 

@@ -1,0 +1,314 @@
+"""`tierzero estimate`: what a config will hold in each tier, and how fast a step can be, before anything is allocated.
+
+Per rank: the bytes of each kind of state in each tier, the peak each tier's ledger
+will reach (homes plus gathered units, scratch, fetched copies, staging; replayed by
+tierzero/estimate_replay.py from the engine's own slice plan), the NVMe bytes read and
+written per step, and step-time floors from the disk bandwidth (`bench nvme` results,
+or a stated assumption) and from 6 x parameters x tokens FLOPs at a stated or measured
+rate. A config that does not fit says which tier and by how much, and which change
+would make it fit, each candidate estimated the same way. The table and the command
+are in tierzero/estimate_report.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tierzero.estimate_replay import TIER_ORDER, Replay, plan_slices
+from tierzero.offload.base import MODEL_STATE_KINDS, Kind, Tier, align_up
+from tierzero.sizes import format_size
+
+__all__ = ["Bandwidth", "Estimate", "TierEstimate", "add_estimate_command", "estimate"]
+
+
+@dataclass(frozen=True, slots=True)
+class Bandwidth:
+    """A rate and where it came from (a bench file, a measurement, or a stated assumption)."""
+
+    read: float
+    """Bytes per second (for FLOPs: FLOP per second)."""
+    write: float
+    source: str
+
+
+@dataclass(slots=True, kw_only=True)
+class TierEstimate:
+    """Bytes one tier holds per rank: homes by kind, and the peak of everything the store counts."""
+
+    tier: Tier
+    capacity: int | None
+    homes: dict[Kind, int] = field(default_factory=lambda: dict.fromkeys(MODEL_STATE_KINDS, 0))
+    working: dict[str, int] = field(default_factory=dict)
+    """Peak transient bytes by use: gathered (stage-3 full units), scratch (gradients, step), fetched
+    (copies of slices homed elsewhere), staging (the swapper's pool), bounce (the NVMe tier's)."""
+    peak: int = 0
+    """The store ledger's peak for this tier (`engine.memory_report()["tiers"][tier]["peak"]`)."""
+    uncounted: int = 0
+    """Bytes in `peak` that do not count against the capacity (the NVMe tier's bounce blocks)."""
+
+    @property
+    def home_total(self) -> int:
+        return sum(self.homes.values())
+
+    @property
+    def need(self) -> int:
+        """What the capacity must allow."""
+        return self.peak - self.uncounted
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity is None or self.need <= self.capacity
+
+
+@dataclass(slots=True, kw_only=True)
+class Estimate:
+    """Everything `tierzero estimate` says about one config at one world size."""
+
+    stage: int
+    world_size: int
+    parameters: int
+    units: int
+    tokens_per_step: int
+    """Tokens one rank trains on per optimizer step."""
+    tiers: dict[Tier, TierEstimate]
+    nvme_read: int
+    """NVMe bytes read per optimizer step, per rank."""
+    nvme_written: int
+    nvme_file: int
+    """Bytes of this rank's preallocated swap file."""
+    nvme_free: int | None
+    disk: Bandwidth | None
+    flops: Bandwidth
+    activations: int | None
+    """Rough bytes of saved activations (built-in models only), host or device."""
+    problems: list[str] = field(default_factory=list)
+    fixes: list[str] = field(default_factory=list)
+
+    @property
+    def io_floor_s(self) -> float:
+        if self.disk is None:
+            return 0.0
+        # One disk serves both directions, so reads and writes add up.
+        return self.nvme_read / self.disk.read + self.nvme_written / self.disk.write
+
+    @property
+    def compute_floor_s(self) -> float:
+        return 6.0 * self.parameters * self.tokens_per_step / self.flops.read
+
+    @property
+    def step_floor_s(self) -> float:
+        """At best I/O hides entirely behind compute or the other way round."""
+        return max(self.io_floor_s, self.compute_floor_s)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the store holds per rank; without CUDA the device tier is host memory too."""
+        host = self.tiers[Tier.CPU].peak
+        return host if torch.cuda.is_available() else host + self.tiers[Tier.DEVICE].peak
+
+
+# ---------------------------------------------------------------- the estimate
+
+
+def estimate(
+    cfg: Any,
+    *,
+    world_size: int = 1,
+    disk: Bandwidth | None = None,
+    flops: Bandwidth | None = None,
+    suggest: bool = True,
+) -> Estimate:
+    """Per-rank bytes per tier, NVMe traffic and step-time floors of `cfg`; nothing is allocated.
+
+    `disk` is the NVMe bandwidth (default: the stated `ASSUMED_DISK`), `flops` the compute
+    rate (default: `assumed_flops`). With `suggest`, a config that does not fit gets the
+    placement or capacity changes that would make it fit, each estimated the same way.
+    """
+    units, parameters, model = plan_slices(cfg, world_size=world_size)
+    replay = Replay(cfg, units, world_size=world_size)
+    replay.homes()
+    replay.step()  # the prefetcher learns the unit order in the first step and follows it after
+    replay.read = replay.written = 0
+    replay.step()
+    tiers = {tier: TierEstimate(tier=tier, capacity=_capacity(cfg, tier)) for tier in TIER_ORDER}
+    for unit in units:
+        for spec in unit.specs:
+            tiers[spec.home].homes[spec.kind] += spec.nbytes
+    for tier, est in tiers.items():
+        est.working = {use: n for use, n in replay.working[tier].items() if use != "home" and n}
+        est.peak = replay.peak[tier] if tier is not Tier.NVME else est.home_total
+        est.uncounted = replay.working[tier]["bounce"]
+    nvme_file = sum(align_up(s.nbytes) for u in units for s in u.specs if s.home is Tier.NVME)
+    if cfg.tiers.nvme.capacity is not None and nvme_file:
+        nvme_file = cfg.tiers.nvme.capacity
+    tiers[Tier.NVME].capacity = cfg.tiers.nvme.capacity
+    uses_nvme = nvme_file > 0
+    train = cfg.train
+    result = Estimate(
+        stage=cfg.zero.stage,
+        world_size=world_size,
+        parameters=parameters,
+        units=len(units),
+        tokens_per_step=train.micro_batch_size * train.seq_len * cfg.gradient_accumulation_steps,
+        tiers=tiers,
+        nvme_read=replay.read,
+        nvme_written=replay.written,
+        nvme_file=nvme_file,
+        nvme_free=_free_space(cfg.tiers.nvme.path) if uses_nvme else None,
+        disk=(disk or ASSUMED_DISK) if uses_nvme else None,
+        flops=flops or assumed_flops(cfg.precision.param_dtype),
+        activations=_activation_bytes(cfg, model),
+    )
+    _check_fit(result, cfg)
+    if suggest and not result.fits:
+        result.fixes = _fixes(cfg, result, world_size=world_size)
+    return result
+
+
+#: This machine's fio best medians (docs: /work/shared/MACHINE.md), used when no `bench nvme` results are given.
+ASSUMED_DISK = Bandwidth(read=3.0e9, write=3.9e9, source="assumed 3.0 GB/s read, 3.9 GB/s write (no bench nvme results)")
+
+
+def assumed_flops(param_dtype: str) -> Bandwidth:
+    """The stated compute rate: a 2-core AVX-512 CPU's matmul rate, 185 GFLOP/s fp32, 400 bf16/fp16."""
+    rate = 185e9 if param_dtype == "fp32" else 400e9
+    return Bandwidth(read=rate, write=rate, source=f"assumed {rate / 1e9:.0f} GFLOP/s ({param_dtype} matmul, 2-core CPU)")
+
+
+def measure_flops(param_dtype: str, *, seconds: float = 0.3) -> Bandwidth:
+    """Time square matmuls in the compute dtype on the compute device for about `seconds`."""
+    from tierzero.precision import dtype_of
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    n = 4096 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device).to(dtype_of(param_dtype))
+    b = torch.randn(n, n, device=device).to(dtype_of(param_dtype))
+    (a @ b).sum().item()  # warm-up
+    runs, began = 0, time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        c = a @ b
+        runs += 1
+    c.sum().item()
+    rate = 2.0 * n**3 * runs / (time.perf_counter() - began)
+    source = f"measured {rate / 1e9:.0f} GFLOP/s ({param_dtype} {n}x{n} matmul, {device.type})"
+    return Bandwidth(read=rate, write=rate, source=source)
+
+
+def _capacity(cfg: Any, tier: Tier) -> int | None:
+    if tier is Tier.DEVICE:
+        capacity = cfg.tiers.device.capacity
+        if capacity is None and torch.cuda.is_available():
+            capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return capacity
+    return cfg.tiers.cpu.capacity if tier is Tier.CPU else cfg.tiers.nvme.capacity
+
+
+def _free_space(path: str | None) -> int | None:
+    if path is None:
+        return None
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _activation_bytes(cfg: Any, model: Any) -> int | None:
+    """Saved activations of one micro-batch for the built-in GPT/Llama (Korthikanti et al.'s per-layer count)."""
+    spec = getattr(model, "spec", None)
+    if spec is None:
+        return None
+    b, s, d = cfg.train.micro_batch_size, cfg.train.seq_len, spec.d_model
+    itemsize = 4 if cfg.precision.param_dtype == "fp32" else 2
+    # Per layer: about 34 bytes x b s d at 2-byte activations (flash-style attention saves no s x s scores).
+    per_layer = 17 * b * s * d * itemsize + 2 * b * s * spec.d_ff * itemsize
+    logits = 3 * b * s * spec.vocab_size * 4  # logits, their fp32 copy and its gradient
+    return spec.n_layer * per_layer + logits
+
+
+# ---------------------------------------------------------------- fit and fixes
+
+
+def _check_fit(result: Estimate, cfg: Any) -> None:
+    for tier in (Tier.DEVICE, Tier.CPU):
+        est = result.tiers[tier]
+        if not est.fits:
+            assert est.capacity is not None
+            result.problems.append(
+                f"{tier.value} tier needs {format_size(est.need)} per rank at peak, tiers.{tier.value}.capacity is "
+                f"{format_size(est.capacity)}"
+            )
+    nvme = result.tiers[Tier.NVME]
+    if nvme.capacity is not None and nvme.home_total > nvme.capacity:
+        result.problems.append(
+            f"nvme tier needs {format_size(nvme.home_total)} per rank, tiers.nvme.capacity is {format_size(nvme.capacity)}"
+        )
+    if result.nvme_free is not None and result.nvme_file > result.nvme_free:
+        result.problems.append(
+            f"nvme tier needs {format_size(result.nvme_file)} at {cfg.tiers.nvme.path} for this rank's swap file, "
+            f"{format_size(result.nvme_free)} free"
+        )
+
+
+#: Placement changes tried, in order, when a config does not fit: (overrides, what to tell the user).
+_MOVES: tuple[tuple[dict[str, Any], str], ...] = (
+    ({"offload.optimizer": "cpu"}, "move optimizer states to cpu (offload.optimizer: cpu)"),
+    ({"offload.gradients": "cpu"}, "move gradients to cpu (offload.gradients: cpu)"),
+    ({"offload.optimizer": "nvme"}, "move optimizer states to nvme (offload.optimizer: nvme)"),
+    ({"offload.gradients": "nvme"}, "move gradients to nvme (offload.gradients: nvme)"),
+    ({"zero.stage": 3, "offload.params": "cpu"}, "shard and offload parameters (zero.stage: 3, offload.params: cpu)"),
+    ({"zero.stage": 3, "offload.params": "nvme"}, "shard parameters to nvme (zero.stage: 3, offload.params: nvme)"),
+)
+
+
+def _fixes(cfg: Any, result: Estimate, *, world_size: int) -> list[str]:
+    """One line per change that would make `cfg` fit: a placement move that fits, else raising a capacity."""
+    from tierzero.config import load_config
+
+    fixes: list[str] = []
+    short = [t for t in (Tier.DEVICE, Tier.CPU) if not result.tiers[t].fits]
+    for overrides, what in _MOVES:
+        if any(_current(cfg, key) == value for key, value in overrides.items() if key.startswith("offload")):
+            continue
+        try:
+            moved = estimate(load_config(cfg, overrides=overrides), world_size=world_size, disk=result.disk, suggest=False)
+        except ValueError:
+            continue  # a placement the config does not allow with this stage
+        if short and all(moved.tiers[t].need < result.tiers[t].need for t in short) and moved.fits:
+            drops = ", ".join(
+                f"{t.value} need drops from {format_size(result.tiers[t].need)} to {format_size(moved.tiers[t].need)}"
+                for t in short
+            )
+            fixes.append(f"{what}: {drops}")
+    for tier in short:
+        need = result.tiers[tier].need
+        fixes.append(f"raise tiers.{tier.value}.capacity to {format_size(need)} ({need} bytes)")
+    nvme = result.tiers[Tier.NVME]
+    if nvme.capacity is not None and nvme.home_total > nvme.capacity:
+        fixes.append(f"raise tiers.nvme.capacity to {format_size(align_up(nvme.home_total))} (or leave it null)")
+    if result.nvme_free is not None and result.nvme_file > result.nvme_free:
+        fixes.append(
+            f"point tiers.nvme.path at a disk with {format_size(result.nvme_file)} free, or move state to cpu"
+        )
+    return fixes
+
+
+def _current(cfg: Any, key: str) -> Any:
+    section, name = key.split(".")
+    value = getattr(getattr(cfg, section), name)
+    return value.value if isinstance(value, Tier) else value
+
+
+def add_estimate_command(subparsers: Any) -> None:
+    """Register `tierzero estimate` on the `tierzero` command's sub-parsers (for tierzero/cli.py)."""
+    from tierzero.estimate_report import add_command
+
+    add_command(subparsers)

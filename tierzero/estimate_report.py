@@ -1,0 +1,164 @@
+"""`tierzero estimate`'s output and command: the table, the JSON, the bench results it reads."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from tierzero.estimate import Bandwidth, Estimate, estimate, measure_flops
+from tierzero.offload.base import MODEL_STATE_KINDS
+from tierzero.sizes import format_size
+
+__all__ = ["DEFAULT_BENCH_PATHS", "add_command", "format_estimate", "load_bench", "run_estimate", "to_json"]
+
+
+def to_json(result: Estimate) -> dict[str, Any]:
+    """The estimate as plain JSON types: bytes as ints, times in seconds."""
+    tiers = {
+        t.value: {
+            "capacity": e.capacity,
+            "homes": {k.value: n for k, n in e.homes.items()},
+            "working": dict(e.working),
+            "peak": e.peak,
+            "need": e.need,
+            "fits": e.fits,
+        }
+        for t, e in result.tiers.items()
+    }
+    disk = result.disk
+    disk_json = None if disk is None else {"read_Bps": disk.read, "write_Bps": disk.write, "source": disk.source}
+    return {
+        "stage": result.stage,
+        "world_size": result.world_size,
+        "parameters": result.parameters,
+        "units": result.units,
+        "tiers": tiers,
+        "kinds": {k.value: sum(e.homes[k] for e in result.tiers.values()) for k in MODEL_STATE_KINDS},
+        "nvme": {"read_per_step": result.nvme_read, "written_per_step": result.nvme_written,
+                 "file": result.nvme_file, "free": result.nvme_free},
+        "host_bytes": result.host_bytes,
+        "activations": result.activations,
+        "disk": disk_json,
+        "flops": {"rate": result.flops.read, "source": result.flops.source},
+        "time": {
+            "io_floor_s": result.io_floor_s,
+            "compute_floor_s": result.compute_floor_s,
+            "step_floor_s": result.step_floor_s,
+        },
+        "fits": result.fits,
+        "problems": list(result.problems),
+        "fixes": list(result.fixes),
+    }
+
+
+def format_estimate(result: Estimate) -> str:
+    """The table `tierzero estimate` prints."""
+    fs = format_size
+    kinds = [k for k in MODEL_STATE_KINDS if any(e.homes[k] for e in result.tiers.values())]
+    uses = sorted({use for e in result.tiers.values() for use in e.working})
+    header = ["tier", *(k.value for k in kinds), *uses, "peak", "capacity", "fits"]
+    rows = [header]
+    for tier, e in result.tiers.items():
+        capacity = "-" if e.capacity is None else fs(e.capacity)
+        cells = [fs(e.homes[k]) for k in kinds] + [fs(e.working.get(u, 0)) for u in uses]
+        rows.append([tier.value, *cells, fs(e.peak), capacity, "yes" if e.fits else "NO"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    table = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines = [
+        f"tierzero estimate: zero stage {result.stage}, world size {result.world_size}, {result.parameters:,} parameters "
+        f"in {result.units} units; per rank:",
+        "",
+        *table,
+        "",
+        f"host memory held by the store: {fs(result.host_bytes)}"
+        + ("" if result.activations is None else f"; activations about {fs(result.activations)} per micro-batch"),
+    ]
+    if result.disk is not None:
+        lines += [
+            f"nvme per step: read {fs(result.nvme_read)}, write {fs(result.nvme_written)}; swap file {fs(result.nvme_file)}"
+            + ("" if result.nvme_free is None else f", {fs(result.nvme_free)} free"),
+            f"disk: {result.disk.source}",
+        ]
+    lines += [
+        f"compute: {result.flops.source}",
+        f"step-time floor: {result.step_floor_s:.3f} s (I/O {result.io_floor_s:.3f} s, compute {result.compute_floor_s:.3f} s "
+        f"for {result.tokens_per_step:,} tokens)",
+        "",
+    ]
+    if result.fits:
+        lines.append("fits: yes")
+    else:
+        lines += ["DOES NOT FIT:", *(f"  {p}" for p in result.problems)]
+        lines += ["to make it fit:", *(f"  - {f}" for f in result.fixes)]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- the command
+
+#: Where `tierzero estimate` looks for `tierzero bench nvme --json` results when --nvme-bench is not given.
+DEFAULT_BENCH_PATHS = ("bench-nvme.json", "results/bench-nvme.json")
+
+
+def load_bench(path: str | None, *, nvme_path: str | None = None) -> Bandwidth | None:
+    """The best read/write GB/s of a `bench nvme` JSON file; None when no file is given or found."""
+    if path is None:
+        candidates = [Path(p) for p in DEFAULT_BENCH_PATHS]
+        if nvme_path is not None:
+            candidates.append(Path(nvme_path) / "bench-nvme.json")
+        found = next((p for p in candidates if p.is_file()), None)
+        if found is None:
+            return None
+        path = str(found)
+    try:
+        best = json.loads(Path(path).read_text())["best"]
+        read, write = float(best["read_GBps"]), float(best["write_GBps"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"--nvme-bench {path}: expected `tierzero bench nvme --json` results with best.read_GBps and "
+            f"best.write_GBps, got {type(exc).__name__}: {exc}; rerun the bench with --json"
+        ) from None
+    if read <= 0 or write <= 0:
+        raise ValueError(f"--nvme-bench {path}: best read {read} and write {write} GB/s must be positive; rerun the bench")
+    source = f"bench nvme {path}: {read:.2f} GB/s read, {write:.2f} GB/s write"
+    return Bandwidth(read=read * 1e9, write=write * 1e9, source=source)
+
+
+def add_command(subparsers: Any) -> None:
+    """Register `tierzero estimate` on the `tierzero` command's sub-parsers."""
+    parser = subparsers.add_parser("estimate", help="bytes per tier, NVMe traffic and step-time floor of a config")
+    parser.add_argument("--config", required=True, help="a tierzero .yaml/.yml/.json config (or a DeepSpeed .json)")
+    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    parser.add_argument(
+        "--nvme-bench", default=None, help=f"`bench nvme --json` results (default: {', '.join(DEFAULT_BENCH_PATHS)})"
+    )
+    parser.add_argument("--flops", type=float, default=None, help="compute rate in GFLOP/s (default: a stated CPU rate)")
+    parser.add_argument("--measure-flops", action="store_true", help="time a matmul here instead of assuming a rate")
+    parser.add_argument("--nvme-path", default=None, help="directory for the swap files (overrides tiers.nvme.path)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override one dotted config key, e.g. --set zero.stage=2 (the value is read as YAML)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.set_defaults(func=run_estimate)
+
+
+def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
+    """`tierzero estimate`: 0 when the config fits, 1 when it does not; user errors raise ValueError."""
+    from tierzero.config import load_config
+    from tierzero.config_cli import parse_overrides
+
+    out = out or sys.stdout
+    cfg = load_config(args.config, overrides=parse_overrides(args.overrides, nvme_path=args.nvme_path))
+    if args.flops is not None and args.flops <= 0:
+        raise ValueError(f"--flops must be a positive GFLOP/s rate, got {args.flops}")
+    flops = None
+    if args.flops is not None:
+        flops = Bandwidth(read=args.flops * 1e9, write=args.flops * 1e9, source=f"given {args.flops:g} GFLOP/s (--flops)")
+    elif args.measure_flops:
+        flops = measure_flops(cfg.precision.param_dtype)
+    disk = load_bench(args.nvme_bench, nvme_path=cfg.tiers.nvme.path)
+    result = estimate(cfg, world_size=args.world_size, disk=disk, flops=flops)
+    out.write(json.dumps(to_json(result), indent=2) + "\n" if args.json else format_estimate(result))
+    return 0 if result.fits else 1
