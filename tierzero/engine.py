@@ -282,7 +282,7 @@ def initialize(model: nn.Module, config: Any) -> Engine:
     from tierzero.config import load_config
 
     cfg = load_config(config)
-    return Engine(model, cfg, ctx=D.setup())
+    return Engine(model, cfg, ctx=D.setup(timeout_s=cfg.dist.timeout))
 
 
 def _flat_fp32(unit: Unit, *, device: torch.device) -> torch.Tensor:

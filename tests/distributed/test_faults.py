@@ -2,14 +2,13 @@
 
 Nothing kills the survivor here (unlike torchrun, which would): it must notice on its
 own. A dead peer closes its sockets, which gloo reports at once; a hung peer (stopped
-with SIGSTOP) is only noticed by the process group's timeout, which the job sets. Under
+with SIGSTOP) is only noticed by the process group's timeout, `dist.timeout` in the config. Under
 `tierzero train` the survivor says in one line which rank lost contact, in which step,
 and how to continue, and exits 2.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import sys
@@ -35,9 +34,10 @@ def _rank(env: dict[str, str]) -> None:
 
     torch.set_num_threads(1)
     rank = int(env["RANK"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(env["TZ_TIMEOUT"])))
     case = Case(stage=3, optimizer="adamw", steps=4, accumulation=1, global_batch=4)
-    engine = tierzero.initialize(case.model(), case.config())
+    # tierzero creates the group from the torchrun variables, with the config's timeout.
+    engine = tierzero.initialize(case.model(), {**case.config(), "dist": {"timeout": float(env["TZ_TIMEOUT"])}})
+    assert dist.is_initialized()
     fault = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[env["TZ_FAULT"]]
 
     def maybe_fault(*_: object) -> None:
