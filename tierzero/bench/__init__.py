@@ -1,4 +1,5 @@
-"""`tierzero bench`: the NVMe tier against fio (`nvme`), the swapper under stress (`swap`), CPU Adam (`adam`).
+"""`tierzero bench`: the NVMe tier against fio (`nvme`), the swapper under stress (`swap`),
+CPU Adam (`adam`), and an offloaded training step against plain PyTorch (`train`).
 
 The tiers, the store and matplotlib are imported only when a subcommand runs.
 """
@@ -30,6 +31,17 @@ def _run_adam(args: argparse.Namespace) -> int:
     return 0 if result.identical else 1
 
 
+def _run_train(args: argparse.Namespace) -> int:
+    from tierzero.bench.train_step import bench_train_step
+
+    result = bench_train_step(
+        nvme_path=args.nvme_path, preset=args.preset, seq=args.seq, batch=args.batch,
+        steps=args.steps, warmup=args.warmup, measure_rss=not args.no_rss,
+    )
+    print(result.format())
+    return 0
+
+
 def add_bench_commands(subparsers: Any) -> None:
     """Adds `bench nvme` and `bench swap` to the `tierzero` command's sub-parsers."""
     from tierzero.bench.nvme import add_arguments as add_nvme_arguments
@@ -57,3 +69,16 @@ def add_bench_commands(subparsers: Any) -> None:
     adam.add_argument("--steps", type=int, default=10, help="timed steps of each (default 10)")
     adam.add_argument("--split", type=int, default=1, help="sub-slices stepped on as many threads (default 1)")
     adam.set_defaults(func=_run_adam)
+    train = commands.add_parser(
+        "train", help="a training step with params and optimizer on NVMe beside plain in-memory PyTorch",
+        description="Stage 3 with params and optimizer states on NVMe against plain PyTorch on the same "
+        "GPT, alternating step by step: step-time ratio, prefetch hit rate, peak RSS of each.",
+    )
+    train.add_argument("--nvme-path", required=True, help="directory for the swap files")
+    train.add_argument("--preset", default="30m", help="built-in GPT size (tierzero.models.PRESETS; default 30m)")
+    train.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
+    train.add_argument("--batch", type=int, default=4, help="micro-batch size (default 4)")
+    train.add_argument("--steps", type=int, default=10, help="timed steps of each (default 10)")
+    train.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    train.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs in fresh processes")
+    train.set_defaults(func=_run_train)

@@ -1,0 +1,207 @@
+"""Step time and peak memory of stage 3 with params and optimizer on NVMe, beside plain PyTorch.
+
+`bench_train_step` builds the same built-in GPT twice in one process: once trained
+plainly (torch.optim.AdamW(fused=True), everything in memory), once by tierzero
+stage 3 with `offload.params` and `offload.optimizer` on NVMe. It alternates one
+step of each (which goes first swaps every step), so the shared machine's drift
+slows both alike, and reports the median step times, their ratio, and the
+prefetcher's hit rate from the second step on.
+
+Peak RSS is measured in two fresh subprocesses, one per contender, so that neither
+run's peak hides inside the other's: each child builds its model, trains a few
+steps and reports `ru_maxrss`.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierzero.sizes import format_size
+
+__all__ = ["TrainStepResult", "bench_train_step", "peak_rss"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainStepResult:
+    preset: str
+    seq: int
+    batch: int
+    plain_seconds: tuple[float, ...]
+    tierzero_seconds: tuple[float, ...]
+    """Timed steps of each (after the warm-up steps)."""
+    hit_rates: tuple[float, ...]
+    """Prefetch hit rate of each tierzero step from the second on."""
+    waited_s: tuple[float, ...]
+    """Seconds stage 3 waited on parameter I/O in each of those steps."""
+    plain_peak_rss: int | None
+    tierzero_peak_rss: int | None
+
+    @property
+    def ratio(self) -> float:
+        """Median tierzero step over median plain step (target <= 1.3)."""
+        return statistics.median(self.tierzero_seconds) / statistics.median(self.plain_seconds)
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over all consumed units, steps 2 on, every step weighed alike (target >= 0.95)."""
+        return statistics.fmean(self.hit_rates) if self.hit_rates else 0.0
+
+    @property
+    def rss_ratio(self) -> float | None:
+        if self.plain_peak_rss is None or self.tierzero_peak_rss is None:
+            return None
+        return self.tierzero_peak_rss / self.plain_peak_rss
+
+    def format(self) -> str:
+        lines = [
+            f"GPT {self.preset}, seq {self.seq}, batch {self.batch}: stage 3, params + optimizer on NVMe vs plain PyTorch",
+            f"  step (median)  plain {statistics.median(self.plain_seconds) * 1e3:.1f} ms   "
+            f"tierzero {statistics.median(self.tierzero_seconds) * 1e3:.1f} ms   ratio {self.ratio:.2f}x (target <= 1.30)",
+            f"  prefetch hit rate from step 2: {self.hit_rate:.1%} (target >= 95%), "
+            f"I/O wait median {statistics.median(self.waited_s or (0.0,)) * 1e3:.1f} ms/step",
+        ]
+        if self.rss_ratio is not None:
+            assert self.plain_peak_rss is not None and self.tierzero_peak_rss is not None
+            lines.append(
+                f"  peak RSS       plain {format_size(self.plain_peak_rss)}   tierzero {format_size(self.tierzero_peak_rss)}   "
+                f"ratio {self.rss_ratio:.2f}x (target <= 1.50)"
+            )
+        return "\n".join(lines)
+
+
+def _config(nvme_path: str) -> dict[str, Any]:
+    return {
+        "zero": {"stage": 3},
+        "optimizer": {"type": "adamw", "lr": 1e-3, "weight_decay": 0.0},
+        "offload": {"params": "nvme", "optimizer": "nvme"},
+        "tiers": {"nvme": {"path": nvme_path}},
+    }
+
+
+def _model(preset: str) -> torch.nn.Module:
+    from tierzero.models import GPT, PRESETS
+
+    torch.manual_seed(0)
+    return GPT(PRESETS[preset])
+
+
+def _batch(step: int, *, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, 256, (batch, seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+class _Plain:
+    def __init__(self, preset: str) -> None:
+        self.model = _model(preset)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        _, loss = self.model(tokens, targets)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def close(self) -> None:
+        pass
+
+
+class _Tierzero:
+    def __init__(self, preset: str, nvme_path: str) -> None:
+        import tierzero
+
+        self.engine = tierzero.initialize(_model(preset), _config(nvme_path))
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        _, loss = self.engine(tokens, targets)
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.item()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def bench_train_step(
+    *,
+    nvme_path: str | Path,
+    preset: str = "30m",
+    seq: int = 128,
+    batch: int = 4,
+    steps: int = 10,
+    warmup: int = 2,
+    measure_rss: bool = True,
+    rss_steps: int = 3,
+) -> TrainStepResult:
+    """Alternate plain and tierzero steps; `steps` timed steps each after `warmup` untimed ones."""
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"bench needs steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    Path(nvme_path).mkdir(parents=True, exist_ok=True)
+    plain, tz = _Plain(preset), _Tierzero(preset, str(nvme_path))
+    times: dict[str, list[float]] = {"plain": [], "tierzero": []}
+    hits: list[float] = []
+    waited: list[float] = []
+    try:
+        for step in range(warmup + steps):
+            tokens, targets = _batch(step, batch=batch, seq=seq)
+            order = [("plain", plain), ("tierzero", tz)]
+            for name, runner in order if step % 2 == 0 else order[::-1]:
+                started = time.perf_counter()
+                runner.step(tokens, targets)
+                if step >= warmup:
+                    times[name].append(time.perf_counter() - started)
+            report = tz.engine.prefetch_report()
+            if step >= 1 and report is not None:
+                hits.append(report.hit_rate)
+                waited.append(report.waited_s)
+    finally:
+        plain.close()
+        tz.close()
+    plain_rss = peak_rss("plain", preset=preset, seq=seq, batch=batch, steps=rss_steps, nvme_path=str(nvme_path)) if measure_rss else None
+    tz_rss = peak_rss("tierzero", preset=preset, seq=seq, batch=batch, steps=rss_steps, nvme_path=str(nvme_path)) if measure_rss else None
+    return TrainStepResult(
+        preset=preset,
+        seq=seq,
+        batch=batch,
+        plain_seconds=tuple(times["plain"]),
+        tierzero_seconds=tuple(times["tierzero"]),
+        hit_rates=tuple(hits),
+        waited_s=tuple(waited),
+        plain_peak_rss=plain_rss,
+        tierzero_peak_rss=tz_rss,
+    )
+
+
+def peak_rss(which: str, *, preset: str, seq: int, batch: int, steps: int, nvme_path: str) -> int:
+    """Peak resident bytes of a fresh process that trains `steps` steps of `which` ("plain" or "tierzero")."""
+    if which not in ("plain", "tierzero"):
+        raise ValueError(f"peak_rss measures 'plain' or 'tierzero', got {which!r}")
+    args = json.dumps({"which": which, "preset": preset, "seq": seq, "batch": batch, "steps": steps, "nvme_path": nvme_path})
+    code = f"from tierzero.bench.train_step import _rss_child; _rss_child({args!r})"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {which} RSS run failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+def _rss_child(args_json: str) -> None:
+    args = json.loads(args_json)
+    runner: Any = _Plain(args["preset"]) if args["which"] == "plain" else _Tierzero(args["preset"], args["nvme_path"])
+    try:
+        for step in range(args["steps"]):
+            runner.step(*_batch(step, batch=args["batch"], seq=args["seq"]))
+    finally:
+        runner.close()
+    # Linux reports ru_maxrss in KiB.
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
