@@ -96,12 +96,7 @@ class CpuTier(MemoryTier):
                 dropped = self._make_room(live_peak_before)
         if buffer is None:
             self._unpin_all(dropped)
-            try:
-                buffer = self._new_buffer(nbytes)
-            except BaseException:
-                with self._lock:
-                    self._used -= nbytes
-                raise
+            buffer = self._new_reserved(nbytes)
         return Region(tier=self.tier, nbytes=nbytes, label=label, buffer=buffer)
 
     def close(self) -> None:

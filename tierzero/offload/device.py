@@ -47,13 +47,7 @@ class MemoryTier(TierStorage):
             raise ValueError(f"a {self.tier.value} region needs a positive size, got {nbytes} bytes for {label}")
         with self._lock:
             self._reserve(nbytes, label=label)
-        try:
-            buffer = self._new_buffer(nbytes)
-        except BaseException:
-            with self._lock:
-                self._used -= nbytes
-            raise
-        return Region(tier=self.tier, nbytes=nbytes, label=label, buffer=buffer)
+        return Region(tier=self.tier, nbytes=nbytes, label=label, buffer=self._new_reserved(nbytes))
 
     def free(self, region: Region) -> None:
         assert region.tier is self.tier, f"{region.label}: a {region.tier.value} region freed by the {self.tier.value} tier"
@@ -77,6 +71,15 @@ class MemoryTier(TierStorage):
         if self._capacity is not None and self._used + nbytes > self._capacity:
             raise TierCapacityError(self.tier, need=nbytes, used=self._used, capacity=self._capacity, what=label)
         self._used += nbytes
+
+    def _new_reserved(self, nbytes: int) -> torch.Tensor:
+        """A new buffer for `nbytes` already reserved; the reservation is undone if it cannot be made."""
+        try:
+            return self._new_buffer(nbytes)
+        except BaseException:
+            with self._lock:
+                self._used -= nbytes
+            raise
 
     @abstractmethod
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
