@@ -132,15 +132,21 @@ class GPT(nn.Module):
 
     def init_weights(self) -> None:
         """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer), zero biases."""
-        residual = {m for block in self.blocks for m in (block.proj, block.fc_out)}
-        residual_std = INIT_STD / math.sqrt(2 * self.spec.n_layer)
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.device.type != "meta":
-                _normal_(module.weight, std=residual_std if module in residual else INIT_STD)
-                if isinstance(module, nn.Linear) and module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm) and module.weight.device.type != "meta":
-                module.reset_parameters()
+            self.init_module(module)
+
+    def init_module(self, module: nn.Module) -> None:
+        """Initialise `module`'s own parameters (not its children's) as `init_weights` does.
+
+        The engine calls it unit by unit on a meta-built model (see tierzero/engine.py).
+        """
+        if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.device.type != "meta":
+            residual = any(module is block.proj or module is block.fc_out for block in self.blocks)
+            _normal_(module.weight, std=_residual_std(self.spec) if residual else INIT_STD)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm) and module.weight.device.type != "meta":
+            module.reset_parameters()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
         t = idx.shape[1]
@@ -232,17 +238,23 @@ class Llama(nn.Module):
 
     def init_weights(self) -> None:
         """N(0, 0.02) linears and embedding, output projections scaled by 1/sqrt(2 n_layer), unit norms."""
-        residual = {m for block in self.blocks for m in (block.wo, block.w_down)}
-        residual_std = INIT_STD / math.sqrt(2 * self.spec.n_layer)
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.device.type != "meta":
-                _normal_(module.weight, std=residual_std if module in residual else INIT_STD)
-            elif isinstance(module, RMSNorm) and module.weight.device.type != "meta":
-                module.reset_parameters()
-        if self.tok_emb.weight.device.type != "meta":
+            self.init_module(module)
+
+    def init_module(self, module: nn.Module) -> None:
+        """Initialise `module`'s own parameters and buffers (not its children's) as `init_weights` does.
+
+        The engine calls it unit by unit on a meta-built model; on the model itself it
+        recomputes the rotary tables once they are no longer on the meta device.
+        """
+        if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.device.type != "meta":
+            residual = any(module is block.wo or module is block.w_down for block in self.blocks)
+            _normal_(module.weight, std=_residual_std(self.spec) if residual else INIT_STD)
+        elif isinstance(module, RMSNorm) and module.weight.device.type != "meta":
+            module.reset_parameters()
+        elif module is self and self.rope_cos.device.type != "meta":
             cos, sin = rotary_tables(head_dim=self.spec.head_dim, max_seq_len=self.spec.max_seq_len)
-            device = self.tok_emb.weight.device
-            self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+            self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_cos.device)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
         t = idx.shape[1]
@@ -257,6 +269,11 @@ class Llama(nn.Module):
 
 def _normal_(weight: torch.Tensor, *, std: float) -> None:
     nn.init.normal_(weight, mean=0.0, std=std)
+
+
+def _residual_std(spec: ModelSpec) -> float:
+    # GPT-2's scaling: each block adds two residual branches, so 2 n_layer of them in all.
+    return INIT_STD / math.sqrt(2 * spec.n_layer)
 
 
 # ---------------------------------------------------------------- building

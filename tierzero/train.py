@@ -159,7 +159,11 @@ def train(cfg: Any, *, resume: bool = False, progress: bool = True, out: TextIO 
     if resume and cfg.checkpoint.dir is None:
         raise ValueError("--resume needs checkpoint.dir, where the checkpoints are: set it in the config or with --set checkpoint.dir=PATH")
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model)
+    # Built-ins are built on meta and materialised by the engine one unit at a time, so
+    # host memory never holds the whole fp32 model. A transformers model stays on the CPU:
+    # its buffers (position ids, rotary tables) are computed in __init__, not by a per-module init.
+    device = None if cfg.model.type == "transformers" else "meta"
+    model = build_model(cfg.model, device=device)
     summary = RunSummary(planned_steps=cfg.train.steps, parameters=count_parameters(model))
     engine = tierzero.initialize(model, cfg)
     rank, world = _rank_and_world()
