@@ -341,12 +341,7 @@ def _materialize_unit(model: nn.Module, unit: Unit, *, seed: int) -> torch.Tenso
             setattr(b.module, b.attr, param)
     # In module order, as a whole-model init visits them.
     owned = {id(b.module) for slot in unit.slots for b in slot.bindings}
-    owners = [module for module in model.modules() if id(module) in owned]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for module in owners:
-                _init_module(model, module)
+    _init_modules(model, [module for module in model.modules() if id(module) in owned], seed=seed)
     return full
 
 
@@ -362,10 +357,15 @@ def _materialize_rest(model: nn.Module, *, seed: int) -> None:
             table[name] = nn.Parameter(fresh, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fresh
         if names:
             owners.append(module)
+    _init_modules(model, owners, seed=seed)
+
+
+def _init_modules(model: nn.Module, modules: list[nn.Module], *, seed: int) -> None:
+    """Run the model's init on `modules` in order from `seed`, leaving the caller's RNG as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with torch.no_grad():
-            for module in owners:
+            for module in modules:
                 _init_module(model, module)
 
 
