@@ -5,8 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,19 +59,9 @@ def test_enospc_in_the_middle_of_a_file(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
+def small_disk(mount_tmpfs) -> Path:
     """A 2 MiB tmpfs (root only; skipped where mounting is not allowed)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if shutil.which("mount") is None or os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root and mount(8)")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
+    return mount_tmpfs("2m")
 
 
 def test_a_really_full_filesystem(small_disk: Path) -> None:

@@ -7,7 +7,6 @@ import os
 import random
 import shutil
 import stat
-import subprocess
 import threading
 import time
 import warnings
@@ -57,18 +56,8 @@ def file_bytes(tier: NvmeTier, offset: int, nbytes: int) -> bytes:
 
 
 @pytest.fixture
-def tmpfs(tmp_path: Path):
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command here")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
+def tmpfs(mount_tmpfs) -> Path:
+    return mount_tmpfs("8m")
 
 
 # --- bytes in, the same bytes out -------------------------------------------------------

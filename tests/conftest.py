@@ -1,0 +1,36 @@
+"""Fixtures shared by the test rooms."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """Mounts a size-limited tmpfs under tmp_path (`mount_tmpfs("2m")`), a real small disk.
+
+    Needs root and mount(8): the test is skipped where mounting is not allowed. Every
+    mount is undone after the test.
+    """
+    mounts: list[Path] = []
+
+    def mount(size: str) -> Path:
+        if shutil.which("mount") is None or os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root and mount(8)")
+        path = tmp_path / f"tmpfs-{len(mounts)}"
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounts.append(path)
+        return path
+
+    yield mount
+    for path in mounts:
+        subprocess.run(["umount", str(path)], check=True)
