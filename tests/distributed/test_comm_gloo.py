@@ -54,3 +54,31 @@ def test_collectives_on_gloo(world_size: int) -> None:
             "all_reduce": 2 * (n - 1) * 4 // n,
         }
         assert out["calls"] == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1}
+
+
+def _overlapping_job(rank: int, world_size: int, _: Any) -> dict[str, torch.Tensor]:
+    """Collectives of different sizes in flight together, waited for out of order."""
+    comm = CommGroup.from_default_group(counter=CommCounter())
+    small, large = torch.full((2,), float(rank)), torch.full((5,), 100.0 + rank)
+    out_small, out_large = torch.empty(2 * world_size), torch.empty(5 * world_size)
+    full = torch.arange(3 * world_size, dtype=torch.float32) + rank
+    part = torch.empty(3)
+    handles = [
+        all_gather(out_small, small, comm=comm, async_op=True),
+        reduce_scatter(part, full, comm=comm, async_op=True),
+        all_gather(out_large, large, comm=comm, async_op=True),
+    ]
+    for handle in reversed(handles):
+        handle.wait()
+    return {"small": out_small, "large": out_large, "part": part}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collectives_in_flight_together_keep_their_pieces_apart(world_size: int) -> None:
+    results = run_ranks(_overlapping_job, world_size=world_size)
+    ranks = range(world_size)
+    for rank, out in enumerate(results):
+        assert torch.equal(out["small"], torch.cat([torch.full((2,), float(r)) for r in ranks]))
+        assert torch.equal(out["large"], torch.cat([torch.full((5,), 100.0 + r) for r in ranks]))
+        own = torch.arange(3 * rank, 3 * rank + 3, dtype=torch.float32)
+        assert torch.equal(out["part"], sum(own + r for r in ranks))
