@@ -32,7 +32,7 @@ gloo and NCCL. Older torch has only the older names.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -112,19 +112,26 @@ def _count(comm: CommGroup, op: Collective, full: torch.Tensor) -> None:
     comm.counter.add(op, ring_bytes(op, nbytes=nbytes, world_size=comm.world_size))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Pending:
-    """A collective in flight; `wait()` returns once its output is ready (at once when done locally)."""
+    """A collective in flight; `wait()` returns once its output is ready (at once when done locally).
+
+    `wait()` is idempotent: several units reduced or gathered in one exchange share one handle.
+    """
 
     works: tuple[dist.Work, ...] = ()
     finish: Callable[[], None] | None = None
     """The local part that needs every piece (a direct reduce-scatter's sum); run by `wait()`."""
+    keep: tuple[torch.Tensor, ...] = ()
+    """Packed send buffers the exchange reads until it is done."""
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
-        if self.finish is not None:
-            self.finish()
+        finish = self.finish
+        self.works, self.finish, self.keep = (), None, ()
+        if finish is not None:
+            finish()
 
 
 def _direct(comm: CommGroup) -> bool:
@@ -154,23 +161,50 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, *, comm: CommGroup, as
 
     With `async_op` the call returns at once; leave both tensors alone until `wait()`.
     """
-    if output.numel() != shard.numel() * comm.world_size:
-        raise ValueError(
-            f"all_gather output holds {output.numel()} elements, expected "
-            f"{comm.world_size} x {shard.numel()}: size the output as world_size x shard"
-        )
+    return all_gather_many([output], [shard], comm=comm, async_op=async_op)
+
+
+def all_gather_many(
+    outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], *, comm: CommGroup, async_op: bool = False
+) -> Pending:
+    """`all_gather` of each (output, shard) pair, as one exchange per peer on gloo.
+
+    Several small buffers cost one message's latency instead of one each; the shards
+    are packed into one send and the received pieces unpacked on `wait()`.
+    """
+    for output, shard in zip(outputs, shards, strict=True):
+        if output.numel() != shard.numel() * comm.world_size:
+            raise ValueError(
+                f"all_gather output holds {output.numel()} elements, expected "
+                f"{comm.world_size} x {shard.numel()}: size the output as world_size x shard"
+            )
     if comm.world_size == 1:
-        output.copy_(shard)
+        for output, shard in zip(outputs, shards):
+            output.copy_(shard)
         return Pending()
-    _count(comm, Collective.ALL_GATHER, output)
-    if _direct(comm):
-        pieces = output.view(comm.world_size, -1)
-        pieces[comm.rank].copy_(shard)
-        peers = _peers(comm)
-        works = _exchange([(shard, g) for _, g in peers], [(pieces[r], g) for r, g in peers], comm=comm)
+    for output in outputs:
+        _count(comm, Collective.ALL_GATHER, output)
+    if not _direct(comm):
+        works = [_all_gather_flat(o, s, group=comm.group, async_op=async_op) for o, s in zip(outputs, shards)]
+        return Pending(tuple(works) if async_op else ())
+    pieces = [output.view(comm.world_size, -1) for output in outputs]
+    for piece, shard in zip(pieces, shards):
+        piece[comm.rank].copy_(shard)
+    peers = _peers(comm)
+    if len(outputs) == 1:
+        works = _exchange([(shards[0], g) for _, g in peers], [(pieces[0][r], g) for r, g in peers], comm=comm)
         return _settle(Pending(tuple(works)), async_op=async_op)
-    work = _all_gather_flat(output, shard, group=comm.group, async_op=async_op)
-    return Pending((work,) if async_op else ())
+    sizes = [shard.numel() for shard in shards]
+    packed = torch.cat([shard.reshape(-1) for shard in shards])
+    received = packed.new_empty((len(peers), packed.numel()))
+    works = _exchange([(packed, g) for _, g in peers], list(zip(received, (g for _, g in peers))), comm=comm)
+
+    def finish() -> None:
+        for (r, _), row in zip(peers, received):
+            for piece, part in zip(pieces, row.split(sizes)):
+                piece[r].copy_(part)
+
+    return _settle(Pending(tuple(works), finish, keep=(packed,)), async_op=async_op)
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, *, comm: CommGroup, async_op: bool = False) -> Pending:
@@ -180,31 +214,50 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, *, comm: CommGroup,
     until the returned handle's `wait()`. On gloo the pieces from peers land in a
     buffer of (N-1)/N of `full`'s size, held until `wait()`.
     """
-    if full.numel() != output.numel() * comm.world_size:
-        raise ValueError(
-            f"reduce_scatter input holds {full.numel()} elements, expected "
-            f"{comm.world_size} x {output.numel()}: pad the input to a multiple of world_size"
-        )
-    if comm.world_size == 1:
-        output.copy_(full)
-        return Pending()
-    _count(comm, Collective.REDUCE_SCATTER, full)
-    if _direct(comm):
-        pieces = full.view(comm.world_size, -1)
-        peers = _peers(comm)
-        received = torch.empty((len(peers), output.numel()), dtype=output.dtype, device=output.device)
-        works = _exchange([(pieces[r], g) for r, g in peers], list(zip(received, (g for _, g in peers))), comm=comm)
-        # Rank order: peer i holds rank i below this rank's, rank i + 1 from it on.
-        terms = [*received[: comm.rank], pieces[comm.rank], *received[comm.rank :]]
+    return reduce_scatter_many([output], [full], comm=comm, async_op=async_op)
 
-        def finish() -> None:
+
+def reduce_scatter_many(
+    outputs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor], *, comm: CommGroup, async_op: bool = False
+) -> Pending:
+    """`reduce_scatter` of each (output, full) pair, as one exchange per peer on gloo."""
+    for output, full in zip(outputs, fulls, strict=True):
+        if full.numel() != output.numel() * comm.world_size:
+            raise ValueError(
+                f"reduce_scatter input holds {full.numel()} elements, expected "
+                f"{comm.world_size} x {output.numel()}: pad the input to a multiple of world_size"
+            )
+    if comm.world_size == 1:
+        for output, full in zip(outputs, fulls):
+            output.copy_(full)
+        return Pending()
+    for full in fulls:
+        _count(comm, Collective.REDUCE_SCATTER, full)
+    if not _direct(comm):
+        sum_ = dist.ReduceOp.SUM
+        works = [_reduce_scatter_flat(o, f, op=sum_, group=comm.group, async_op=async_op) for o, f in zip(outputs, fulls)]
+        return Pending(tuple(works) if async_op else ())
+    pieces = [full.view(comm.world_size, -1) for full in fulls]
+    sizes = [output.numel() for output in outputs]
+    peers = _peers(comm)
+    if len(fulls) == 1:
+        sends = [(pieces[0][r], g) for r, g in peers]
+    else:
+        sends = [(torch.cat([piece[r] for piece in pieces]), g) for r, g in peers]
+    received = outputs[0].new_empty((len(peers), sum(sizes)))
+    works = _exchange(sends, list(zip(received, (g for _, g in peers))), comm=comm)
+
+    def finish() -> None:
+        # Rank order (peer i holds rank i below this rank's, rank i + 1 from it on): the
+        # same sum, bit for bit, on every run.
+        rows = [row.split(sizes) for row in received]
+        for i, output in enumerate(outputs):
+            terms = [*(row[i] for row in rows[: comm.rank]), pieces[i][comm.rank], *(row[i] for row in rows[comm.rank :])]
             torch.add(terms[0], terms[1], out=output)
             for term in terms[2:]:
                 output.add_(term)
 
-        return _settle(Pending(tuple(works), finish), async_op=async_op)
-    work = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
-    return Pending((work,) if async_op else ())
+    return _settle(Pending(tuple(works), finish, keep=tuple(t for t, _ in sends)), async_op=async_op)
 
 
 def _settle(pending: Pending, *, async_op: bool) -> Pending:

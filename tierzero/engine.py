@@ -80,6 +80,7 @@ class Engine:
             homes=Homes(params=offload.params, grads=offload.gradients, optimizer=offload.optimizer),
             device=self._ctx.device,
             overlap=bool(self.cfg.zero.overlap_comm),
+            bucket_bytes=int(self.cfg.zero.reduce_bucket_size),
         )
 
     def _make_store(self) -> Any:

@@ -14,6 +14,18 @@ Stage 3 frees the full buffer after forward. Autograd still wants the parameter 
 that ops saved for backward; stage 3's saved-tensor hooks replace any saved tensor
 that lives in a gathered buffer by its (unit, offset, size, stride), and gather the
 unit again if backward unpacks it before the unit's pre-backward hook did.
+
+[Note: gradient buckets]
+A collective has a fixed cost besides its bytes (about half a millisecond on gloo
+here), so units whose gradients are ready wait for each other: their reduce-scatters
+start together, as one exchange (`comm.reduce_scatter_many`), once `bucket_bytes`
+(`zero.reduce_bucket_size`) of them are ready, or when a unit must land: stages 2 and
+3 keep at most `MAX_REDUCES_IN_FLIGHT` units in gradient scratch, stage 1 reduces what
+is left before the step. Stage 1 and 2's parameter all-gathers after the step are
+bucketed the same way. A unit as large as the bucket starts alone, at once, as before:
+big models keep their overlap, small ones stop paying a latency per unit. Every
+decision follows the order of backward and byte counts, never timing, so every rank
+forms the same buckets.
 """
 
 from __future__ import annotations
@@ -67,20 +79,30 @@ class SliceSpec:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
-#: Gradient reduce-scatters (stages 2, 3) allowed in flight at once.
+#: Units whose gradients (stages 2, 3) may wait in scratch for their reduce-scatter at once.
 MAX_REDUCES_IN_FLIGHT = 2
+
+#: `zero.reduce_bucket_size`'s default, for stages built without a config.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
 class _GradReduce:
-    """One unit's gradient reduce-scatter in flight, with the scratch it reads and writes."""
+    """One unit's gradient on its way to the owned slice, with the scratch it reads and writes."""
 
     unit: Unit
     full: torch.Tensor
     part: torch.Tensor
-    pending: C.Pending
     final: bool
     """No other use of the unit is left in this backward: its gradient is complete once this lands."""
+
+
+@dataclass(frozen=True, slots=True)
+class _ReduceBucket:
+    """Units reduce-scattered in one collective (see [Note: gradient buckets])."""
+
+    jobs: list[_GradReduce]
+    pending: C.Pending
 
 
 class _UnitParams(torch.autograd.Function):
@@ -118,10 +140,14 @@ class Stage(ABC):
         homes: Homes,
         device: torch.device,
         overlap: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         self.units, self.store, self.comm, self.optimizer = units, store, comm, optimizer
         self.param_dtype, self.homes, self.device, self.overlap = param_dtype, homes, device, overlap
-        self._reduces: deque[_GradReduce] = deque()
+        self.bucket_bytes = bucket_bytes
+        """Collectives wait for this many bytes of ready units before they start (`zero.reduce_bucket_size`)."""
+        self._unsent: list[_GradReduce] = []
+        self._reduces: deque[_ReduceBucket] = deque()
         self.last_micro_step = True
         """Set by the engine before each backward: this micro-step ends an accumulation window."""
         self.mixed = param_dtype != torch.float32
@@ -228,10 +254,10 @@ class Stage(ABC):
         """Take one use's parameter gradients (one per slot, zeros where unused)."""
 
     def reduce_grads(self, unit: Unit, grads: list[torch.Tensor]) -> None:
-        """Flatten `grads` and start their reduce-scatter into the owned GRAD slice (stages 2, 3).
+        """Flatten `grads` and queue their reduce-scatter into the owned GRAD slice (stages 2, 3).
 
-        With overlap on, the collective runs while autograd goes on with the next units;
-        at most `MAX_REDUCES_IN_FLIGHT` are pending, which bounds the gradient scratch.
+        See [Note: gradient buckets] for when the collective starts; at most
+        `MAX_REDUCES_IN_FLIGHT` units wait in scratch, which bounds the gradient scratch.
         """
         full = self.scratch(unit, unit.padded_numel, self.param_dtype, kind=Kind.GRAD)
         unit.flatten(grads, out=full)
@@ -243,23 +269,36 @@ class Stage(ABC):
             self._grad_complete(unit, final=unit.pending_uses == 0)
             return
         part = self.scratch(unit, unit.shard_numel, self.param_dtype, kind=Kind.GRAD)
-        pending = C.reduce_scatter(part, full, comm=self.comm, async_op=self.overlap)
-        self._reduces.append(_GradReduce(unit=unit, full=full, part=part, pending=pending, final=unit.pending_uses == 0))
-        while len(self._reduces) > MAX_REDUCES_IN_FLIGHT:
+        self._unsent.append(_GradReduce(unit=unit, full=full, part=part, final=unit.pending_uses == 0))
+        if sum(job.full.nbytes for job in self._unsent) >= self.bucket_bytes:
+            self._send_reduces()
+        while len(self._unsent) + sum(len(b.jobs) for b in self._reduces) > MAX_REDUCES_IN_FLIGHT:
             self._finish_oldest_reduce()
 
+    def _send_reduces(self) -> None:
+        if not self._unsent:
+            return
+        jobs, self._unsent = self._unsent, []
+        fulls, parts = [job.full for job in jobs], [job.part for job in jobs]
+        pending = C.reduce_scatter_many(parts, fulls, comm=self.comm, async_op=self.overlap)
+        self._reduces.append(_ReduceBucket(jobs=jobs, pending=pending))
+
     def finish_reduces(self) -> None:
+        self._send_reduces()
         while self._reduces:
             self._finish_oldest_reduce()
 
     def _finish_oldest_reduce(self) -> None:
-        job = self._reduces.popleft()
-        job.pending.wait()
-        with self.slice(job.unit, Kind.GRAD, write=True) as shard:
-            shard.add_(job.part)
-        self.store.free(job.part)
-        self.store.free(job.full)
-        self._grad_complete(job.unit, final=job.final)
+        if not self._reduces:
+            self._send_reduces()
+        bucket = self._reduces.popleft()
+        bucket.pending.wait()
+        for job in bucket.jobs:
+            with self.slice(job.unit, Kind.GRAD, write=True) as shard:
+                shard.add_(job.part)
+            self.store.free(job.part)
+            self.store.free(job.full)
+            self._grad_complete(job.unit, final=job.final)
 
     def _grad_complete(self, unit: Unit, *, final: bool) -> None:
         if final and self._backward_step is not None and self.last_micro_step:

@@ -1,18 +1,21 @@
 """Stage 1: optimizer states sharded; full parameters and full gradients on every rank.
 
 Gradients accumulate into the unit's full GRAD buffer over the micro-steps. In the
-last micro-step's backward, as soon as a unit's last use has its gradients, one
-reduce-scatter leaves this rank's summed slice in its own range of that buffer
-(overlapped with the rest of backward when `overlap` is on); the optimizer steps the
-owned slice, and one all-gather per unit brings every rank's updated slice back into
-the full parameters, finishing while the next forward reaches the unit.
+last micro-step's backward, once a unit's last use has its gradients, it joins the
+bucket of units ready to reduce; a full bucket (see [Note: gradient buckets] in
+stages/base.py) starts one reduce-scatter that leaves this rank's summed slices in
+their own ranges of those buffers, overlapped with the rest of backward when
+`overlap` is on, and the step sends what is left. The optimizer steps the owned
+slices, and the updated slices go back into the full parameters by all-gathers
+bucketed the same way, finishing while the next forward reaches the units.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,9 +51,13 @@ class ReplicatedParamsStage(Stage):
                 f"{self.homes.params.value}: set offload.params to device or use zero.stage 3"
             )
         self._gathers: dict[str, _InFlight] = {}
+        self._unpublished: list[tuple[Unit, torch.Tensor]] = []
+        """Updated slices waiting for their bucket's all-gather."""
 
     def unshard(self, unit: Unit) -> None:
         if unit.state is UnitState.GATHERED:
+            if any(waiting is unit for waiting, _ in self._unpublished):
+                self._send_gathers()
             gather = self._gathers.pop(unit.name, None)
             if gather is not None:
                 gather.pending.wait()
@@ -60,6 +67,7 @@ class ReplicatedParamsStage(Stage):
 
     def finish(self) -> None:
         super().finish()
+        self._send_gathers()
         for gather in self._gathers.values():
             gather.pending.wait()
         self._gathers.clear()
@@ -76,7 +84,7 @@ class ReplicatedParamsStage(Stage):
         yield unit.gathered[start:end], unit.gathered
 
     def publish(self, unit: Unit, master: torch.Tensor) -> list[PendingWrite]:
-        """Start the all-gather of the updated slices into the full compute-dtype parameters."""
+        """Queue the all-gather of the updated slice into the full compute-dtype parameters."""
         self.unshard(unit)
         assert unit.gathered is not None
         if self.comm.world_size == 1 and not self.mixed:
@@ -84,10 +92,24 @@ class ReplicatedParamsStage(Stage):
             if master.data_ptr() != unit.gathered.data_ptr():
                 unit.gathered.copy_(master)
             return []
-        shard = master.to(device=self.device, dtype=self.param_dtype, copy=True)
-        pending = C.all_gather(unit.gathered, shard, comm=self.comm, async_op=self.overlap)
-        self._gathers[unit.name] = _InFlight(pending=pending, buffer=shard)
+        self._unpublished.append((unit, master.to(device=self.device, dtype=self.param_dtype, copy=True)))
+        if sum(u.gathered.nbytes for u, _ in self._unpublished if u.gathered is not None) >= self.bucket_bytes:
+            self._send_gathers()
         return []
+
+    def step(self, scalars: Any, *, clip_coef: float) -> None:
+        super().step(scalars, clip_coef=clip_coef)
+        self._send_gathers()
+
+    def _send_gathers(self) -> None:
+        if not self._unpublished:
+            return
+        units, shards = zip(*self._unpublished, strict=True)
+        self._unpublished = []
+        outputs = [unit.gathered for unit in units]
+        pending = C.all_gather_many(outputs, shards, comm=self.comm, async_op=self.overlap)
+        for unit, shard in zip(units, shards):
+            self._gathers[unit.name] = _InFlight(pending=pending, buffer=shard)
 
 
 class Stage1(ReplicatedParamsStage):
@@ -97,32 +119,47 @@ class Stage1(ReplicatedParamsStage):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)
         self._scatters: dict[str, _InFlight] = {}
+        self._ready: list[Unit] = []
+        """Units whose gradients are complete, waiting for their bucket's reduce-scatter."""
 
     def post_backward(self, unit: Unit, grads: list[torch.Tensor]) -> None:
         with self.slice(unit, Kind.GRAD, write=True) as full:
             for slot, grad in zip(unit.slots, grads, strict=True):
                 full.narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1))
-            if self.last_micro_step and unit.pending_uses == 0 and self.comm.world_size > 1:
-                self._scatters[unit.name] = self._start_scatter(unit, full)
+            itemsize = full.element_size()
+        if self.last_micro_step and unit.pending_uses == 0 and self.comm.world_size > 1:
+            self._ready.append(unit)
+            if sum(u.padded_numel for u in self._ready) * itemsize >= self.bucket_bytes:
+                self._send_scatters()
 
-    def _start_scatter(self, unit: Unit, full: torch.Tensor) -> _InFlight:
-        # `full` may be read after its slice() block ends: stage 1 gradients live on the
-        # device tier (the config offloads gradients from stage 2 on), so the fetched
-        # tensor is the home tensor and stays valid.
-        part = self.scratch(unit, unit.shard_numel, full.dtype, kind=Kind.GRAD)
-        return _InFlight(pending=C.reduce_scatter(part, full, comm=self.comm, async_op=self.overlap), buffer=part)
+    def _send_scatters(self) -> None:
+        """Start one reduce-scatter over the full GRAD buffers of the ready units."""
+        if not self._ready:
+            return
+        units, self._ready = self._ready, []
+        # The fetched GRAD tensors may be read after their slice() blocks end: stage 1
+        # gradients live on the device tier (the config offloads gradients from stage 2
+        # on), so each is its home tensor and stays valid.
+        with ExitStack() as stack:
+            fulls = [stack.enter_context(self.slice(unit, Kind.GRAD, write=False)) for unit in units]
+        parts = [self.scratch(unit, unit.shard_numel, full.dtype, kind=Kind.GRAD) for unit, full in zip(units, fulls)]
+        pending = C.reduce_scatter_many(parts, fulls, comm=self.comm, async_op=self.overlap)
+        for unit, part in zip(units, parts):
+            self._scatters[unit.name] = _InFlight(pending=pending, buffer=part)
 
     def prepare_grads(self) -> None:
         if self.comm.world_size == 1:
             return  # one rank's reduce-scatter is the identity: its slice is the whole buffer
-        # Units whose backward did not start a reduce-scatter (no use reached the loss)
-        # reduce here, in unit order, the same on every rank.
+        # Units whose backward did not queue a reduce-scatter (no use reached the loss)
+        # join the last bucket, in unit order, the same on every rank.
+        self._ready += [u for u in self.units if u.name not in self._scatters and u not in self._ready]
+        self._send_scatters()
         for unit in self.units:
+            scatter = self._scatters.pop(unit.name)
+            scatter.pending.wait()
             with self.slice(unit, Kind.GRAD, write=True) as full:
-                scatter = self._scatters.pop(unit.name, None) or self._start_scatter(unit, full)
-                scatter.pending.wait()
                 self.grad_slice(full, unit).copy_(scatter.buffer)
-                self.store.free(scatter.buffer)
+            self.store.free(scatter.buffer)
 
     def grad_slice(self, grads: torch.Tensor, unit: Unit) -> torch.Tensor:
         start, end = unit.shard_range(self.comm.rank)
