@@ -195,7 +195,7 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 class SafetensorsStream:

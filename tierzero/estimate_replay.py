@@ -111,7 +111,7 @@ class Replay:
         from tierzero.precision import dtype_of
 
         self.cfg, self.units, self.world_size = cfg, units, world_size
-        self.itemsize = torch.empty((), dtype=dtype_of(cfg.precision.param_dtype)).element_size()
+        self.itemsize = dtype_of(cfg.precision.param_dtype).itemsize
         self.now: Counter[Tier] = Counter()
         self.peak: Counter[Tier] = Counter()
         self.working: dict[Tier, Counter[str]] = {t: Counter() for t in TIER_ORDER}

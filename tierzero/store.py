@@ -142,7 +142,7 @@ class TieredStore:
         with self._lock:
             if key in self._slices:
                 raise ValueError(f"{key} is already registered; unregister it first")
-            region = storage.allocate(numel * _itemsize(dtype), label=str(key))
+            region = storage.allocate(numel * dtype.itemsize, label=str(key))
             self._slices[key] = SliceRecord(key=key, numel=numel, dtype=dtype, home=region)
             self._ledger.add(home, key.kind, Use.HOME, region.nbytes)
 
@@ -258,7 +258,7 @@ class TieredStore:
         if numel <= 0:
             raise ValueError(f"scratch {label or kind.value}: numel must be positive, got {numel}")
         region = self._storage(tier, what=f"scratch {label}").allocate(
-            numel * _itemsize(dtype), label=label or f"scratch {kind.value}"
+            numel * dtype.itemsize, label=label or f"scratch {kind.value}"
         )
         tensor = _typed(region.buffer, dtype, numel)
         with self._lock:
@@ -364,10 +364,6 @@ class TieredStore:
 
         for transfer in pending:
             transfer.future.add_done_callback(one_done)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _typed(buffer: torch.Tensor | None, dtype: torch.dtype, numel: int) -> torch.Tensor:

@@ -121,7 +121,10 @@ class Ledger:
 
     def add(self, tier: Tier, kind: Kind, use: Use, delta: int) -> None:
         with self._lock:
-            self._tiers.setdefault(tier, TierLedger(None)).add(kind, use, delta)
+            ledger = self._tiers.get(tier)
+            if ledger is None:
+                ledger = self._tiers[tier] = TierLedger(None)
+            ledger.add(kind, use, delta)
 
     def report(self, *, staging: StagingStats, bounce: BounceStats | None = None) -> StoreReport:
         with self._lock:

@@ -76,7 +76,7 @@ class SliceSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 #: Units whose gradients (stages 2, 3) may wait in scratch for their reduce-scatter at once.
