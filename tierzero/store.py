@@ -113,17 +113,20 @@ class TieredStore:
         every rank (rank 0's `tierzero.offload.nvme_files.new_run_id()`, broadcast), or
         None for a fresh one per store.
         """
-        from tierzero.offload.cpu import CpuTier
+        from tierzero.offload.cpu import CpuTier, HostDeviceTier
         from tierzero.offload.device import DeviceTier
 
         cpu = CpuTier.from_config(cfg)
-        tiers: dict[Tier, TierStorage] = {Tier.DEVICE: DeviceTier.from_config(cfg, device=device), Tier.CPU: cpu}
+        on_host = (device.type == "cpu") if device is not None else not torch.cuda.is_available()
+        capacity = cfg.tiers.device.capacity  # type: ignore[attr-defined]
+        device_tier = HostDeviceTier(capacity=capacity) if on_host else DeviceTier.from_config(cfg, device=device)
+        tiers: dict[Tier, TierStorage] = {Tier.DEVICE: device_tier, Tier.CPU: cpu}
         offload = cfg.offload  # type: ignore[attr-defined]
         if Tier.NVME in (offload.params, offload.gradients, offload.optimizer):
             from tierzero.offload.nvme import NvmeTier
 
             tiers[Tier.NVME] = NvmeTier.from_config(cfg, rank=rank, capacity=nvme_capacity, run_id=run_id)
-        return cls(tiers=tiers, swapper=Swapper.from_config(cfg, host=cpu))
+        return cls(tiers=tiers, swapper=Swapper.from_config(cfg, host=cpu, host_device=on_host))
 
     @property
     def swapper(self) -> Swapper:

@@ -8,7 +8,9 @@ swapper says how. Three paths, chosen from where the two sides live:
   `Transfer.wait()` makes the caller's stream wait on, so the host never blocks.
 - cpu <-> nvme: direct; CPU-tier buffers are 4096-aligned, so the NVMe tier reads
   and writes them with direct I/O and no bounce copy.
-- device <-> nvme: staged, chunk by chunk through the pool (see the note below).
+- device <-> nvme: staged, chunk by chunk through the pool (see the note below);
+  direct when the device is the host (`host_device`: a run without a GPU, whose
+  device tier is `offload.cpu.HostDeviceTier`).
 
 [Note: ordering and the staging pool]
 Operations on one key run one after another, in submission order: a read waits
@@ -59,6 +61,7 @@ class Swapper:
         buffer_count: int,
         host: MemoryTier | None = None,
         workers: int = 4,
+        host_device: bool = False,
     ) -> None:
         if workers < 1:
             raise ValueError(f"the swapper needs at least 1 worker thread, got {workers}")
@@ -68,6 +71,8 @@ class Swapper:
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._closed = False
+        self._staged_device = not host_device
+        """Whether device<->NVMe moves go through the staging pool (always with a GPU)."""
 
     @classmethod
     def from_config(cls, cfg: object, *, host: MemoryTier | None = None, **kwargs: object) -> Swapper:
@@ -94,7 +99,7 @@ class Swapper:
         # stream waits for everything queued on the caller's stream so far.
         source_on_device = region.buffer is not None and region.buffer.is_cuda
         produced = self._record_current_stream() if dst.is_cuda or source_on_device else None
-        if storage.tier is Tier.NVME and dst_tier is Tier.DEVICE:
+        if storage.tier is Tier.NVME and dst_tier is Tier.DEVICE and self._staged_device:
             return self._schedule(key, False, lambda: self._staged_read(storage, region, dst, produced))
         return self._schedule(key, False, lambda: self._direct(storage.read, region, dst, reading=True, produced=produced))
 
@@ -103,7 +108,7 @@ class Swapper:
         self._check(region, src, src_tier)
         # The caller may have just produced `src` on its stream: the copy stream waits for that.
         produced = self._record_current_stream() if src.is_cuda else None
-        if storage.tier is Tier.NVME and src_tier is Tier.DEVICE:
+        if storage.tier is Tier.NVME and src_tier is Tier.DEVICE and self._staged_device:
             return self._schedule(key, True, lambda: self._staged_write(storage, region, src, produced))
         return self._schedule(key, True, lambda: self._direct(storage.write, region, src, reading=False, produced=produced))
 

@@ -50,9 +50,14 @@ class CpuTier(MemoryTier):
     """Host memory, budgeted; buffers aligned to 4096 and pinned when CUDA is available."""
 
     def __init__(
-        self, *, capacity: int | None = None, pin_memory: bool = True, reuse_limit: int | None = None
+        self,
+        *,
+        capacity: int | None = None,
+        pin_memory: bool = True,
+        reuse_limit: int | None = None,
+        tier: Tier = Tier.CPU,
     ) -> None:
-        super().__init__(tier=Tier.CPU, capacity=capacity)
+        super().__init__(tier=tier, capacity=capacity)
         if reuse_limit is not None and reuse_limit < 0:
             raise ValueError(f"reuse_limit must be >= 0 bytes, got {reuse_limit}")
         # Without CUDA there is nothing to pin against (pinning would raise).
@@ -82,7 +87,7 @@ class CpuTier(MemoryTier):
 
     def allocate(self, nbytes: int, *, label: str) -> Region:
         if nbytes <= 0:
-            raise ValueError(f"a cpu region needs a positive size, got {nbytes} bytes for {label}")
+            raise ValueError(f"a {self.tier.value} region needs a positive size, got {nbytes} bytes for {label}")
         with self._lock:
             self._reserve(nbytes, label=label)
             live_peak_before = self._live_peak
@@ -149,6 +154,21 @@ class CpuTier(MemoryTier):
         if self.pinned:
             for buffer in buffers:
                 _unpin(buffer)
+
+
+class HostDeviceTier(CpuTier):
+    """The compute device of a run without a GPU: host memory under the device tier's budget.
+
+    `DeviceTier` on the host stands in for a GPU, staging path included, for tests and
+    benchmarks of that path. A real CPU-only run has no reason to pay for it: here the
+    device's buffers are aligned and reused as the CPU tier's are, so the NVMe tier
+    reads and writes them directly (no staging copy) and a fetch does not fault in fresh
+    pages (see the module note).
+    """
+
+    def __init__(self, *, capacity: int | None = None) -> None:
+        super().__init__(capacity=capacity, pin_memory=False, tier=Tier.DEVICE)
+        self.device = torch.device("cpu")
 
 
 @dataclass(slots=True)

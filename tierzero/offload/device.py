@@ -8,9 +8,11 @@ so budgets and the device<->NVMe staging path can be exercised on a laptop.
 
 [Note: device memory never meets the NVMe tier]
 On a GPU, direct I/O cannot target HBM, so every device<->NVMe move goes through
-the swapper's pinned staging buffers. The emulated device keeps that rule: its
+the swapper's pinned staging buffers. `DeviceTier` on the host keeps that rule: its
 tensors are deliberately *not* 4096-aligned and the swapper never hands them to
-the NVMe tier, so the host run exercises the same path as the GPU run.
+the NVMe tier, so tests and `bench swap` exercise the GPU's path on the host. A
+training run without a GPU uses `offload.cpu.HostDeviceTier` instead (the store
+picks it), where the host memory *is* the compute device and moves are direct.
 """
 
 from __future__ import annotations
