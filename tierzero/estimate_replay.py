@@ -142,8 +142,11 @@ class Replay:
         self._use_now[tier][use] -= nbytes
 
     def _move(self, spec: Any, other: Tier) -> None:
-        """One transfer between the slice's home and `other`: NVMe<->device passes through the staging pool."""
-        if spec.home is not Tier.NVME or other is not Tier.DEVICE:
+        """One transfer between the slice's home and `other`: NVMe<->device passes through the staging pool.
+
+        Only with a GPU: without one the device tier is host memory the NVMe tier reads directly.
+        """
+        if spec.home is not Tier.NVME or other is not Tier.DEVICE or not torch.cuda.is_available():
             return
         # Transfers started together (a batch of prefetches) share the pool; it keeps what it made.
         self._staged = spec.nbytes + (self._staged if self._batching else 0)
