@@ -244,6 +244,32 @@ def test_from_config_builds_nvme_only_when_offloaded(tmp_path) -> None:
         assert torch.equal(store.fetch(key, to=Tier.DEVICE).wait(), torch.linspace(0, 1, 100_000))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the host is the compute device only without a GPU")
+def test_without_a_gpu_nvme_moves_to_the_device_tier_are_direct_and_reuse_memory(tmp_path) -> None:
+    from tierzero.offload.base import IO_ALIGNMENT
+    from tierzero.offload.cpu import HostDeviceTier
+
+    with TieredStore.from_config(_config(tmp_path, optimizer=Tier.NVME), nvme_capacity=2 << 20) as store:
+        device = store._tiers[Tier.DEVICE]
+        assert isinstance(device, HostDeviceTier) and device.capacity == 1 << 20
+        key = SliceKey("u0", Kind.EXP_AVG)
+        store.register(key, numel=100_000, dtype=torch.float32, home=Tier.NVME)
+        store.write_back(key, torch.linspace(0, 1, 100_000)).wait()
+        pointers = []
+        for value in (2.0, 3.0):
+            fetched = store.fetch(key, to=Tier.DEVICE).wait()
+            assert fetched.data_ptr() % IO_ALIGNMENT == 0
+            pointers.append(fetched.data_ptr())
+            fetched.fill_(value)
+            store.write_back(key).wait()
+            store.release(key)
+        assert torch.equal(store.fetch(key, to=Tier.DEVICE).wait(), torch.full((100_000,), 3.0))
+        store.release(key)
+        report = store.report()
+        assert report.staging.peak_held == 0  # no device<->NVMe move went through staging
+        assert pointers[0] == pointers[1] and device.reused >= 2  # the freed copy came back
+
+
 def test_ranks_given_one_run_id_share_its_directory_until_the_last_closes(tmp_path) -> None:
     from tierzero.offload.nvme_files import new_run_id
 
