@@ -92,11 +92,9 @@ class StepPipeline:
     """`offload.optimizer_step.StepPipeline` over the replay: a pushed unit's group is read at once and
     computes when the next is pushed; at most one older group is still being written.
 
-    A group's copies stay resident while the next group is read, so three groups at
-    most; they are taken as gone once that next group computes, which first waits for
-    its own reads of the same sizes, queued after the older group's writes. In a step run
-    during backward, a group's write-back often lands while the next unit's backward
-    runs, and a run then peaks one group lower.
+    A group's copies are taken as resident until the pipeline drains its writes, so three
+    groups at most: an upper bound. In a step run during backward, a group's write-back
+    often lands while the next unit's backward runs, and a run then peaks one group lower.
     """
 
     def __init__(self, replay: Replay) -> None:
@@ -121,8 +119,5 @@ class StepPipeline:
         self.writing.clear()
 
     def _step(self, unit: UnitSlices, group: list[tuple[Any, Tier]]) -> None:
-        for written in self.writing:
-            self.replay.drop_group(written)
-        self.writing.clear()
         self.replay.compute(unit)
         self.writing.append(group)

@@ -329,8 +329,11 @@ class Replay:
         if self.cfg.gradient_clipping > 0 or self.cfg.precision.param_dtype == "fp16":
             for unit in self.units:
                 self.touch(unit.spec(Kind.GRAD), write=False)  # the global norm reads each GRAD slice
+        # stages.optim_step.run_step: the next forward's first units step first (stage 3).
+        first = self.params.policy.first_units() if self.cfg.zero.stage == 3 else []
+        head = [unit for name in first for unit in self.units if unit.name == name]
         pipeline = StepPipeline(self)
-        for unit in self.units:
+        for unit in head + [unit for unit in self.units if unit not in head]:
             pipeline.push(unit)
         pipeline.flush()
 
@@ -357,10 +360,16 @@ class Replay:
             self.release(spec, to=tier)
 
     def compute(self, unit: UnitSlices) -> None:
-        """`stages.optim_step._step_unit`: fp32 gradient scratch, and an fp32 master copy in stages 1-2 off the device."""
+        """`stages.optim_step._step_unit`: fp32 gradient scratch unless the GRAD slice is fp32 in the
+        step tier's memory, and an fp32 master copy in stages 1-2 off the device."""
         tier, shard = self.step_tier, unit.shard_numel * 4
-        scratch = shard * (2 if not self.mixed and self.cfg.zero.stage < 3 and tier is not Tier.DEVICE else 1)
-        self.alloc(tier, scratch, "scratch")
-        self.free(tier, scratch, "scratch")
+        grads = self.cfg.offload.gradients
+        grad_tier = tier if grads is Tier.NVME else grads
+        in_place = not self.mixed and (grad_tier is tier or not torch.cuda.is_available())
+        master_copy = not self.mixed and self.cfg.zero.stage < 3 and tier is not Tier.DEVICE
+        scratch = (0 if in_place else shard) + (shard if master_copy else 0)
+        if scratch:
+            self.alloc(tier, scratch, "scratch")
+            self.free(tier, scratch, "scratch")
         if self.mixed and self.cfg.zero.stage == 3:
             self.write_back(unit.spec(Kind.PARAM), src=tier)  # publish: the new compute-dtype shard, home

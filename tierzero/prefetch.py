@@ -160,6 +160,22 @@ class Prefetcher:
         """The learned order; empty until a step has ended."""
         return self._order
 
+    def first_units(self) -> list[str]:
+        """The learned order's first units that fit in `prefetch_bytes` together (at least one).
+
+        The optimizer step steps these first, so their new slices can start up for the next
+        forward while the other units step (empty before an order is learned).
+        """
+        first: list[str] = []
+        budget = self.prefetch_bytes
+        for event in self._order:
+            size = self.unit_bytes[event.unit]
+            if event.unit in first or (first and size > budget):
+                break
+            first.append(event.unit)
+            budget -= size
+        return first
+
     @property
     def exhausted(self) -> bool:
         """Following, and every event of the learned order has run: no unit runs again in this step."""

@@ -188,14 +188,7 @@ class Stage3(Stage):
             return {}
         # The next forward's first units step first, and their new slices start coming up
         # while the other units step: otherwise nothing could hide their reads.
-        first: list[str] = []
-        budget = prefetch.policy.prefetch_bytes
-        for event in prefetch.policy.order:
-            size = prefetch.policy.unit_bytes[event.unit]
-            if event.unit in first or (first and size > budget):
-                break
-            first.append(event.unit)
-            budget -= size
+        first = prefetch.policy.first_units()
         return {"first": first, "written": lambda unit: prefetch.warm(unit) if unit in first else None}
 
     def finish(self) -> None:
