@@ -109,10 +109,18 @@ def _step_unit(
     store = stage.store
     grads = fetched[Kind.GRAD]
     source = stage.grad_slice(grads, unit)
-    g = store.allocate(kind=Kind.GRAD, numel=source.numel(), dtype=torch.float32, tier=tier, label=f"{unit.name} step")
+    step_device = torch.device("cpu") if tier is Tier.CPU else stage.device
+    # The GRAD slice is zeroed after the step, so when it already is fp32 on the step
+    # tier's memory it is the optimizer's gradient itself (scaled, and used as scratch by
+    # SGD's weight decay, in place): same bits as a copy, one slice-sized pass fewer.
+    in_place = source.dtype == torch.float32 and source.device.type == step_device.type
+    g = source if in_place else store.allocate(
+        kind=Kind.GRAD, numel=source.numel(), dtype=torch.float32, tier=tier, label=f"{unit.name} step"
+    )
     master, scratch_master = _master(stage, unit, fetched, tier)
     try:
-        g.copy_(source)
+        if not in_place:
+            g.copy_(source)
         if scalars.grad_scale * clip_coef != 1.0:
             g.mul_(scalars.grad_scale * clip_coef)
         states = {kind: fetched[kind] for kind in stage.optimizer.state_kinds}
@@ -120,7 +128,8 @@ def _step_unit(
         writes = stage.publish(unit, master)
         grads.zero_()
     finally:
-        store.free(g)
+        if not in_place:
+            store.free(g)
         if scratch_master:
             store.free(master)
     return writes
