@@ -299,15 +299,14 @@ class Replay:
                 self.free(Tier.DEVICE, unit.shard_numel * self.itemsize, "scratch")
 
     def _reduce(self, unit: UnitSlices, pending: list[UnitSlices]) -> None:
-        """`Stage.reduce_grads`: a full gradient scratch, and the shard's reduce-scatter."""
+        """`Stage.reduce_grads`: added in place at world size 1; else a full gradient scratch and the reduce-scatter."""
         from tierzero.stages.base import MAX_REDUCES_IN_FLIGHT
 
-        self.alloc(Tier.DEVICE, unit.padded_numel * self.itemsize, "scratch")
         if self.world_size == 1:
-            self.touch(unit.spec(Kind.GRAD), write=True)
-            self.free(Tier.DEVICE, unit.padded_numel * self.itemsize, "scratch")
+            self.touch(unit.spec(Kind.GRAD), write=True)  # each gradient added in place
             self._grad_complete(unit)
             return
+        self.alloc(Tier.DEVICE, unit.padded_numel * self.itemsize, "scratch")
         self.alloc(Tier.DEVICE, unit.shard_numel * self.itemsize, "scratch")
         pending.append(unit)
         while len(pending) > MAX_REDUCES_IN_FLIGHT:

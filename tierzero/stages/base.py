@@ -259,15 +259,15 @@ class Stage(ABC):
         See [Note: gradient buckets] for when the collective starts; at most
         `MAX_REDUCES_IN_FLIGHT` units wait in scratch, which bounds the gradient scratch.
         """
-        full = self.scratch(unit, unit.padded_numel, self.param_dtype, kind=Kind.GRAD)
-        unit.flatten(grads, out=full)
         if self.comm.world_size == 1:
-            # The reduce-scatter of one rank is the identity: add the flat grads directly.
+            # The reduce-scatter of one rank is the identity: add each gradient into its place.
             with self.slice(unit, Kind.GRAD, write=True) as shard:
-                shard.add_(full)
-            self.store.free(full)
+                for slot, grad in zip(unit.slots, grads, strict=True):
+                    shard.narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1))
             self._grad_complete(unit, final=unit.pending_uses == 0)
             return
+        full = self.scratch(unit, unit.padded_numel, self.param_dtype, kind=Kind.GRAD)
+        unit.flatten(grads, out=full)
         part = self.scratch(unit, unit.shard_numel, self.param_dtype, kind=Kind.GRAD)
         self._unsent.append(_GradReduce(unit=unit, full=full, part=part, final=unit.pending_uses == 0))
         if sum(job.full.nbytes for job in self._unsent) >= self.bucket_bytes:
