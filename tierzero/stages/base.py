@@ -244,6 +244,7 @@ class Stage(ABC):
         if self._backward_step is not None:
             self._backward_step.abort()  # a backward that never ended: no unit is half-stepped
             self._backward_step = None
+        self._land_last_step()
 
     @abstractmethod
     def unshard(self, unit: Unit) -> None:
@@ -333,6 +334,7 @@ class Stage(ABC):
         """Step every unit with gradients where the optimizer states live (stages/optim_step.py)."""
         from tierzero.stages.optim_step import run_step
 
+        self._land_last_step()
         report = run_step(self, scalars, clip_coef=clip_coef, **self._step_hooks())
         if report.groups or self.last_step_report is None:
             self.last_step_report = report
@@ -341,13 +343,22 @@ class Stage(ABC):
         """Step each unit during the coming backward, as soon as its gradient is complete (stage 3)."""
         from tierzero.stages.optim_step import BackwardStep
 
+        self._land_last_step()
         self._backward_step = BackwardStep(self, scalars, written=self._step_hooks().get("written"))
 
     def finish_backward_step(self) -> None:
         """Step the last unit of the backward step (after every gradient has landed)."""
         job, self._backward_step = self._backward_step, None
         if job is not None:
+            # The last units' write-backs land while the caller goes on to the next batch and
+            # forward: a read of one of those slices waits for its write (the swapper orders
+            # a key's operations), and the next step, or close, waits for them all, so a
+            # failed write still raises within one step.
             self.last_step_report = job.finish()
+
+    def _land_last_step(self) -> None:
+        if self.last_step_report is not None:
+            self.last_step_report.wait()
 
     def _step_hooks(self) -> dict[str, Any]:
         """`first` and `written` for `run_step` (stage 3 starts the next forward's fetches from them)."""

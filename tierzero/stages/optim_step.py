@@ -83,8 +83,8 @@ class BackwardStep:
         self._pipeline.push(slice_group(self._stage, unit))
 
     def finish(self) -> PipelineReport:
-        """Step the last unit pushed and let every write-back land."""
-        return self._pipeline.flush()
+        """Step the last unit pushed; the last write-backs may still be landing (`report.wait()`)."""
+        return self._pipeline.flush(drain=False)
 
     def abort(self) -> None:
         self._pipeline.abort()
