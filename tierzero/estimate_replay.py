@@ -12,7 +12,7 @@ engine's own `tierzero.prefetch.Prefetcher` (prefetches taken to land at once, s
 the budgets, not the disk, bound what is ahead: the most it can hold). The replay runs
 two steps, since the prefetcher learns the order in the first. Stages 2 and 3 flatten
 each unit's gradients into a full device scratch and keep `MAX_REDUCES_IN_FLIGHT`
-reduce-scatters pending; the optimizer step is `stages.optim_step`'s pipeline: group
+reduce-scatters pending, or more while they fit in `zero.reduce_bucket_size`; the optimizer step is `stages.optim_step`'s pipeline: group
 j+1 read while j computes and j-1 is written, each slice fetched to the step tier
 (device for device-homed states, else cpu); without clipping or fp16, stage 3 runs it
 during backward, a unit pushed as soon as its gradient is reduced (`StepPipeline`). A fetch of a
@@ -309,7 +309,8 @@ class Replay:
         self.alloc(Tier.DEVICE, unit.padded_numel * self.itemsize, "scratch")
         self.alloc(Tier.DEVICE, unit.shard_numel * self.itemsize, "scratch")
         pending.append(unit)
-        while len(pending) > MAX_REDUCES_IN_FLIGHT:
+        bucket = self.cfg.zero.reduce_bucket_size
+        while len(pending) > MAX_REDUCES_IN_FLIGHT and sum(u.padded_numel for u in pending) * self.itemsize > bucket:
             self._finish_reduce(pending.pop(0))
 
     def _finish_reduce(self, unit: UnitSlices) -> None:

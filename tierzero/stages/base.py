@@ -19,9 +19,11 @@ unit again if backward unpacks it before the unit's pre-backward hook did.
 A collective has a fixed cost besides its bytes (about half a millisecond on gloo
 here), so units whose gradients are ready wait for each other: their reduce-scatters
 start together, as one exchange (`comm.reduce_scatter_many`), once `bucket_bytes`
-(`zero.reduce_bucket_size`) of them are ready, or when a unit must land: stages 2 and
-3 keep at most `MAX_REDUCES_IN_FLIGHT` units in gradient scratch, stage 1 reduces what
-is left before the step. Stage 1 and 2's parameter all-gathers after the step are
+(`zero.reduce_bucket_size`) of them are ready, or when a unit must land; stage 1
+reduces what is left before the step. Units wait in gradient scratch while they are at most
+`MAX_REDUCES_IN_FLIGHT` or at most a bucket's bytes, so a small model reduces in one
+exchange at the end of backward, as DistributedDataParallel does, and a large one
+keeps two units in scratch. Stage 1 and 2's parameter all-gathers after the step are
 bucketed the same way. A unit as large as the bucket starts alone, at once, as before:
 big models keep their overlap, small ones stop paying a latency per unit. Every
 decision follows the order of backward and byte counts, never timing, so every rank
@@ -79,7 +81,8 @@ class SliceSpec:
         return self.numel * self.dtype.itemsize
 
 
-#: Units whose gradients (stages 2, 3) may wait in scratch for their reduce-scatter at once.
+#: Units whose gradients (stages 2, 3) may wait in scratch for their reduce-scatter at once,
+#: or more while they fit in one bucket (see [Note: gradient buckets]).
 MAX_REDUCES_IN_FLIGHT = 2
 
 #: `zero.reduce_bucket_size`'s default, for stages built without a config.
@@ -257,8 +260,8 @@ class Stage(ABC):
     def reduce_grads(self, unit: Unit, grads: list[torch.Tensor]) -> None:
         """Flatten `grads` and queue their reduce-scatter into the owned GRAD slice (stages 2, 3).
 
-        See [Note: gradient buckets] for when the collective starts; at most
-        `MAX_REDUCES_IN_FLIGHT` units wait in scratch, which bounds the gradient scratch.
+        See [Note: gradient buckets] for when the collective starts and how many units
+        may wait in scratch, which bounds the gradient scratch.
         """
         if self.comm.world_size == 1:
             # The reduce-scatter of one rank is the identity: add each gradient into its place.
@@ -273,8 +276,13 @@ class Stage(ABC):
         self._unsent.append(_GradReduce(unit=unit, full=full, part=part, final=unit.pending_uses == 0))
         if sum(job.full.nbytes for job in self._unsent) >= self.bucket_bytes:
             self._send_reduces()
-        while len(self._unsent) + sum(len(b.jobs) for b in self._reduces) > MAX_REDUCES_IN_FLIGHT:
+        while self._backlog_full():
             self._finish_oldest_reduce()
+
+    def _backlog_full(self) -> bool:
+        """More units wait in gradient scratch than both bounds allow (see [Note: gradient buckets])."""
+        jobs = self._unsent + [job for bucket in self._reduces for job in bucket.jobs]
+        return len(jobs) > MAX_REDUCES_IN_FLIGHT and sum(job.full.nbytes for job in jobs) > self.bucket_bytes
 
     def _send_reduces(self) -> None:
         if not self._unsent:
