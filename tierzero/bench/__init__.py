@@ -1,5 +1,6 @@
 """`tierzero bench`: the NVMe tier against fio (`nvme`), the swapper under stress (`swap`),
-CPU Adam (`adam`), and an offloaded training step against plain PyTorch (`train`).
+CPU Adam (`adam`), an offloaded training step against plain PyTorch (`train`), and the
+ZeRO stages against plain PyTorch and DistributedDataParallel (`zero`).
 
 The tiers, the store and matplotlib are imported only when a subcommand runs.
 """
@@ -39,6 +40,21 @@ def _run_train(args: argparse.Namespace) -> int:
         steps=args.steps, warmup=args.warmup, measure_rss=not args.no_rss,
     )
     print(result.format())
+    return 0
+
+
+def _run_zero(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tierzero.bench.zero import bench_zero
+
+    result = bench_zero(
+        d_model=args.d_model, n_layer=args.layers, seq=args.seq, batch=args.batch,
+        steps=args.steps, warmup=args.warmup, threads=args.threads,
+    )
+    print(result.format())
+    if args.json:
+        Path(args.json).write_text(result.to_json() + "\n")
     return 0
 
 
@@ -82,3 +98,17 @@ def add_bench_commands(subparsers: Any) -> None:
     train.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     train.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs in fresh processes")
     train.set_defaults(func=_run_train)
+    zero = commands.add_parser(
+        "zero", help="ZeRO stages 1-3 beside plain PyTorch (N=1) and DistributedDataParallel (N=2, gloo)",
+        description="Median step time of each stage on a built-in GPT, alternating contenders step by step, "
+        "in one process and in two forked gloo ranks.",
+    )
+    zero.add_argument("--d-model", type=int, default=256, help="model width (default 256; heads of 64)")
+    zero.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+    zero.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
+    zero.add_argument("--batch", type=int, default=8, help="micro-batch per rank (default 8)")
+    zero.add_argument("--steps", type=int, default=30, help="timed steps of each (default 30)")
+    zero.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    zero.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1: two ranks, two cores)")
+    zero.add_argument("--json", help="also write the result here")
+    zero.set_defaults(func=_run_zero)
