@@ -94,7 +94,7 @@ def add_bench_commands(subparsers: Any) -> None:
     train.add_argument("--preset", default="30m", help="built-in GPT size (tierzero.models.PRESETS; default 30m)")
     train.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
     train.add_argument("--batch", type=int, default=4, help="micro-batch size (default 4)")
-    train.add_argument("--steps", type=int, default=10, help="timed steps of each (default 10)")
+    train.add_argument("--steps", type=int, default=20, help="timed steps of each (default 20)")
     train.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     train.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs in fresh processes")
     train.set_defaults(func=_run_train)

@@ -139,7 +139,7 @@ def bench_train_step(
     preset: str = "30m",
     seq: int = 128,
     batch: int = 4,
-    steps: int = 10,
+    steps: int = 20,
     warmup: int = 2,
     measure_rss: bool = True,
     rss_steps: int = 3,
