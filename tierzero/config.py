@@ -74,7 +74,8 @@ class ZeroConfig(Section):
     """Class names of the modules wrapped as units (gathered and offloaded as one flat buffer),
     e.g. [GPT2Block]; empty lets the engine choose."""
     reduce_bucket_size: int = setting(25 * MiB, size_check())
-    """Bytes of gradients reduced per collective call."""
+    """Bytes of ready gradients (and, in stages 1-2, of updated parameters) sent in one collective;
+    a unit larger than this goes alone."""
     overlap_comm: bool = setting(True, BOOL)
     """Overlap collectives with compute instead of running them inline."""
     param_persistence_threshold: int = setting(0, int_check(0))
