@@ -254,6 +254,10 @@ class TieredStore:
             record.settle()
             return record.state
 
+    def at_home(self, key: SliceKey) -> bool:
+        """Whether only the home copy of `key` exists (nobody holds a fetched copy)."""
+        return self.state(key) is SliceState.HOME
+
     def allocate(self, *, kind: Kind, numel: int, dtype: torch.dtype, tier: Tier, label: str = "") -> torch.Tensor:
         """Scratch memory (e.g. a gathered unit) in a memory tier, accounted under `kind` until `free`."""
         if tier is Tier.NVME:

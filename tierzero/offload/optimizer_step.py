@@ -15,7 +15,10 @@ computes, has group j+1 being read and group j-1 being written back:
                start reading group j+1
                wait for group j's reads, compute j, start writing j back, release j
 
-so at most three groups are resident at once (`MAX_RESIDENT_GROUPS`). A group whose
+so at most three groups are resident at once (`MAX_RESIDENT_GROUPS`). A caller that
+knows which group comes next before it is ready (stage 3, when a unit's backward
+starts) may `prepare` it: all its reads but the gradient's start then, if the bound
+allows, and `push` adds the gradient. A group whose
 slices live in memory costs nothing here: fetching a slice to its own home tier
 hands back the home tensor and its write-back is a no-op, so device and CPU homes
 take the same path with nothing to overlap. The arithmetic is the same on every
@@ -74,6 +77,9 @@ class _Writing:
     sources: list[torch.Tensor] = field(default_factory=list)
     transfers: list[Transfer[None]] = field(default_factory=list)
 
+    def landed(self) -> bool:
+        return all(event.is_set() for event in self.done)
+
     def wait(self) -> None:
         """Block until the group has landed; a write that failed raises here."""
         for event in self.done:
@@ -92,6 +98,8 @@ class PipelineReport:
     """Most groups fetched or still writing at once: at most MAX_RESIDENT_GROUPS."""
     read_wait_s: float = 0.0
     """Seconds the compute waited for reads."""
+    prepared: int = 0
+    """Groups whose reads started before their push (`prepare`)."""
     unfinished: list[_Writing] = field(default_factory=list, repr=False)
     """The last groups' write-backs, still landing when `run(drain=False)` returned."""
 
@@ -122,19 +130,55 @@ class StepPipeline:
         self._store, self._compute, self._written = store, compute, written
         self._writing: deque[_Writing] = deque()
         self._waiting: tuple[SliceGroup, dict[Kind, Transfer[torch.Tensor]]] | None = None
+        self._prepared: list[tuple[SliceGroup, dict[Kind, Transfer[torch.Tensor]]]] = []
         self.report = PipelineReport()
 
+    def prepare(self, group: SliceGroup) -> None:
+        """Start reading `group`'s slices but its gradient (which backward is still producing)
+        ahead of its `push`, if one more group fits in `MAX_RESIDENT_GROUPS` now; never waits."""
+        if any(held == group for held, _ in self._prepared):
+            return
+        while self._writing and self._writing[0].landed():
+            self._writing.popleft().wait()  # returns at once (and raises a failed write)
+        held = len(self._writing) + (self._waiting is not None) + len(self._prepared)
+        if held + 1 > MAX_RESIDENT_GROUPS:
+            return
+        # Slices still held by someone (a gather's fetched copy) are left to `push`.
+        kinds = tuple(
+            (kind, tier)
+            for kind, tier in group.fetches
+            if kind is not Kind.GRAD and self._store.at_home(SliceKey(group.unit, kind))  # type: ignore[attr-defined]
+        )
+        self._prepared.append((group, self._read(SliceGroup(unit=group.unit, fetches=kinds))))
+        self.report.prepared += 1
+        self._note_resident()
+
     def push(self, group: SliceGroup) -> None:
-        """Start reading `group`, then compute the group pushed before it."""
-        while len(self._writing) > 1:
-            self._writing.popleft().wait()
-        reads = self._read(group)
+        """Start reading `group` (what `prepare` did not), then compute the group pushed before it."""
+        prepared = next((reads for held, reads in self._prepared if held == group), None)
+        if prepared is not None:
+            self._prepared = [(held, reads) for held, reads in self._prepared if held != group]
+            rest = tuple((kind, tier) for kind, tier in group.fetches if kind not in prepared)
+            reads = prepared | self._read(SliceGroup(unit=group.unit, fetches=rest))
+        else:
+            self._make_room()
+            reads = self._read(group)
         self.report.groups += 1
-        resident = len(self._writing) + 1 + (self._waiting is not None)
-        self.report.peak_resident_groups = max(self.report.peak_resident_groups, resident)
         previous, self._waiting = self._waiting, (group, reads)
+        self._note_resident(extra=previous is not None)
         if previous is not None:
             self._step(*previous)
+
+    def _note_resident(self, *, extra: bool = False) -> None:
+        """Record the groups held now (`extra`: one about to compute, besides those counted)."""
+        resident = len(self._writing) + (self._waiting is not None) + len(self._prepared) + extra
+        self.report.peak_resident_groups = max(self.report.peak_resident_groups, resident)
+
+    def _make_room(self) -> None:
+        """Drain write-backs until one more group fits in `MAX_RESIDENT_GROUPS`."""
+        held = (self._waiting is not None) + len(self._prepared)
+        while self._writing and len(self._writing) + held + 1 > MAX_RESIDENT_GROUPS:
+            self._writing.popleft().wait()
 
     def flush(self, *, drain: bool = True) -> PipelineReport:
         """Compute the last group pushed. With `drain=False` the last write-backs may still be
@@ -143,6 +187,9 @@ class StepPipeline:
         previous, self._waiting = self._waiting, None
         if previous is not None:
             self._step(*previous)
+        for held in self._prepared:
+            self._drop(*held)  # prepared but never pushed: its unit's gradient did not complete
+        self._prepared = []
         self.report.unfinished = list(self._writing)
         self._writing.clear()
         if drain:
@@ -150,14 +197,17 @@ class StepPipeline:
         return self.report
 
     def abort(self) -> None:
-        """After a failure: drop the group read ahead unchanged and let every write land."""
-        previous, self._waiting = self._waiting, None
-        if previous is not None:
-            group, reads = previous
-            for kind, transfer in reads.items():
-                transfer.future.exception()
-                self._store.release(SliceKey(group.unit, kind))  # type: ignore[attr-defined]
+        """After a failure: drop the groups read ahead unchanged and let every write land."""
+        for held in ([self._waiting] if self._waiting else []) + self._prepared:
+            self._drop(*held)
+        self._waiting, self._prepared = None, []
         self.flush(drain=True)
+
+    def _drop(self, group: SliceGroup, reads: dict[Kind, Transfer[torch.Tensor]]) -> None:
+        """Release a group's fetched copies unchanged, once their reads have ended."""
+        for kind, transfer in reads.items():
+            transfer.future.exception()
+            self._store.release(SliceKey(group.unit, kind))  # type: ignore[attr-defined]
 
     def run(self, groups: Sequence[SliceGroup], *, drain: bool = True) -> PipelineReport:
         """Push every group in order, then flush."""

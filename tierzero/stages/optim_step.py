@@ -77,6 +77,10 @@ class BackwardStep:
         self._stage = stage
         self._pipeline = _pipeline(stage, scalars, clip_coef=1.0, written=written)
 
+    def expect(self, unit: Unit) -> None:
+        """`unit`'s backward has started: read its states now, ahead of its gradient."""
+        self._pipeline.prepare(slice_group(self._stage, unit))
+
     def ready(self, unit: Unit) -> None:
         """`unit`'s gradient for this step is complete: start its step."""
         unit.has_grads = False

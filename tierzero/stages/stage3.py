@@ -143,6 +143,11 @@ class Stage3(Stage):
     def pre_backward(self, unit: Unit) -> None:
         self._phase = Phase.BACKWARD
         self.unshard(unit)
+        if self._backward_step is not None and self.last_micro_step and unit.pending_uses == 1 and unit.name != ROOT:
+            # The unit's last use: it steps once this backward ends, so its states (and, now
+            # that the gather has read it, its PARAM slice) can come up already. Not the
+            # root, whose backward starts first and ends last: it would hold a group all along.
+            self._backward_step.expect(unit)
         # Activation checkpointing (non-reentrant) re-runs the unit's forward without its
         # module hooks: it must find the weights bound, and requiring grad as in the first
         # forward (it checks that the same tensors get saved). Its gradients flow through
