@@ -70,6 +70,11 @@ class Transfer(Generic[T]):
                 mapped.set_result(TransferOutcome(value=fn(outcome.value), event=outcome.event))
             except BaseException as exc:
                 mapped.set_exception(exc)
+                if not isinstance(exc, Exception) and done.exception() is not exc:
+                    # A Ctrl-C that landed here, in the main thread running the callback of a
+                    # transfer that had already finished: stored only in `mapped` it could be
+                    # dropped unseen with a prefetch nobody waits for. Let it go on up.
+                    raise
 
         self._future.add_done_callback(chain)
         return Transfer(mapped)

@@ -299,3 +299,27 @@ async def test_transfers_can_be_awaited(make_disk, host) -> None:
 
 async def _awaited(transfer):
     return await transfer
+
+
+def test_ctrl_c_in_a_callback_run_by_the_main_thread_is_not_swallowed() -> None:
+    from tierzero.transfer import Transfer
+
+    def interrupted(_: object) -> None:
+        raise KeyboardInterrupt
+
+    finished = Transfer.ready(1)
+    # Already done: `then` runs the callback here, as a fetch whose bytes were there does.
+    with pytest.raises(KeyboardInterrupt):
+        finished.then(interrupted)
+
+    def broken(_: object) -> None:
+        raise ValueError("bad value")
+
+    mapped = finished.then(broken)  # an ordinary error belongs to the transfer, for its waiter
+    with pytest.raises(ValueError, match="bad value"):
+        mapped.wait()
+    failed: Future = Future()
+    failed.set_exception(KeyboardInterrupt())
+    # One stored by the transfer it follows is passed on to the waiter, not raised here.
+    chained = Transfer(failed).then(lambda value: value)
+    assert isinstance(chained.future.exception(), KeyboardInterrupt)
