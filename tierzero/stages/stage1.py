@@ -15,14 +15,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from tierzero import comm as C
 from tierzero.offload.base import Kind, SliceKey, Tier
 from tierzero.offload.optimizer_step import PendingWrite
-from tierzero.stages.base import Stage, mark_state
+from tierzero.stages.base import Stage, StepScalars, mark_state
 from tierzero.units import Unit, UnitState
 
 
@@ -97,7 +96,7 @@ class ReplicatedParamsStage(Stage):
             self._send_gathers()
         return []
 
-    def step(self, scalars: Any, *, clip_coef: float) -> None:
+    def step(self, scalars: StepScalars, *, clip_coef: float) -> None:
         super().step(scalars, clip_coef=clip_coef)
         self._send_gathers()
 
