@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,22 +201,24 @@ def _loop(engine: Any, cfg: Any, *, data: Any, summary: RunSummary, show: bool, 
     rss = _RssProbe()
     began = time.perf_counter()
     try:
-        for step in range(start, cfg.train.steps):
-            t0 = time.perf_counter()
-            loss = _train_step(engine, data, step=step, accumulation=accumulation, device=device, is_hf=cfg.model.type == "transformers")
-            elapsed = time.perf_counter() - t0
-            summary.steps, summary.tokens = summary.steps + 1, summary.tokens + tokens_per_step
-            summary.losses.append(loss)
-            _note_memory(engine, summary, rss)
-            postfix = _postfix(loss, tokens_per_step / elapsed, summary, engine)
-            bar.set_postfix_str(postfix, refresh=False)
-            bar.update(1)
-            if show and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
-                bar.write(f"step {step + 1}/{cfg.train.steps} {postfix}", file=out)
-            if _checkpoint_due(cfg, step + 1):
-                saved = engine.save_checkpoint()
-                if show:
-                    bar.write(f"saved checkpoint {saved}", file=out)
+        with _CtrlC() as ctrl_c:
+            for step in range(start, cfg.train.steps):
+                t0 = time.perf_counter()
+                loss = _train_step(engine, data, step=step, accumulation=accumulation, device=device, is_hf=cfg.model.type == "transformers")
+                ctrl_c.check()
+                elapsed = time.perf_counter() - t0
+                summary.steps, summary.tokens = summary.steps + 1, summary.tokens + tokens_per_step
+                summary.losses.append(loss)
+                _note_memory(engine, summary, rss)
+                postfix = _postfix(loss, tokens_per_step / elapsed, summary, engine)
+                bar.set_postfix_str(postfix, refresh=False)
+                bar.update(1)
+                if show and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
+                    bar.write(f"step {step + 1}/{cfg.train.steps} {postfix}", file=out)
+                if _checkpoint_due(cfg, step + 1):
+                    saved = engine.save_checkpoint()
+                    if show:
+                        bar.write(f"saved checkpoint {saved}", file=out)
     except KeyboardInterrupt:
         summary.interrupted = True
         if show:
@@ -222,6 +226,37 @@ def _loop(engine: Any, cfg: Any, *, data: Any, summary: RunSummary, show: bool, 
     finally:
         summary.seconds = time.perf_counter() - began
         bar.close()
+
+
+class _CtrlC:
+    """Ctrl-C during the loop, remembered: `check()` raises KeyboardInterrupt once it came.
+
+    Python raises KeyboardInterrupt wherever the main thread is when the signal lands,
+    and one raised inside a finalizer or a callback that swallows errors is lost. The
+    handler also sets a flag, and the loop checks it after each step, so the run stops
+    at that step's end at the latest. Outside the main thread (no signals there) it does nothing.
+    """
+
+    def __init__(self) -> None:
+        self._came = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self._came = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self._came:
+            raise KeyboardInterrupt
 
 
 def _resume(engine: Any, cfg: Any, *, show: bool, out: TextIO) -> None:

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,31 @@ def test_ctrl_c_stops_cleanly_with_exit_130_and_no_swap_files(tmp_path: Path, mo
     assert "interrupted after 2 steps: closing the engine and removing swap files" in out.getvalue()
     assert "steps                2 of 20 (interrupted)" in out.getvalue()
     assert list(swap.iterdir()) == []
+
+
+def test_ctrl_c_swallowed_where_it_landed_still_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A KeyboardInterrupt raised inside a finalizer or an error-catching callback is lost;
+    # the run must stop anyway, at the end of the step it came in.
+    config, swap = _tiny_config(tmp_path, nvme=True)
+    real_step, calls = T._train_step, []
+
+    def step_with_a_swallowed_interrupt(*args: Any, **kwargs: Any) -> float:
+        calls.append(1)
+        if len(calls) == 3:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)  # the handler runs here, in the main thread
+            except KeyboardInterrupt:
+                pass  # what a finalizer does with it
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(T, "_train_step", step_with_a_swallowed_interrupt)
+    out = io.StringIO()
+    rc = T.run_train(_parse(["train", "--config", str(config), "--no-progress"]), out=out)
+    assert rc == 130 and len(calls) == 3
+    assert "interrupted after 2 steps" in out.getvalue()
+    assert list(swap.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the loop's handler is gone
 
 
 def test_resume_without_a_checkpoint_dir_is_a_one_line_error(tmp_path: Path) -> None:
