@@ -234,7 +234,8 @@ class _CtrlC:
     Python raises KeyboardInterrupt wherever the main thread is when the signal lands,
     and one raised inside a finalizer or a callback that swallows errors is lost. The
     handler also sets a flag, and the loop checks it after each step, so the run stops
-    at that step's end at the latest. Outside the main thread (no signals there) it does nothing.
+    at that step's end at the latest. Outside the main thread (no signals there), or when
+    SIGINT is ignored (a job started in the background by a shell), it does nothing.
     """
 
     def __init__(self) -> None:
@@ -242,7 +243,7 @@ class _CtrlC:
         self._previous: Any = None
 
     def __enter__(self) -> _CtrlC:
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             self._previous = signal.signal(signal.SIGINT, self._on_sigint)
         return self
 

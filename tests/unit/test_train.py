@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,15 @@ def test_summary_table_format() -> None:
     ]
 
 
+@pytest.fixture
+def ctrl_c_delivered() -> Iterator[None]:
+    """SIGINT handled as in a terminal: a shell starts background jobs (a CI runner's, say) with it ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("ctrl_c_delivered")
 def test_ctrl_c_stops_cleanly_with_exit_130_and_no_swap_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config, swap = _tiny_config(tmp_path, nvme=True)
     real_step, calls = T._train_step, []
@@ -139,6 +149,7 @@ def test_ctrl_c_stops_cleanly_with_exit_130_and_no_swap_files(tmp_path: Path, mo
     assert list(swap.iterdir()) == []
 
 
+@pytest.mark.usefixtures("ctrl_c_delivered")
 def test_ctrl_c_swallowed_where_it_landed_still_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A KeyboardInterrupt raised inside a finalizer or an error-catching callback is lost;
     # the run must stop anyway, at the end of the step it came in.
