@@ -77,7 +77,9 @@ class Estimate:
     """Tokens one rank trains on per optimizer step."""
     tiers: dict[Tier, TierEstimate]
     nvme_read: int
-    """NVMe bytes read per optimizer step, per rank."""
+    """NVMe bytes read per optimizer step, per rank, once the prefetcher follows the learned order."""
+    nvme_read_first: int
+    """NVMe bytes read in the first step, which learns the unit order (parameters read on demand)."""
     nvme_written: int
     nvme_file: int
     """Bytes of this rank's preallocated swap file."""
@@ -137,6 +139,7 @@ def estimate(
     replay = Replay(cfg, units, world_size=world_size)
     replay.homes()
     replay.step()  # the prefetcher learns the unit order in the first step and follows it after
+    read_first = replay.read
     replay.read = replay.written = 0
     replay.step()
     tiers = {tier: TierEstimate(tier=tier, capacity=_capacity(cfg, tier)) for tier in TIER_ORDER}
@@ -161,6 +164,7 @@ def estimate(
         tokens_per_step=train.micro_batch_size * train.seq_len * cfg.gradient_accumulation_steps,
         tiers=tiers,
         nvme_read=replay.read,
+        nvme_read_first=read_first,
         nvme_written=replay.written,
         nvme_file=nvme_file,
         nvme_free=_free_space(cfg.tiers.nvme.path) if uses_nvme else None,

@@ -28,9 +28,10 @@ budgets hold: `prefetch_bytes` bounds the bytes in flight (issued, not completed
 stops at the first unit that does not fit, so fetches stay in order; a unit bigger
 than a budget is fetched alone when nothing else is ahead, so it still makes
 progress. A unit has at most one fetch outstanding, for its next occurrence; its later
-occurrences wait until that one is consumed. A unit that runs twice in a row (the
-last block: forward, then at once backward) is kept resident rather than released
-and fetched again (`keep_resident`), so the walk passes over its second occurrence.
+occurrences wait until that one is consumed. A unit that runs again soon is kept
+resident rather than released and fetched again (`keep_resident`: always when it runs
+twice in a row, otherwise while it and everything before its next run fit in
+`max_live_bytes`), and the walk passes over the occurrence its kept bytes serve.
 The first event that differs from the learned order (or a step that ends early)
 switches the step to DIVERGED: no more prefetching in that step, one warning for the
 life of the prefetcher, and the order observed in that step becomes the learned order
@@ -127,7 +128,7 @@ class Prefetcher:
         "unit_bytes", "prefetch_bytes", "max_live_bytes",
         "_order", "_mode", "_in_step", "_step", "_pos", "_observed", "_fetches", "_awaiting",
         "_diverged_at", "_warned", "_hits", "_misses", "_waited_s", "_issued_bytes",
-        "_peak_in_flight", "_peak_ahead",
+        "_peak_in_flight", "_peak_ahead", "_kept", "_held",
     )  # fmt: skip
 
     def __init__(self, *, unit_bytes: Mapping[str, int], prefetch_bytes: int, max_live_bytes: int) -> None:
@@ -232,6 +233,11 @@ class Prefetcher:
             event = self._order[index]
             if index > 0 and self._order[index - 1].unit == event.unit:
                 continue  # kept resident since its previous occurrence (keep_resident)
+            if event.unit in self._kept and event.unit not in seen:
+                seen.add(event.unit)
+                continue  # this occurrence is served by the bytes kept since the last one
+            if event.unit == self._held:
+                break  # the engine still holds its last occurrence's bytes: fetch in order later
             if event.unit in seen:
                 break  # its next occurrence needs this one consumed first
             seen.add(event.unit)
@@ -246,18 +252,37 @@ class Prefetcher:
         return requests
 
     def keep_resident(self, unit: str) -> bool:
-        """Whether the engine should keep `unit`'s bytes after this occurrence: it runs again next.
+        """Whether the engine should keep `unit`'s bytes after this occurrence, for its next one.
 
-        Only while following the learned order; on demand, everything is released.
+        Only while following the learned order; on demand, everything is released. A unit
+        that runs again at once is always kept. One that runs again later in the step (the
+        forward's blocks, run again in backward) is kept when its bytes, and those of every
+        unit that runs before its next occurrence, fit in `max_live_bytes` beside what is
+        ahead and kept already: keeping it then never stands in the way of a fetch it waits
+        for, and the disk reads it once a step instead of twice.
         """
         self._require_step(True, "keep_resident")
-        return (
-            self._mode is Mode.FOLLOWING
-            and bool(self._observed)
-            and self._observed[-1].unit == unit
-            and self._pos < len(self._order)
-            and self._order[self._pos].unit == unit
-        )
+        if unit == self._held:
+            self._held = None
+        if not (self._mode is Mode.FOLLOWING and self._observed and self._observed[-1].unit == unit):
+            return False
+        upcoming = [event.unit for event in self._order[self._pos :]]
+        if unit not in upcoming:
+            return False
+        between = upcoming[: upcoming.index(unit)]
+        if between:
+            if self.prefetch_bytes == 0:
+                return False  # prefetch off: on demand, but for a unit that runs again at once
+            need = self.unit_bytes[unit] + sum(self.unit_bytes[w] for w in set(between) - set(self._kept))
+            if self.ahead_bytes + self.kept_bytes + need > self.max_live_bytes:
+                return False
+        self._kept[unit] = self.unit_bytes[unit]
+        return True
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes the engine keeps, on this policy's word, for units' next occurrences."""
+        return sum(self._kept.values())
 
     def issued(self, unit: str) -> None:
         """The engine started prefetching `unit` (one of `plan()`'s requests)."""
@@ -290,6 +315,8 @@ class Prefetcher:
         if waited_s < 0:
             raise ValueError(f"waited_s must be >= 0, got {waited_s}")
         self._fetches.pop(unit, None)
+        self._kept.pop(unit, None)
+        self._held = unit
         if unit == self._awaiting:
             self._awaiting = None
         if ready:
@@ -338,7 +365,7 @@ class Prefetcher:
         # Alone, any unit fits: one bigger than a budget must still make progress.
         if ahead == 0:
             return True
-        return in_flight + nbytes <= self.prefetch_bytes and ahead + nbytes <= self.max_live_bytes
+        return in_flight + nbytes <= self.prefetch_bytes and ahead + self.kept_bytes + nbytes <= self.max_live_bytes
 
     def _diverge(self, index: int, *, expected: UnitEvent | None, got: UnitEvent | None) -> None:
         self._mode = Mode.DIVERGED
@@ -358,6 +385,9 @@ class Prefetcher:
         self._awaiting: str | None = None
         self._observed: list[UnitEvent] = []
         self._fetches: dict[str, _Fetch] = {}
+        self._kept: dict[str, int] = {}
+        self._held: str | None = None
+        """Consumed, and not yet released or kept (`keep_resident` decides): not fetchable now."""
         self._diverged_at: int | None = None
         self._hits = self._misses = self._issued_bytes = self._peak_in_flight = self._peak_ahead = 0
         self._waited_s = 0.0

@@ -114,10 +114,11 @@ def test_following_steps_hit_every_unit() -> None:
         report = sim.run_step(step_events(LAYERS))
         assert report == StepReport(
             step=step, mode=Mode.FOLLOWING, hits=10, misses=0, waited_s=0.0, events=10, diverged_at=None,
-            issued_bytes=900, peak_in_flight_bytes=report.peak_in_flight_bytes,
+            issued_bytes=500, peak_in_flight_bytes=report.peak_in_flight_bytes,
             peak_ahead_bytes=report.peak_ahead_bytes, unused=(),
         )  # fmt: skip
-        assert report.hit_rate == 1.0  # head is fetched once: kept from its forward to its backward
+        # Each unit is read once a step: the budget keeps every forward's bytes for its backward.
+        assert report.hit_rate == 1.0
 
 
 def test_plan_proposes_in_order_within_both_budgets() -> None:
@@ -209,7 +210,8 @@ def test_order_change_is_detected_survived_and_relearned(caplog) -> None:
     step2 = reports[1]
     # The forward units were all prefetched at the start: those that still ran hit;
     # after the change nothing more is prefetched, so the backward is on demand.
-    assert (step2.hits, step2.misses, step2.events) == (4, 4, 8)
+    # embed and block0 ran before the divergence and were kept: their backward still hits
+    assert (step2.hits, step2.misses, step2.events) == (6, 2, 8)
     assert step2.unused == ("block1",)  # fetched for the old order, never used: the engine releases it
     assert pf.order == tuple(UnitEvent(u, p) for u, p in step_events(skipping(4)))
 
@@ -251,13 +253,28 @@ def test_next_occurrence_waits_for_the_current_one() -> None:
     pf.record("a", F)
     assert pf.plan() == []  # a's fetch serves this occurrence; the next a waits, and c behind it
     pf.consumed("a", ready=True)
-    assert pf.plan() == [FetchRequest("a", 100), FetchRequest("c", 100)]
-    pf.issued("a")
-    assert pf.fetch_state("a") is FetchState.IN_FLIGHT
+    assert pf.plan() == []  # compute still holds a's bytes: nothing behind it is fetched out of order
+    assert pf.keep_resident("a")  # a runs again after b only: both fit, so its bytes stay
+    assert pf.plan() == [FetchRequest("c", 100)]
+    pf.issued("c")
+    assert pf.fetch_state("c") is FetchState.IN_FLIGHT and pf.fetch_state("a") is None
+
+
+def test_a_unit_released_is_fetched_again_for_its_next_occurrence() -> None:
+    order = [("a", F), ("b", F), ("a", B), ("c", B)]
+    pf = make(sizes={"a": 100, "b": 100, "c": 100}, max_live_bytes=150)
+    SimEngine(pf).run_step(order)
+    pf.begin_step()
+    pf.record("a", F)
+    pf.consumed("a", ready=False)
+    assert not pf.keep_resident("a")  # a and b, 200 B, do not fit in 150
+    assert pf.plan()[0] == FetchRequest("b", 100)
 
 
 def test_a_unit_that_runs_twice_in_a_row_is_kept() -> None:
-    pf = make()
+    # Too tight a budget to keep the forward's units for their backward: only head, which
+    # runs again at once, is kept.
+    pf = make(max_live_bytes=150)
     SimEngine(pf).run_step(step_events(LAYERS))
     pf.begin_step()
     for unit in LAYERS[:-1]:
@@ -268,9 +285,31 @@ def test_a_unit_that_runs_twice_in_a_row_is_kept() -> None:
     pf.consumed("head", ready=False)
     assert pf.keep_resident("head")
     # head's backward is served by the kept bytes: the plan goes on to the next units.
-    assert pf.plan() == [FetchRequest(u, 100) for u in reversed(LAYERS[:-1])]
+    assert pf.plan() == [FetchRequest(u, 100) for u in reversed(LAYERS[:-1])][:1]
     pf.record("head", B)
     assert not pf.keep_resident("head")
+
+
+def test_units_kept_for_their_next_run_only_while_everything_before_it_fits() -> None:
+    pf = make(max_live_bytes=350)
+    SimEngine(pf).run_step(step_events(LAYERS))
+    pf.begin_step()
+    kept = []
+    for unit in LAYERS:
+        pf.record(unit, F)
+        pf.consumed(unit, ready=True)
+        if pf.keep_resident(unit):
+            kept.append(unit)
+        assert pf.kept_bytes + pf.ahead_bytes <= pf.max_live_bytes
+    # block1 runs again after block2 and head: 300 bytes with block2 kept... the earlier ones do
+    # not fit beside them; head runs again at once.
+    assert kept == ["block1", "block2", "head"]
+    assert pf.kept_bytes == 300
+    pf.record("head", B)
+    pf.consumed("head", ready=True)
+    assert pf.kept_bytes == 200  # head's kept bytes served its backward
+    # block2 and block1 are kept: the walk proposes block0 next, within what is left
+    assert pf.plan() == [FetchRequest("block0", 100)]
 
 
 def test_zero_budget_turns_prefetch_off() -> None:
