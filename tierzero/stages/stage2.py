@@ -1,9 +1,10 @@
 """Stage 2: as stage 1, but gradients are sharded too.
 
-Each unit's gradients are reduce-scattered as soon as that unit's backward is done
-(the autograd post-backward of its parameters; one unit is one bucket), overlapped
-with the rest of backward, summed into the owned GRAD slice, and the full gradients
-are dropped: only the slice outlives the unit's backward.
+Each unit's gradients are flattened once that unit's backward is done (the autograd
+post-backward of its parameters) and reduce-scattered with the other ready units of
+their bucket (see [Note: gradient buckets] in stages/base.py), overlapped with the
+rest of backward; each unit's part is summed into its owned GRAD slice and the full
+gradients are dropped: only the slice outlives the backward.
 """
 
 from __future__ import annotations
