@@ -1,8 +1,9 @@
 """Stage 3: parameters sharded at rest, gathered per unit just in time.
 
 Forward, per unit: all-gather before, free after. Backward, per unit: all-gather again
-when the gradient of the unit's output arrives, reduce-scatter the parameter gradients
-into the owned slice when the unit's post-backward runs, free both. Between the two,
+when the gradient of the unit's output arrives; when the unit's post-backward runs,
+free the parameters and queue the gradients' reduce-scatter into the owned slice (in
+buckets: see [Note: gradient buckets] in stages/base.py). Between the two,
 the parameter views that autograd saved are stand-ins (see [Note: binding parameters]
 in stages/base.py), so freeing a unit really frees its memory.
 
