@@ -129,23 +129,30 @@ def ctrl_c_delivered() -> Iterator[None]:
     signal.signal(signal.SIGINT, previous)
 
 
-@pytest.mark.usefixtures("ctrl_c_delivered")
-def test_ctrl_c_stops_cleanly_with_exit_130_and_no_swap_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _interrupted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ctrl_c: Any) -> tuple[int, str, Path, int]:
+    """Train with `ctrl_c()` called at the start of step 3: (exit code, output, swap dir, steps begun)."""
     config, swap = _tiny_config(tmp_path, nvme=True)
     real_step, calls = T._train_step, []
 
-    def step_then_interrupt(*args: Any, **kwargs: Any) -> float:
+    def step(*args: Any, **kwargs: Any) -> float:
         calls.append(1)
         if len(calls) == 3:
-            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C would, in the middle of step 3
+            ctrl_c()
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(T, "_train_step", step_then_interrupt)
+    monkeypatch.setattr(T, "_train_step", step)
     out = io.StringIO()
     rc = T.run_train(_parse(["train", "--config", str(config), "--no-progress"]), out=out)
+    return rc, out.getvalue(), swap, len(calls)
+
+
+@pytest.mark.usefixtures("ctrl_c_delivered")
+def test_ctrl_c_stops_cleanly_with_exit_130_and_no_swap_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # as Ctrl-C would, in the middle of step 3
+    rc, out, swap, _ = _interrupted_run(tmp_path, monkeypatch, lambda: os.kill(os.getpid(), signal.SIGINT))
     assert rc == 130
-    assert "interrupted after 2 steps: closing the engine and removing swap files" in out.getvalue()
-    assert "steps                2 of 20 (interrupted)" in out.getvalue()
+    assert "interrupted after 2 steps: closing the engine and removing swap files" in out
+    assert "steps                2 of 20 (interrupted)" in out
     assert list(swap.iterdir()) == []
 
 
@@ -153,26 +160,19 @@ def test_ctrl_c_stops_cleanly_with_exit_130_and_no_swap_files(tmp_path: Path, mo
 def test_ctrl_c_swallowed_where_it_landed_still_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A KeyboardInterrupt raised inside a finalizer or an error-catching callback is lost;
     # the run must stop anyway, at the end of the step it came in.
-    config, swap = _tiny_config(tmp_path, nvme=True)
-    real_step, calls = T._train_step, []
+    def swallowed() -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here, in the main thread
+        except KeyboardInterrupt:
+            pass  # what a finalizer does with it
 
-    def step_with_a_swallowed_interrupt(*args: Any, **kwargs: Any) -> float:
-        calls.append(1)
-        if len(calls) == 3:
-            try:
-                os.kill(os.getpid(), signal.SIGINT)
-                time.sleep(1)  # the handler runs here, in the main thread
-            except KeyboardInterrupt:
-                pass  # what a finalizer does with it
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(T, "_train_step", step_with_a_swallowed_interrupt)
-    out = io.StringIO()
-    rc = T.run_train(_parse(["train", "--config", str(config), "--no-progress"]), out=out)
-    assert rc == 130 and len(calls) == 3
-    assert "interrupted after 2 steps" in out.getvalue()
+    before = signal.getsignal(signal.SIGINT)
+    rc, out, swap, steps_begun = _interrupted_run(tmp_path, monkeypatch, swallowed)
+    assert rc == 130 and steps_begun == 3
+    assert "interrupted after 2 steps" in out
     assert list(swap.iterdir()) == []
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the loop's handler is gone
+    assert signal.getsignal(signal.SIGINT) is before  # the loop's handler is gone
 
 
 def test_resume_without_a_checkpoint_dir_is_a_one_line_error(tmp_path: Path) -> None:
