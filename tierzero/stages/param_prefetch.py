@@ -21,7 +21,6 @@ import torch
 
 from tierzero.offload.base import Kind, SliceKey, Tier
 from tierzero.prefetch import FetchState, Phase, Prefetcher, StepReport
-from tierzero.store import SliceState
 from tierzero.transfer import Transfer
 
 __all__ = ["ParamPrefetch"]
@@ -61,7 +60,7 @@ class ParamPrefetch:
         """Start fetching `unit`, one of the next step's first, before that step opens: between
         steps, or once every unit of this step has run (the backward's last optimizer steps)."""
         key = SliceKey(unit, Kind.PARAM)
-        if (self._in_step and not self.policy.exhausted) or unit in self._early or self.store.state(key) is not SliceState.HOME:
+        if (self._in_step and not self.policy.exhausted) or unit in self._early or not self.store.at_home(key):
             return
         self._early[unit] = self.store.fetch(key, to=Tier.DEVICE)
 
@@ -132,7 +131,7 @@ class ParamPrefetch:
                 self._ahead[request.unit] = early
                 self.policy.issued(request.unit)
                 continue
-            if self.store.state(key) is not SliceState.HOME:
+            if not self.store.at_home(key):
                 break  # still held by its previous use: try again at the next unit, in order
             self._ahead[request.unit] = self.store.fetch(key, to=Tier.DEVICE)
             self.policy.issued(request.unit)
