@@ -233,12 +233,39 @@ def _add_adam_slice(
 
 @functools.cache
 def cpu_vector_width() -> int:
-    """fp32 elements per `Vectorized<float>` in the CPU kernels this process dispatches to.
+    """fp32 elements per vector in the fused CPU Adam kernel this process dispatches to.
 
-    16 with AVX-512, else 8 (ATen's 256-bit vectors: AVX2, NEON, SVE-256).
-    tests/unit/test_optim.py checks it against the kernel itself.
+    Measured, not read off `torch.backends.cpu.get_cpu_capability()`: on some AVX-512
+    CPUs (seen on an AMD EPYC with torch 2.13) the kernel runs 8-wide vectors. One call
+    steps 47 elements whose vector and scalar results differ; the scalar tail starts
+    after the last whole vector, at 47 - 47 % width. tests/unit/test_optim.py checks the
+    answer against the kernel with other inputs.
     """
-    return 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
+    g = torch.Generator().manual_seed(20261201)
+    n = 1024
+    p, grad, m = (torch.randn(n, generator=g) for _ in range(3))
+    v = torch.rand(n, generator=g)
+    vector = _probe_adamw([p], [grad], [m], [v])
+    # A list of one-element tensors: each is all tail, so every element takes the scalar path.
+    scalar = _probe_adamw(*(list(t.split(1)) for t in (p, grad, m, v)))
+    pick = (vector != scalar).any(0).nonzero().flatten()[:47]
+    if len(pick) < 47:
+        return 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
+    out = _probe_adamw([p[pick]], [grad[pick]], [m[pick]], [v[pick]])
+    tail = int((out != scalar[:, pick]).any(0).nonzero().max()) + 1
+    return next(width for width in (4, 8, 16, 32, 64) if 47 - 47 % width == tail)
+
+
+def _probe_adamw(*lists: list[torch.Tensor]) -> torch.Tensor:
+    """One fused AdamW call on copies of (params, grads, exp_avgs, exp_avg_sqs): the stepped
+    params, exp_avgs and exp_avg_sqs, each list's tensors end to end, as three rows."""
+    params, grads, avgs, sqs = ([t.clone() for t in ts] for ts in lists)
+    steps = [torch.tensor(3.0) for _ in params]
+    torch._fused_adamw_(
+        params, grads, avgs, sqs, [], steps,
+        lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
+    )  # fmt: skip
+    return torch.stack([torch.cat(params), torch.cat(avgs), torch.cat(sqs)])
 
 
 def _adam_pieces(
