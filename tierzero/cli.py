@@ -9,17 +9,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tierzero import __version__
+from tierzero.bench import add_bench_commands
+from tierzero.checkpoint.consolidate import add_consolidate_command
+from tierzero.config.cli import add_config_commands
+from tierzero.estimate.report import add_estimate_command
 from tierzero.offload.base import TierCapacityError
+from tierzero.train import add_demo_command, add_train_command
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from tierzero import __version__
-    from tierzero.bench import add_bench_commands
-    from tierzero.config_cli import add_config_commands
-    from tierzero.consolidate import add_consolidate_command
-    from tierzero.estimate import add_estimate_command
-    from tierzero.train import add_demo_command, add_train_command
-
     parser = argparse.ArgumentParser(prog="tierzero", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tierzero {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -19,12 +19,13 @@ from torch import nn
 
 from tierzero import comm as C
 from tierzero import dist as D
-from tierzero.offload.base import IO_ALIGNMENT, MODEL_STATE_KINDS, Kind, Tier, align_up
+from tierzero.materialize import flat_fp32, has_meta, materialize_rest, materialize_unit, unit_on_meta
 from tierzero.optim import make_optimizer
 from tierzero.precision import dtype_of, make_loss_scaler
+from tierzero.slices import IO_ALIGNMENT, MODEL_STATE_KINDS, Kind, Tier, align_up
 from tierzero.stages import STAGES, Homes, Stage, Stage3, StepScalars
 from tierzero.stages.base import bind, clip_coefficient, unregister_params
-from tierzero.units import ParamSlot, Unit, plan_units
+from tierzero.units import Unit, plan_units
 
 
 class Engine:
@@ -42,8 +43,8 @@ class Engine:
                 f"zero.stage is {cfg.zero.stage}, this engine runs stages 1, 2 and 3: set zero.stage to 1, 2 or 3"
             )
         self.cfg, self._ctx = cfg, ctx
-        # A meta-built model is materialised unit by unit in _install: see [Note: meta init].
-        self._meta = _has_meta(model)
+        # A meta-built model is materialised unit by unit in _install: see [Note: meta init] in materialize.py.
+        self._meta = has_meta(model)
         self.module = model if self._meta else model.to(ctx.device)
         self.comm = C.CommGroup(rank=ctx.rank, world_size=ctx.world_size, counter=C.CommCounter())
         self.global_step = 0
@@ -116,11 +117,11 @@ class Engine:
     def _install(self) -> None:
         empty = torch.empty(0, dtype=self._param_dtype, device=self._ctx.device)
         for index, unit in enumerate(self.units):
-            if _unit_on_meta(unit):
+            if unit_on_meta(unit):
                 seed = int(self.cfg.train.seed) + index
-                full = _materialize_unit(self.module, unit, seed=seed).to(self._ctx.device)
+                full = materialize_unit(self.module, unit, seed=seed).to(self._ctx.device)
             else:
-                full = _flat_fp32(unit, device=self._ctx.device)
+                full = flat_fp32(unit, device=self._ctx.device)
                 if self.comm.world_size > 1:
                     # Every rank starts from rank 0's weights, as DistributedDataParallel does.
                     torch.distributed.broadcast(full, src=0)
@@ -132,7 +133,7 @@ class Engine:
             self._hooks.append(unit.module.register_forward_pre_hook(self._pre_hook(unit)))
             self._hooks.append(unit.module.register_forward_hook(self._post_hook(unit)))
         if self._meta:
-            _materialize_rest(self.module, seed=int(self.cfg.train.seed) + len(self.units))
+            materialize_rest(self.module, seed=int(self.cfg.train.seed) + len(self.units))
             self.module.to(self._ctx.device)
 
     def _pre_hook(self, unit: Unit) -> Callable[..., None]:
@@ -209,7 +210,7 @@ class Engine:
     def save_checkpoint(self, root: str | os.PathLike[str] | None = None, *, keep: int | None = None) -> Path:
         """Save this step under `root` (default checkpoint.dir), keeping the newest `keep` (default checkpoint.keep).
 
-        Collective: every rank calls it after the same `step()`. See tierzero/checkpoint.py.
+        Collective: every rank calls it after the same `step()`. See tierzero/checkpoint/save_load.py.
         """
         from tierzero.checkpoint import save_checkpoint
 
@@ -295,93 +296,6 @@ def initialize(model: nn.Module, config: Any) -> Engine:
 
     cfg = load_config(config)
     return Engine(model, cfg, ctx=D.setup(timeout_s=cfg.dist.timeout))
-
-
-def _flat_fp32(unit: Unit, *, device: torch.device) -> torch.Tensor:
-    full = torch.empty(unit.padded_numel, dtype=torch.float32, device=device)
-    first = [getattr(slot.bindings[0].module, slot.bindings[0].attr) for slot in unit.slots]
-    return unit.flatten([p.detach().float() for p in first], out=full)
-
-
-# [Note: meta init]
-# A model built on the meta device holds shapes only. _install gives each unit, in turn,
-# one CPU fp32 buffer, points the unit's parameters at views of it, runs the model's own
-# per-module init (`model.init_module(module)` where the model has one, as tierzero's
-# built-ins do, else `module.reset_parameters()`), registers this rank's slices and drops
-# the buffer: host memory holds one unit's full parameters at a time, never the model.
-# Every rank seeds unit i with `train.seed + i` and computes the same bytes, so no
-# broadcast is needed and the weights do not depend on the world size; a tied parameter is
-# one slot, allocated once and shared by all its bindings. The caller's RNG state is left as it was.
-
-
-def _has_meta(model: nn.Module) -> bool:
-    tensors = [*model.parameters(), *model.buffers()]
-    return any(t.device.type == "meta" for t in tensors)
-
-
-def _unit_on_meta(unit: Unit) -> bool:
-    on_meta = {_first_param(slot).device.type == "meta" for slot in unit.slots}
-    if len(on_meta) > 1:
-        raise ValueError(
-            f"unit {unit.name} has parameters both on the meta device and off it: "
-            "build the model wholly on meta (or wholly materialised) before tierzero.initialize"
-        )
-    return on_meta == {True}
-
-
-def _first_param(slot: ParamSlot) -> torch.Tensor:
-    return getattr(slot.bindings[0].module, slot.bindings[0].attr)
-
-
-def _materialize_unit(model: nn.Module, unit: Unit, *, seed: int) -> torch.Tensor:
-    """The unit's flat fp32 parameters on the CPU, initialised by the model's own init."""
-    full = torch.zeros(unit.padded_numel, dtype=torch.float32)
-    for slot in unit.slots:
-        param = nn.Parameter(slot.view(full), requires_grad=True)
-        for b in slot.bindings:
-            setattr(b.module, b.attr, param)
-    # In module order, as a whole-model init visits them.
-    owned = {id(b.module) for slot in unit.slots for b in slot.bindings}
-    _init_modules(model, [module for module in model.modules() if id(module) in owned], seed=seed)
-    return full
-
-
-def _materialize_rest(model: nn.Module, *, seed: int) -> None:
-    """Frozen parameters and buffers still on meta: allocate them on the CPU and initialise their modules."""
-    owners = []
-    for module in model.modules():
-        tables = (module._parameters, module._buffers)
-        names = [(table, name) for table in tables for name, t in table.items() if t is not None and t.is_meta]
-        for table, name in names:
-            t = table[name]
-            fresh = torch.empty_like(t, device="cpu")
-            table[name] = nn.Parameter(fresh, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fresh
-        if names:
-            owners.append(module)
-    _init_modules(model, owners, seed=seed)
-
-
-def _init_modules(model: nn.Module, modules: list[nn.Module], *, seed: int) -> None:
-    """Run the model's init on `modules` in order from `seed`, leaving the caller's RNG as it was."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for module in modules:
-                _init_module(model, module)
-
-
-def _init_module(model: nn.Module, module: nn.Module) -> None:
-    init = getattr(model, "init_module", None)
-    if init is not None:
-        init(module)
-        return
-    reset = getattr(module, "reset_parameters", None)
-    if reset is None:
-        raise ValueError(
-            f"{type(module).__name__} is on the meta device but has no reset_parameters and "
-            f"{type(model).__name__} no init_module(module): build this model on the CPU instead of meta"
-        )
-    reset()
 
 
 __all__ = ["Engine", "initialize"]

@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-from tierzero.offload.base import Kind
-
+from tierzero.slices import Kind
 
 # [Note: vector lanes and scalar tails]
 # torch's CPU fused Adam runs each tensor of its list through SIMD vectors, except the

@@ -33,13 +33,13 @@ from typing import Protocol
 
 import torch
 
-from tierzero.offload.base import Region, Tier, TierStorage
-from tierzero.offload.device import MemoryTier
-from tierzero.offload.cpu import StagingBuffer, StagingPool, StagingStats
+from tierzero.offload.base import Region, TierStorage
+from tierzero.offload.memory import MemoryTier
+from tierzero.offload.staging import StagingBuffer, StagingPool, StagingStats
+from tierzero.slices import Tier
 from tierzero.transfer import Transfer, TransferOutcome
 
-# Transfer lives in transfer.py; tierzero/bench/ imports it from here.
-__all__ = ["Swapper", "Transfer"]
+__all__ = ["Swapper"]
 
 @dataclass(slots=True)
 class _KeyTail:

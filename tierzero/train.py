@@ -61,7 +61,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     """`tierzero train`: 0 when done, 130 when interrupted; user errors raise ValueError/OSError."""
     from tierzero.config import load_config
-    from tierzero.config_cli import parse_overrides
+    from tierzero.config.cli import parse_overrides
 
     overrides = parse_overrides(args.overrides, nvme_path=args.nvme_path)
     if args.steps is not None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tierzero.offload.base import IO_ALIGNMENT, align_up
+from tierzero.slices import IO_ALIGNMENT, align_up
 
 ROOT = "root"
 #: Elements per alignment step: a 2-byte slice of this many elements is one I/O block.

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
+from harness import Case, run_ranks
 
 import tierzero
-import tierzero.checkpoint_format as fmt
-from harness import Case, run_ranks
+import tierzero.checkpoint.format as fmt
 from tierzero.checkpoint import CheckpointError, CheckpointWriteError, load_checkpoint, save_checkpoint
 
 CASE = Case(stage=3, optimizer="adamw", steps=2, accumulation=1, global_batch=4)

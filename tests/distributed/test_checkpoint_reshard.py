@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 import torch
+from harness import Case, rel_error, run_ranks
 
 import tierzero
-from harness import Case, rel_error, run_ranks
 from tierzero.checkpoint import load_checkpoint, save_checkpoint
-from tierzero.checkpoint_format import dtype_from_name
-from tierzero.checkpoint_manifest import Manifest
-from tierzero.checkpoint_shards import ShardReader
-from tierzero.consolidate import consolidate, load_consolidated
+from tierzero.checkpoint.consolidate import consolidate, load_consolidated
+from tierzero.checkpoint.format import dtype_from_name
+from tierzero.checkpoint.manifest import Manifest
+from tierzero.checkpoint.shards import ShardReader
 
 CASES = {
     "fp32": Case(stage=3, optimizer="adamw", steps=6, accumulation=2),

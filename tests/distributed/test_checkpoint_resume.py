@@ -53,8 +53,8 @@ class _DyingOptimizer:
 
 
 def _install_kill_hooks(engine: Any, rank: int) -> None:
-    import tierzero.checkpoint as ckpt
-    from tierzero.checkpoint_format import SafetensorsStream
+    import tierzero.checkpoint.save_load as ckpt
+    from tierzero.checkpoint.format import SafetensorsStream
 
     engine.module.blocks[1].register_forward_pre_hook(
         lambda *_: _kill_if("forward", rank=rank, now=engine.global_step)

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from harness import run_ranks
+
 from tierzero.comm import Collective, CommCounter, CommGroup, all_gather, all_reduce, reduce_scatter
 
 

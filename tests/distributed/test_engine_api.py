@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
+from harness import Case, TinyLM, run_ranks
 
 import tierzero
-from harness import Case, TinyLM, run_ranks
 
 
 @pytest.fixture(autouse=True)

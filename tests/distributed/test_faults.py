@@ -28,9 +28,9 @@ def _rank(env: dict[str, str]) -> None:
     os.environ.update(env)
     import torch
     import torch.distributed as dist
+    from harness import Case
 
     import tierzero
-    from harness import Case
 
     torch.set_num_threads(1)
     rank = int(env["RANK"])

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 import torch
+from harness import run_ranks
 
 import tierzero
-from harness import run_ranks
 from tierzero.models import GPT, ModelSpec
 
 SPEC = ModelSpec(n_layer=2, n_head=2, d_model=32, d_ff=64, max_seq_len=16)

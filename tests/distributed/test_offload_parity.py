@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
+from harness import Case, check_parity, reference_run, run_ranks, train_case
 
 import tierzero
-from harness import Case, check_parity, reference_run, run_ranks, train_case
 
 OFFLOAD = {"params": "nvme", "optimizer": "nvme"}
 CASES = [Case(stage=3, optimizer="adamw"), Case(stage=3, optimizer="sgd"), Case(stage=2, optimizer="adamw")]

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from harness import Case, run_ranks, train_case
 
 STAGES = (1, 2, 3)

@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from harness import Case, Reference, check_parity, reference_run, run_ranks, train_case
 
 STAGES = (1, 2, 3)

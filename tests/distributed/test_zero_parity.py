@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from harness import Case, Reference, Traffic, check_parity, measure_case, reference_run, run_ranks, train_case
 
 WORLD_SIZES = (1, 2, 4)

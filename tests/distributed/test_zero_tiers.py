@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
+from harness import Case, run_ranks, train_case
 
 import tierzero
-from harness import Case, run_ranks, train_case
 
 ALL_CPU = {"params": "cpu", "gradients": "cpu", "optimizer": "cpu"}
 ALL_NVME = {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}

@@ -16,8 +16,14 @@ from torch import nn
 from torch.nn import functional as F
 
 import tierzero
-from tierzero.checkpoint import CheckpointError, find_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from tierzero.offload.base import Kind, SliceKey, Tier
+from tierzero.checkpoint import (
+    CheckpointError,
+    find_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.store import SliceState
 
 VOCAB, WIDTH = 24, 16

@@ -15,8 +15,8 @@ from test_checkpoint import TinyLM, batch, config, make_model, train
 
 import tierzero
 from tierzero.checkpoint import save_checkpoint
-from tierzero.checkpoint_shards import ShardReader
-from tierzero.consolidate import add_consolidate_command, consolidate, load_consolidated
+from tierzero.checkpoint.consolidate import add_consolidate_command, consolidate, load_consolidated
+from tierzero.checkpoint.shards import ShardReader
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

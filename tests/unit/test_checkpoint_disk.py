@@ -14,7 +14,7 @@ import torch
 from test_checkpoint import config, make_model, train
 
 import tierzero
-import tierzero.checkpoint_format as fmt
+import tierzero.checkpoint.format as fmt
 from tierzero.checkpoint import CheckpointWriteError, list_checkpoints, load_checkpoint, save_checkpoint
 
 

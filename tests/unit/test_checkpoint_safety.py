@@ -15,7 +15,7 @@ from test_checkpoint import config, make_model, train
 
 import tierzero
 from tierzero.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from tierzero.checkpoint_format import json_checksum
+from tierzero.checkpoint.format import json_checksum
 
 
 class _Payload:

@@ -13,9 +13,9 @@ import torch
 import yaml
 
 import tierzero.train as T
-from tierzero.checkpoint_format import dtype_from_name
-from tierzero.checkpoint_manifest import Manifest
-from tierzero.checkpoint_shards import ShardReader
+from tierzero.checkpoint.format import dtype_from_name
+from tierzero.checkpoint.manifest import Manifest
+from tierzero.checkpoint.shards import ShardReader
 
 
 @pytest.fixture(autouse=True)

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from tierzero.config import Config, ConfigError, config_markdown, load_config
-from tierzero.config_cli import add_config_commands, parse_overrides, run_check, run_docs
-from tierzero.offload.base import Tier
+from tierzero.config.cli import add_config_commands, parse_overrides, run_check, run_docs
+from tierzero.slices import Tier
 
 REPO = Path(__file__).resolve().parents[2]
 MiB, GiB = 1 << 20, 1 << 30

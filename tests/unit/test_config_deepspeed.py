@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from tierzero.config import ConfigError, TierZeroConfigWarning, load_config
-from tierzero.config_cli import run_check
-from tierzero.offload.base import Tier
+from tierzero.config.cli import run_check
+from tierzero.slices import Tier
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 MiB = 1 << 20

@@ -8,9 +8,11 @@ import time
 import pytest
 import torch
 
-from tierzero.offload.base import IO_ALIGNMENT, Tier, TierCapacityError
-from tierzero.offload.cpu import CpuTier, StagingPool
+from tierzero.offload.base import TierCapacityError
+from tierzero.offload.cpu import CpuTier
 from tierzero.offload.device import DeviceTier
+from tierzero.offload.staging import StagingPool
+from tierzero.slices import IO_ALIGNMENT, Tier
 
 
 def test_cpu_buffers_are_aligned_exact_and_counted() -> None:

@@ -14,10 +14,12 @@ import yaml
 import tierzero.train as T
 from tierzero.config import load_config
 from tierzero.engine import Engine
-from tierzero.estimate import Bandwidth, add_estimate_command, estimate
+from tierzero.estimate import Bandwidth, estimate
+from tierzero.estimate.report import add_estimate_command, run_estimate
 from tierzero.models import GPT, ModelSpec, count_parameters
-from tierzero.offload.base import MODEL_STATE_KINDS, Tier, TierCapacityError
+from tierzero.offload.base import TierCapacityError
 from tierzero.sizes import format_size
+from tierzero.slices import MODEL_STATE_KINDS, Tier
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -188,8 +190,6 @@ def _cli(argv: list[str]) -> tuple[int, str]:
     add_estimate_command(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["estimate", *argv])
     out = io.StringIO()
-    from tierzero.estimate_report import run_estimate
-
     return run_estimate(args, out=out), out.getvalue()
 
 

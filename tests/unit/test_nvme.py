@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from tierzero.offload import nvme_io
-from tierzero.offload.base import IO_ALIGNMENT, ChecksumError, Region, Tier, TierCapacityError, align_up
-from tierzero.offload.nvme import NvmeTier
+from tierzero.offload.base import ChecksumError, Region, TierCapacityError
+from tierzero.offload.nvme import ExtentAllocator, NvmeTier
 from tierzero.offload.nvme_files import NvmeSpaceError
-from tierzero.offload.nvme import ExtentAllocator
 from tierzero.sizes import format_size
+from tierzero.slices import IO_ALIGNMENT, Tier, align_up
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]

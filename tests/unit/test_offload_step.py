@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tierzero
-from tierzero.offload.base import Kind, Tier, align_up
-from tierzero.offload.optimizer_step import MAX_RESIDENT_GROUPS
+from tierzero.offload.step_pipeline import MAX_RESIDENT_GROUPS
+from tierzero.slices import Kind, Tier, align_up
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 from harness import Case  # noqa: E402
@@ -151,7 +151,7 @@ def test_backward_step_matches_torch_adamw(tmp_path: Path) -> None:
 def test_a_failed_write_back_is_raised_not_lost() -> None:
     from concurrent.futures import Future
 
-    from tierzero.offload.optimizer_step import PendingWrite, SliceGroup, StepPipeline
+    from tierzero.offload.step_pipeline import PendingWrite, SliceGroup, StepPipeline
     from tierzero.transfer import Transfer
 
     failed: Future[Any] = Future()

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tierzero.offload.base import Kind
 from tierzero.optim import (
     FlatAdam,
     FlatSGD,
@@ -19,6 +18,7 @@ from tierzero.optim import (
     cpu_vector_width,
     make_optimizer,
 )
+from tierzero.slices import Kind
 
 # Sizes chosen so that tensor starts and slice boundaries fall at many offsets modulo
 # the 8- and 16-wide vectors, and tails of many lengths occur.

@@ -8,11 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tierzero.offload.base import Kind, SliceKey, Tier, TierCapacityError
+from tierzero.offload.base import TierCapacityError
 from tierzero.offload.cpu import CpuTier
 from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
-from tierzero.store import SliceState, TieredStore, Use
+from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.store import SliceState, TieredStore
+from tierzero.store.ledger import Use
 from tierzero.swapper import Swapper
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
@@ -246,8 +248,8 @@ def test_from_config_builds_nvme_only_when_offloaded(tmp_path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the host is the compute device only without a GPU")
 def test_without_a_gpu_nvme_moves_to_the_device_tier_are_direct_and_reuse_memory(tmp_path) -> None:
-    from tierzero.offload.base import IO_ALIGNMENT
     from tierzero.offload.cpu import HostDeviceTier
+    from tierzero.slices import IO_ALIGNMENT
 
     with TieredStore.from_config(_config(tmp_path, optimizer=Tier.NVME), nvme_capacity=2 << 20) as store:
         device = store._tiers[Tier.DEVICE]

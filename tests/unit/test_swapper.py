@@ -14,10 +14,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 import torch
 
-from tierzero.offload.base import IO_ALIGNMENT, Region, Tier, TierStorage
+from tierzero.offload.base import Region, TierStorage
 from tierzero.offload.cpu import CpuTier
 from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
+from tierzero.slices import IO_ALIGNMENT, Tier
 from tierzero.swapper import Swapper
 
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tierzero.offload.base import Kind
 from tierzero.optim import FlatAdam, FlatOptimizer, OptimizerSpec, OptimizerType
+from tierzero.slices import Kind
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -30,11 +30,11 @@ from tierzero.bench.report import format_table, write_json
 from tierzero.bench.swap_stats import CheckFailed, Failure, SwapStats
 from tierzero.bench.through_store import StoreParts, open_store
 from tierzero.bench.workload import Setting, SweepPoint, check_free_space
-from tierzero.offload.base import Kind, SliceKey, Tier, align_up
 from tierzero.sizes import format_size, parse_size
+from tierzero.slices import Kind, SliceKey, Tier, align_up
 
 if TYPE_CHECKING:
-    from tierzero.swapper import Transfer
+    from tierzero.transfer import Transfer
 
 _DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)?\s*$")
 _SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
@@ -287,7 +287,7 @@ def accounted_bytes(parts: StoreParts) -> dict[str, int]:
 
     The staging buffers are the swapper's pool, taken from the CPU tier: not a leak.
     """
-    from tierzero.store import Use
+    from tierzero.store.ledger import Use
 
     staging = parts.store.swapper.stats().held
     held = {"device": parts.device.used, "cpu": parts.cpu.used - staging, "nvme": parts.nvme.used}

@@ -21,12 +21,13 @@ import torch
 
 from tierzero.bench.fio import run_fio
 from tierzero.bench.workload import Direction, SliceSet, SweepPoint, fio_job, open_tier
-from tierzero.offload.base import Kind, SliceKey, Tier, TierStorage
+from tierzero.offload.base import TierStorage
+from tierzero.slices import Kind, SliceKey, Tier
 
 if TYPE_CHECKING:
     from tierzero.offload.nvme import NvmeTier
     from tierzero.store import TieredStore
-    from tierzero.swapper import Transfer
+    from tierzero.transfer import Transfer
 
 TARGET_FRACTION = 0.9
 """The issue's bar: sustained NVMe reads and writes through the swapper at 90% of fio's best."""

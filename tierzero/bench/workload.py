@@ -17,8 +17,8 @@ import torch
 
 from tierzero.bench import pattern
 from tierzero.bench.fio import FioJob
-from tierzero.offload.base import aligned_empty
 from tierzero.sizes import format_size
+from tierzero.slices import aligned_empty
 
 if TYPE_CHECKING:
     from tierzero.offload.nvme import NvmeTier

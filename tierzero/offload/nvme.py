@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from tierzero.offload.base import IO_ALIGNMENT, Region, Tier, TierCapacityError, TierStorage, align_up
+from tierzero.offload.base import Region, TierCapacityError, TierStorage
+from tierzero.offload.nvme_backends import AiofilesBackend, ThreadBackend
 from tierzero.offload.nvme_files import (
     RunFiles,
     create_swap,
@@ -26,7 +27,6 @@ from tierzero.offload.nvme_files import (
     unregister,
     warn_leftovers,
 )
-from tierzero.offload.nvme_backends import AiofilesBackend, ThreadBackend
 from tierzero.offload.nvme_io import (
     BouncePool,
     BounceStats,
@@ -38,6 +38,7 @@ from tierzero.offload.nvme_io import (
     checksum_granule,
 )
 from tierzero.sizes import format_size
+from tierzero.slices import IO_ALIGNMENT, Tier, align_up
 
 _RunFiles = RunFiles
 """The old name: tests/unit/test_bench.py patches `nvme._RunFiles.remove`."""

@@ -20,6 +20,7 @@ import aiofiles
 
 from tierzero.offload.nvme_io import Chunk, ChunkIO, Op
 
+
 def transfer(fd: int, op: Op, iov: list[memoryview], offset: int) -> None:
     """`os.preadv`/`os.pwritev` until every byte of `iov` has moved; short transfers are resumed."""
     call = os.preadv if op is Op.READ else os.pwritev

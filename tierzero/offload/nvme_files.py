@@ -25,8 +25,8 @@ from typing import Any
 
 import psutil
 
-from tierzero.offload.base import IO_ALIGNMENT, aligned_empty
 from tierzero.sizes import format_size
+from tierzero.slices import IO_ALIGNMENT, aligned_empty
 
 
 class NvmeSpaceError(OSError):

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from tierzero.offload.base import IO_ALIGNMENT, ChecksumError, align_up, aligned_empty
+from tierzero.offload.base import ChecksumError
+from tierzero.slices import IO_ALIGNMENT, align_up, aligned_empty
 
 try:
     # CRC-32C with the SSE4.2/ARMv8 instructions: measured 3.6-6.0 GiB/s against zlib's

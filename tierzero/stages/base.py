@@ -43,8 +43,8 @@ from typing import Any, ClassVar
 import torch
 
 from tierzero import comm as C
-from tierzero.offload.base import Kind, SliceKey, Tier
-from tierzero.offload.optimizer_step import PendingWrite, PipelineReport
+from tierzero.offload.step_pipeline import PendingWrite, PipelineReport
+from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.units import Unit, UnitState
 
 
@@ -158,7 +158,7 @@ class Stage(ABC):
         self.last_step_report: PipelineReport | None = None
         """What the last optimizer step's pipeline did (resident groups, seconds waiting on reads)."""
         self._backward_step: Any = None
-        """The `optim_step.BackwardStep` of this backward, when the engine asked for one."""
+        """The `stages.step.BackwardStep` of this backward, when the engine asked for one."""
 
     # ---- slices -------------------------------------------------------------------
 
@@ -339,8 +339,8 @@ class Stage(ABC):
                 grads.zero_()
 
     def step(self, scalars: StepScalars, *, clip_coef: float) -> None:
-        """Step every unit with gradients where the optimizer states live (stages/optim_step.py)."""
-        from tierzero.stages.optim_step import run_step
+        """Step every unit with gradients where the optimizer states live (stages/step.py)."""
+        from tierzero.stages.step import run_step
 
         self._land_last_step()
         report = run_step(self, scalars, clip_coef=clip_coef, **self._step_hooks())
@@ -349,7 +349,7 @@ class Stage(ABC):
 
     def begin_backward_step(self, scalars: StepScalars) -> None:
         """Step each unit during the coming backward, as soon as its gradient is complete (stage 3)."""
-        from tierzero.stages.optim_step import BackwardStep
+        from tierzero.stages.step import BackwardStep
 
         self._land_last_step()
         self._backward_step = BackwardStep(self, scalars, written=self._step_hooks().get("written"))

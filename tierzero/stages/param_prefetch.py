@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from tierzero.offload.base import Kind, SliceKey, Tier
 from tierzero.prefetch import FetchState, Phase, Prefetcher, StepReport
+from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.transfer import Transfer
 
 __all__ = ["ParamPrefetch"]

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from tierzero import comm as C
-from tierzero.offload.base import Kind, SliceKey, Tier
-from tierzero.offload.optimizer_step import PendingWrite
+from tierzero.offload.step_pipeline import PendingWrite
+from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.base import Stage, StepScalars, mark_state
 from tierzero.units import Unit, UnitState
 

@@ -15,7 +15,7 @@ Below the gathers, the PARAM slices themselves come up the tiers ahead of use: t
 engine gives the stage a `ParamPrefetch` (stages/param_prefetch.py), which follows the
 unit order learned in the first step. Without clipping or fp16 overflow checks, the
 optimizer step runs during backward: each unit steps as soon as its gradient is
-complete (`BackwardStep` in stages/optim_step.py), its states read while backward goes
+complete (`BackwardStep` in stages/step.py), its states read while backward goes
 on, and the next forward's first units start coming up as soon as they are stepped.
 """
 
@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from tierzero import comm as C
-from tierzero.offload.base import Kind, SliceKey, Tier
-from tierzero.offload.optimizer_step import PendingWrite
+from tierzero.offload.step_pipeline import PendingWrite
 from tierzero.prefetch import Phase
-from tierzero.stages.param_prefetch import ParamPrefetch
+from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.base import Stage, StepScalars, bind, mark_state
+from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.units import ROOT, Unit, UnitState
 
 

@@ -17,7 +17,7 @@ rather than leaving the others waiting in a collective.
 
 Loading reads the manifest, verifies the size and checksum of every file it will read
 before using a byte of it, and writes each slice home through the store. The layout
-(see [Note: checkpoint layout] in checkpoint_manifest.py) lets a checkpoint written
+(see [Note: checkpoint layout] in checkpoint/manifest.py) lets a checkpoint written
 at N ranks load at M.
 """
 
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from tierzero.checkpoint_engine import (
+from tierzero.checkpoint.engine_state import (
     config_json,
     own_range,
     read_scalars,
@@ -43,7 +43,7 @@ from tierzero.checkpoint_engine import (
     unit_layout,
     wanted_range,
 )
-from tierzero.checkpoint_format import (
+from tierzero.checkpoint.format import (
     CheckpointError,
     FileRecord,
     SafetensorsStream,
@@ -57,7 +57,7 @@ from tierzero.checkpoint_format import (
     write_json,
     write_text_atomic,
 )
-from tierzero.checkpoint_manifest import (
+from tierzero.checkpoint.manifest import (
     MANIFEST,
     MODULE_PREFIX,
     Manifest,
@@ -66,9 +66,9 @@ from tierzero.checkpoint_manifest import (
     rank_tensor_file,
     tensor_name,
 )
-from tierzero.checkpoint_rng import rng_state, set_rng_state
-from tierzero.checkpoint_shards import ShardReader
-from tierzero.offload.base import Kind, SliceKey, Tier
+from tierzero.checkpoint.rng import rng_state, set_rng_state
+from tierzero.checkpoint.shards import ShardReader
+from tierzero.slices import Kind, SliceKey, Tier
 
 if TYPE_CHECKING:
     from tierzero.comm import CommGroup

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierzero.offload.base import MODEL_STATE_KINDS, Kind, Region, SliceKey, Tier, TierStorage
-from tierzero.store_report import Ledger, StoreReport, Use
+from tierzero.offload.base import Region, TierStorage
+from tierzero.slices import MODEL_STATE_KINDS, Kind, SliceKey, Tier
+from tierzero.store.ledger import Ledger, StoreReport, Use
 from tierzero.swapper import Swapper
 from tierzero.transfer import Transfer
 
-# Use lives in store_report.py; tierzero/bench/swap.py and the tests import it from here.
-__all__ = ["SliceState", "TieredStore", "Use"]
+__all__ = ["SliceState", "TieredStore"]
 
 
 class SliceState(enum.Enum):

@@ -2,12 +2,12 @@
 
 Per rank: the bytes of each kind of state in each tier, the peak each tier's ledger
 will reach (homes plus gathered units, scratch, fetched copies, staging; replayed by
-tierzero/estimate_replay.py from the engine's own slice plan), the NVMe bytes read and
+tierzero/estimate/replay.py from the engine's own slice plan), the NVMe bytes read and
 written per step, and step-time floors from the disk bandwidth (`bench nvme` results,
 or a stated assumption) and from 6 x parameters x tokens FLOPs at a stated or measured
 rate. A config that does not fit says which tier and by how much, and which change
 would make it fit, each candidate estimated the same way. The table and the command
-are in tierzero/estimate_report.py.
+are in tierzero/estimate/report.py.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from tierzero.estimate_replay import TIER_ORDER, Replay, plan_slices
-from tierzero.offload.base import MODEL_STATE_KINDS, Kind, Tier, align_up
+from tierzero.estimate.replay import TIER_ORDER, Replay, plan_slices
 from tierzero.sizes import format_size
+from tierzero.slices import MODEL_STATE_KINDS, Kind, Tier, align_up
 
-__all__ = ["Bandwidth", "Estimate", "TierEstimate", "add_estimate_command", "estimate"]
+__all__ = ["Bandwidth", "Estimate", "TierEstimate", "estimate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,10 +309,3 @@ def _current(cfg: Any, key: str) -> Any:
     section, name = key.split(".")
     value = getattr(getattr(cfg, section), name)
     return value.value if isinstance(value, Tier) else value
-
-
-def add_estimate_command(subparsers: Any) -> None:
-    """Register `tierzero estimate` on the `tierzero` command's sub-parsers (for tierzero/cli.py)."""
-    from tierzero.estimate_report import add_command
-
-    add_command(subparsers)

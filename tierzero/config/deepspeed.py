@@ -33,8 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierzero.config_fields import ConfigError, TierZeroConfigWarning, show
-from tierzero.offload.base import IO_ALIGNMENT, align_up
+from tierzero.config.fields import ConfigError, TierZeroConfigWarning, show
+from tierzero.slices import IO_ALIGNMENT, align_up
 
 AUTO = "auto"
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")

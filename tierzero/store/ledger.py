@@ -10,10 +10,10 @@ import enum
 import threading
 from dataclasses import dataclass, field
 
-from tierzero.offload.base import Kind, Tier
-from tierzero.offload.cpu import StagingStats
 from tierzero.offload.nvme_io import BounceStats
+from tierzero.offload.staging import StagingStats
 from tierzero.sizes import format_size
+from tierzero.slices import Kind, Tier
 
 __all__ = ["Ledger", "StoreReport", "TierLedger", "TierUsage", "Use"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierzero.checkpoint_format import CheckpointError, FileRecord, json_checksum, read_json
+from tierzero.checkpoint.format import CheckpointError, FileRecord, json_checksum, read_json
 
 FORMAT = "tierzero-checkpoint"
 VERSION = 1

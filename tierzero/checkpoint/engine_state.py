@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tierzero.checkpoint_format import dtype_name
-from tierzero.checkpoint_manifest import EngineScalars, SlotLayout, UnitLayout
-from tierzero.offload.base import Kind, SliceKey, Tier
+from tierzero.checkpoint.format import dtype_name
+from tierzero.checkpoint.manifest import EngineScalars, SlotLayout, UnitLayout
+from tierzero.slices import Kind, SliceKey, Tier
 
 if TYPE_CHECKING:
     from tierzero.engine import Engine

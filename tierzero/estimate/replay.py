@@ -12,7 +12,7 @@ engine's own `tierzero.prefetch.Prefetcher` (prefetches taken to land at once, s
 the budgets, not the disk, bound what is ahead: the most it can hold). The replay runs
 two steps, since the prefetcher learns the order in the first. Stages 2 and 3 flatten
 each unit's gradients into a full device scratch and keep `MAX_REDUCES_IN_FLIGHT`
-reduce-scatters pending, or more while they fit in `zero.reduce_bucket_size`; the optimizer step is `stages.optim_step`'s pipeline: group
+reduce-scatters pending, or more while they fit in `zero.reduce_bucket_size`; the optimizer step is `stages.step`'s pipeline: group
 j+1 read while j computes and j-1 is written, each slice fetched to the step tier
 (device for device-homed states, else cpu); without clipping or fp16, stage 3 runs it
 during backward, a unit pushed as soon as its gradient is reduced (`StepPipeline`). A fetch of a
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from tierzero.offload.base import Kind, Tier
-from tierzero.estimate_mirror import ParamFetches, StepPipeline
+from tierzero.estimate.mirror import ParamFetches, StepPipeline
 from tierzero.prefetch import Phase
+from tierzero.slices import Kind, Tier
 
 __all__ = ["TIER_ORDER", "Replay", "UnitSlices", "plan_slices", "staging_bytes"]
 
@@ -329,7 +329,7 @@ class Replay:
         if self.cfg.gradient_clipping > 0 or self.cfg.precision.param_dtype == "fp16":
             for unit in self.units:
                 self.touch(unit.spec(Kind.GRAD), write=False)  # the global norm reads each GRAD slice
-        # stages.optim_step.run_step: the next forward's first units step first (stage 3).
+        # stages.step.run_step: the next forward's first units step first (stage 3).
         first = self.params.policy.first_units() if self.cfg.zero.stage == 3 else []
         head = [unit for name in first for unit in self.units if unit.name == name]
         pipeline = StepPipeline(self)
@@ -338,7 +338,7 @@ class Replay:
         pipeline.flush()
 
     def group(self, unit: UnitSlices) -> list[tuple[Any, Tier]]:
-        """`stages.optim_step.slice_group`: (slice, tier it is fetched to) for one unit's step."""
+        """`stages.step.slice_group`: (slice, tier it is fetched to) for one unit's step."""
         tier = self.step_tier
         grad = unit.spec(Kind.GRAD)
         group = [(grad, tier if grad.home is Tier.NVME else grad.home)]
@@ -360,7 +360,7 @@ class Replay:
             self.release(spec, to=tier)
 
     def compute(self, unit: UnitSlices) -> None:
-        """`stages.optim_step._step_unit`: fp32 gradient scratch unless the GRAD slice is fp32 in the
+        """`stages.step._step_unit`: fp32 gradient scratch unless the GRAD slice is fp32 in the
         step tier's memory, and an fp32 master copy in stages 1-2 off the device."""
         tier, shard = self.step_tier, unit.shard_numel * 4
         grads = self.cfg.offload.gradients

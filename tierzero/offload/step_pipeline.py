@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierzero.offload.base import Kind, SliceKey, Tier
+from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.transfer import Transfer
 
 __all__ = ["MAX_RESIDENT_GROUPS", "PendingWrite", "SliceGroup", "StepPipeline", "PipelineReport", "step_tier"]

@@ -26,10 +26,16 @@ from typing import Any, TextIO
 
 import torch
 
-from tierzero.checkpoint import find_checkpoint
-from tierzero.checkpoint_format import SafetensorsStream, TensorEntry, checksum_algorithm, dtype_from_name, open_safetensors
-from tierzero.checkpoint_manifest import MODULE_PREFIX, Manifest, UnitLayout
-from tierzero.checkpoint_shards import ShardReader
+from tierzero.checkpoint.format import (
+    SafetensorsStream,
+    TensorEntry,
+    checksum_algorithm,
+    dtype_from_name,
+    open_safetensors,
+)
+from tierzero.checkpoint.manifest import MODULE_PREFIX, Manifest, UnitLayout
+from tierzero.checkpoint.save_load import find_checkpoint
+from tierzero.checkpoint.shards import ShardReader
 from tierzero.sizes import format_size
 
 __all__ = ["Consolidated", "add_consolidate_command", "consolidate", "consolidate_pretrained", "load_consolidated"]

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from tierzero.estimate import Bandwidth, Estimate, estimate, measure_flops
-from tierzero.offload.base import MODEL_STATE_KINDS
+from tierzero.estimate.estimator import Bandwidth, Estimate, estimate, measure_flops
 from tierzero.sizes import format_size
+from tierzero.slices import MODEL_STATE_KINDS
 
 __all__ = ["DEFAULT_BENCH_PATHS", "add_command", "format_estimate", "load_bench", "run_estimate", "to_json"]
 
@@ -125,7 +125,7 @@ def load_bench(path: str | None, *, nvme_path: str | None = None) -> Bandwidth |
     return Bandwidth(read=read * 1e9, write=write * 1e9, source=source)
 
 
-def add_command(subparsers: Any) -> None:
+def add_estimate_command(subparsers: Any) -> None:
     """Register `tierzero estimate` on the `tierzero` command's sub-parsers."""
     parser = subparsers.add_parser("estimate", help="bytes per tier, NVMe traffic and step-time floor of a config")
     parser.add_argument("--config", required=True, help="a tierzero .yaml/.yml/.json config (or a DeepSpeed .json)")
@@ -147,7 +147,7 @@ def add_command(subparsers: Any) -> None:
 def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
     """`tierzero estimate`: 0 when the config fits, 1 when it does not; user errors raise ValueError."""
     from tierzero.config import load_config
-    from tierzero.config_cli import parse_overrides
+    from tierzero.config.cli import parse_overrides
 
     out = out or sys.stdout
     cfg = load_config(args.config, overrides=parse_overrides(args.overrides, nvme_path=args.nvme_path))

@@ -1,7 +1,7 @@
 """One optimizer step of a stage, run where its optimizer states live.
 
 Which slices a unit's step needs, and the arithmetic on them; the movement of bytes
-is `tierzero.offload.optimizer_step.StepPipeline`'s (see [Note: the step pipeline]
+is `tierzero.offload.step_pipeline.StepPipeline`'s (see [Note: the step pipeline]
 there). The arithmetic is the same whatever the placement: gradients are copied into
 fp32 scratch on the step tier, scaled, and the fused kernel steps the fp32 master with
 the states; so device, CPU and NVMe homes give identical bits.
@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tierzero.offload.base import Kind, Tier
-from tierzero.offload.optimizer_step import PendingWrite, PipelineReport, SliceGroup, StepPipeline, step_tier
+from tierzero.offload.step_pipeline import PendingWrite, PipelineReport, SliceGroup, StepPipeline, step_tier
+from tierzero.slices import Kind, Tier
 
 if TYPE_CHECKING:
     from tierzero.stages.base import Stage, StepScalars

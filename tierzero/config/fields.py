@@ -25,8 +25,8 @@ from typing import Any, ClassVar
 
 import yaml
 
-from tierzero.offload.base import Tier
 from tierzero.sizes import parse_size
+from tierzero.slices import Tier
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 

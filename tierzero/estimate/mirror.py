@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tierzero.offload.base import Kind, Tier, align_up
 from tierzero.prefetch import FetchState, Phase, Prefetcher
+from tierzero.slices import Kind, Tier, align_up
 
 if TYPE_CHECKING:
-    from tierzero.estimate_replay import Replay, UnitSlices
+    from tierzero.estimate.replay import Replay, UnitSlices
 
 __all__ = ["ParamFetches", "StepPipeline"]
 

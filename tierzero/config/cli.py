@@ -38,7 +38,7 @@ def add_config_commands(subparsers: Any) -> None:
 
 def parse_overrides(items: list[str], *, nvme_path: str | None = None) -> dict[str, Any]:
     """["zero.stage=2", "tiers.nvme.path=/x"] -> {"zero.stage": 2, "tiers.nvme.path": "/x"}."""
-    from tierzero.config import ConfigError
+    from tierzero.config.schema import ConfigError
 
     overrides: dict[str, Any] = {}
     for item in items:
@@ -57,7 +57,7 @@ def parse_overrides(items: list[str], *, nvme_path: str | None = None) -> dict[s
 
 def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Print the resolved config as YAML; config warnings go to stderr, one line each."""
-    from tierzero.config import TierZeroConfigWarning, load_config
+    from tierzero.config.schema import TierZeroConfigWarning, load_config
 
     out, err = out or sys.stdout, err or sys.stderr
     overrides = parse_overrides(args.overrides, nvme_path=args.nvme_path)
@@ -75,7 +75,7 @@ def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextI
 
 def run_docs(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     """Print the markdown of docs/config.md."""
-    from tierzero.config import config_markdown
+    from tierzero.config.schema import config_markdown
 
     (out or sys.stdout).write(config_markdown())
     return 0

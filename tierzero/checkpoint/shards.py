@@ -1,6 +1,6 @@
 """Reading a unit's logical flat buffer back from the N rank files of a checkpoint.
 
-See [Note: checkpoint layout] in checkpoint_manifest.py. A reader asks for elements
+See [Note: checkpoint layout] in checkpoint/manifest.py. A reader asks for elements
 [start, end) of one unit's kind; the range is cut at the writer's slice boundaries and
 each piece is read (memory-mapped, not whole files) from the rank file that holds it.
 Every file is verified against the manifest before its first read.
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from tierzero.checkpoint_format import CheckpointError, dtype_from_name, open_safetensors, read_range, verify_file
-from tierzero.checkpoint_manifest import Manifest, UnitLayout, rank_tensor_file, tensor_name
+from tierzero.checkpoint.format import CheckpointError, dtype_from_name, open_safetensors, read_range, verify_file
+from tierzero.checkpoint.manifest import Manifest, UnitLayout, rank_tensor_file, tensor_name
 
 
 def pieces(layout: UnitLayout, start: int, end: int) -> Iterator[tuple[int, int, int]]:

@@ -1,0 +1,6 @@
+"""The tiered store: every slice's home tier and fetched copy (tiered.py), and its byte ledger (ledger.py)."""
+
+from tierzero.store.ledger import StoreReport, Use
+from tierzero.store.tiered import SliceState, TieredStore
+
+__all__ = ["SliceState", "StoreReport", "TieredStore", "Use"]
