@@ -143,8 +143,14 @@ def test_adam_without_w_mode_is_adam() -> None:
 
 
 def test_minimal_configs() -> None:
-    cfg, warned = _load({"zero_optimization": {}, "bfloat16": {"enabled": True}})
-    assert cfg.zero.stage == 0 and cfg.precision.param_dtype == "bf16" and warned == Counter()
+    # No stage means DeepSpeed's 0 (plain data parallel), which the engine does not run.
+    assert _error({"zero_optimization": {}, "bfloat16": {"enabled": True}}) == (
+        "zero_optimization.stage (zero.stage in tierzero; not set, so DeepSpeed's default) is 0, this engine runs "
+        "stages 1, 2 and 3: set zero.stage to 1, 2 or 3"
+    )
+    assert _load({"zero_optimization": {}}, overrides={"zero.stage": 2})[0].zero.stage == 2
+    cfg, warned = _load({"zero_optimization": {"stage": 1}, "bfloat16": {"enabled": True}})
+    assert cfg.zero.stage == 1 and cfg.precision.param_dtype == "bf16" and warned == Counter()
     cfg, _ = _load({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
     # gradients stay on the device below stage 2
     assert (cfg.offload.optimizer, cfg.offload.gradients) == (Tier.CPU, Tier.DEVICE)
@@ -200,15 +206,15 @@ def test_bad_deepspeed_configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         "DeepSpeed zero_optimization.reduce_bucket_size: expected a number of elements such as 5e8, got 'big'"
     )
     assert _error(variant(aio={"block_size": 1000})) == (
-        "tiers.nvme.block_size: expected a positive size that is a multiple of 4096 bytes such as 4096, '512MB' "
-        "or '8GiB', got 1000 (from DeepSpeed key aio.block_size)"
+        "aio.block_size (tiers.nvme.block_size in tierzero): expected a positive size that is a multiple of 4096 "
+        "bytes such as 4096, '512MB' or '8GiB', got 1000"
     )
     assert _error(variant(fp16__loss_scale=-2)) == (
-        "precision.loss_scale: expected 'dynamic' or a positive number, got -2 (from DeepSpeed key fp16.loss_scale)"
+        "fp16.loss_scale (precision.loss_scale in tierzero): expected 'dynamic' or a positive number, got -2"
     )
     assert _error(variant(zero_optimization__stage=2)) == (
-        "offload.params is cpu but zero.stage is 2: parameter offload needs zero.stage 3; set zero.stage: 3 or "
-        "offload.params: device (from DeepSpeed key zero_optimization.offload_param.device)"
+        "zero_optimization.offload_param.device (offload.params in tierzero) is cpu but zero_optimization.stage "
+        "(zero.stage in tierzero) is 2: parameter offload needs zero.stage 3; set zero.stage: 3 or offload.params: device"
     )
     a, b = tmp_path / "a", tmp_path / "b"
     assert _error(variant(
@@ -222,8 +228,8 @@ def test_bad_deepspeed_configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert _error(variant(
         zero_optimization__offload_param__device="nvme", zero_optimization__offload_param__nvme_path=str(missing),
     )) == (
-        f"tiers.nvme.path {missing} does not exist: create it (mkdir -p {missing}) or pick another directory "
-        "(from DeepSpeed key zero_optimization.offload_param.nvme_path)"
+        f"zero_optimization.offload_param.nvme_path (tiers.nvme.path in tierzero) {missing} does not exist: "
+        f"create it (mkdir -p {missing}) or pick another directory"
     )
     monkeypatch.setenv("WORLD_SIZE", "zero")
     assert _error(base) == "WORLD_SIZE: expected a positive integer, got 'zero'; unset it or fix the launcher"
@@ -241,3 +247,74 @@ def test_config_check_prints_deepspeed_warnings(tmp_path: Path) -> None:
     assert "tierzero: warning: DeepSpeed key zero_optimization.reduce_scatter has no tierzero equivalent; ignored" in lines
     assert len(lines) == 8 and all(line.startswith("tierzero: warning: DeepSpeed key ") for line in lines)
     assert "overlap_comm: false" in out.getvalue() and "optimizer: cpu" in out.getvalue()
+
+
+SIZE_HINT = "such as 4096, '512MB' or '8GiB'"
+STAGE_FIX = "this engine runs stages 1, 2 and 3: set zero.stage to 1, 2 or 3"
+DEEPSPEED_ERRORS = [
+    ({"offload_param": {"device": "nvme", "nvme_path": 5}},
+     "zero_optimization.offload_param.nvme_path",
+     "zero_optimization.offload_param.nvme_path (tiers.nvme.path in tierzero): expected a directory path (or null), got 5"),
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": ["/a"]}},
+     "zero_optimization.offload_optimizer.nvme_path",
+     "zero_optimization.offload_optimizer.nvme_path (tiers.nvme.path in tierzero): expected a directory path (or null), "
+     "got ['/a']"),
+    ({"stage": 4}, "zero_optimization.stage", f"zero_optimization.stage (zero.stage in tierzero) is 4, {STAGE_FIX}"),
+    ({"stage": 0}, "zero_optimization.stage", f"zero_optimization.stage (zero.stage in tierzero) is 0, {STAGE_FIX}"),
+    ({"stage": "three"}, "zero_optimization.stage",
+     f"zero_optimization.stage (zero.stage in tierzero) is 'three', {STAGE_FIX}"),
+    ({"offload_param": {"device": "cpu", "buffer_size": 0}},
+     "zero_optimization.offload_param.buffer_size",
+     "zero_optimization.offload_param.buffer_size (swapper.buffer_size in tierzero): expected a positive size that is "
+     f"a multiple of 4096 bytes {SIZE_HINT}, got 0"),
+    ({"offload_param": {"device": "cpu", "buffer_count": -1}},
+     "zero_optimization.offload_param.buffer_count",
+     "DeepSpeed zero_optimization.offload_param.buffer_count: expected a positive integer such as 4, got -1"),
+    ({"reduce_bucket_size": -1}, "zero_optimization.reduce_bucket_size",
+     "DeepSpeed zero_optimization.reduce_bucket_size: expected a number of elements such as 5e8, got -1"),
+    ({"reduce_bucket_size": 0}, "zero_optimization.reduce_bucket_size",
+     f"zero_optimization.reduce_bucket_size (zero.reduce_bucket_size in tierzero): expected a positive size {SIZE_HINT}, got 0"),
+    ({"overlap_comm": "yes"}, "zero_optimization.overlap_comm",
+     "zero_optimization.overlap_comm (zero.overlap_comm in tierzero): expected true or false, got 'yes'"),
+    # the key at fault (prefetch.bytes) is tierzero's default; the one it is compared with came from DeepSpeed
+    ({"stage3_max_live_parameters": 1e6}, "zero_optimization.stage3_max_live_parameters",
+     "zero_optimization.stage3_prefetch_bucket_size (prefetch.bytes in tierzero) 64.0 MiB is above "
+     "zero_optimization.stage3_max_live_parameters (prefetch.max_live_bytes in tierzero) 3.8 MiB: "
+     "lower prefetch.bytes or raise prefetch.max_live_bytes"),
+    # a key DeepSpeed left out is named by the DeepSpeed key that would set it
+    ({"offload_param": {"device": "nvme"}}, "zero_optimization.offload_*.nvme_path",
+     "zero_optimization.offload_param.device (offload.params in tierzero) is nvme but "
+     "zero_optimization.offload_*.nvme_path (tiers.nvme.path in tierzero) is not set: set tiers.nvme.path to a "
+     "directory on a local NVMe disk (or pass --nvme-path)"),
+]
+
+
+@pytest.mark.parametrize(("zero", "deepspeed_key", "message"), DEEPSPEED_ERRORS, ids=[k for _, k, _ in DEEPSPEED_ERRORS])
+def test_errors_name_the_deepspeed_key(zero: dict[str, Any], deepspeed_key: str, message: str) -> None:
+    error = _error({"zero_optimization": {"stage": 3} | zero})
+    assert deepspeed_key in error
+    assert error == message
+
+
+def test_errors_name_deepspeed_keys_outside_zero_optimization() -> None:
+    ds = {"zero_optimization": {"stage": 3}, "optimizer": {"type": "SGD", "params": {"momentum": 2}}}
+    assert _error(ds) == "optimizer.params.momentum (optimizer.momentum in tierzero): expected a number in [0, 1), got 2"
+    ds = {"zero_optimization": {"stage": 3}, "fp16": {"enabled": True, "initial_scale_power": 4, "min_loss_scale": 32}}
+    assert _error(ds) == (
+        "fp16.min_loss_scale (precision.min_scale in tierzero) 32 is above fp16.initial_scale_power "
+        "(precision.initial_scale in tierzero) 16: lower min_scale or raise initial_scale"
+    )
+
+
+def test_overridden_keys_speak_tierzero(tmp_path: Path) -> None:
+    ds = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    missing = tmp_path / "missing"
+    expected = f"tiers.nvme.path {missing} does not exist: create it (mkdir -p {missing}) or pick another directory"
+    for overrides in ({"tiers.nvme.path": str(missing)}, {"tiers.nvme": {"path": str(missing)}}):
+        with pytest.raises(ConfigError) as info:
+            _load(ds, overrides=overrides)
+        assert str(info.value) == expected
+    # a tierzero config's errors never mention DeepSpeed
+    with pytest.raises(ConfigError) as info:
+        load_config({"zero": {"stage": 0}})
+    assert str(info.value) == f"zero.stage is 0, {STAGE_FIX}"

@@ -1,6 +1,52 @@
-"""The typed config: schema and loading (schema.py), field checks (fields.py), DeepSpeed import (deepspeed.py), the `config` command (cli.py)."""
+"""The typed config.
 
-from tierzero.config.fields import ConfigError, TierZeroConfigWarning
-from tierzero.config.schema import Config, ZeroConfig, config_markdown, load_config
+The sections (sections.py) under one root with its cross-section rules (schema.py), built
+from files, dicts and DeepSpeed configs by `load_config` (loading.py, deepspeed.py); field
+checks (checks.py) and the tree machinery (tree.py) beneath them; docs/config.md rendered
+by markdown.py; the `config` command in cli.py.
+"""
 
-__all__ = ["Config", "ConfigError", "TierZeroConfigWarning", "ZeroConfig", "config_markdown", "load_config"]
+from tierzero.config.errors import ConfigError, TierZeroConfigWarning
+from tierzero.config.loading import load_config
+from tierzero.config.markdown import config_markdown
+from tierzero.config.schema import Config
+from tierzero.config.sections import (
+    CheckpointConfig,
+    CpuTierConfig,
+    DataConfig,
+    DeviceTierConfig,
+    DistConfig,
+    ModelConfig,
+    NvmeTierConfig,
+    OffloadConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    PrefetchConfig,
+    SwapperConfig,
+    TiersConfig,
+    TrainConfig,
+    ZeroConfig,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "CpuTierConfig",
+    "DataConfig",
+    "DeviceTierConfig",
+    "DistConfig",
+    "ModelConfig",
+    "NvmeTierConfig",
+    "OffloadConfig",
+    "OptimizerConfig",
+    "PrecisionConfig",
+    "PrefetchConfig",
+    "SwapperConfig",
+    "TierZeroConfigWarning",
+    "TiersConfig",
+    "TrainConfig",
+    "ZeroConfig",
+    "config_markdown",
+    "load_config",
+]

@@ -13,6 +13,10 @@ from typing import Any, TextIO
 
 import yaml
 
+from tierzero.config.errors import ConfigError, TierZeroConfigWarning
+from tierzero.config.loading import load_config
+from tierzero.config.markdown import config_markdown
+
 
 def add_config_commands(subparsers: Any) -> None:
     """Register `config check` and `config docs` on the `tierzero` command's sub-parsers."""
@@ -38,8 +42,6 @@ def add_config_commands(subparsers: Any) -> None:
 
 def parse_overrides(items: list[str], *, nvme_path: str | None = None) -> dict[str, Any]:
     """["zero.stage=2", "tiers.nvme.path=/x"] -> {"zero.stage": 2, "tiers.nvme.path": "/x"}."""
-    from tierzero.config.schema import ConfigError
-
     overrides: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -57,8 +59,6 @@ def parse_overrides(items: list[str], *, nvme_path: str | None = None) -> dict[s
 
 def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Print the resolved config as YAML; config warnings go to stderr, one line each."""
-    from tierzero.config.schema import TierZeroConfigWarning, load_config
-
     out, err = out or sys.stdout, err or sys.stderr
     overrides = parse_overrides(args.overrides, nvme_path=args.nvme_path)
     with warnings.catch_warnings(record=True) as caught:
@@ -75,7 +75,5 @@ def run_check(args: argparse.Namespace, *, out: TextIO | None = None, err: TextI
 
 def run_docs(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     """Print the markdown of docs/config.md."""
-    from tierzero.config.schema import config_markdown
-
     (out or sys.stdout).write(config_markdown())
     return 0

@@ -16,7 +16,8 @@ which `tierzero.config.load_config` then validates like any other. Rules:
   DeepSpeed does (and an inconsistent triple is refused). fp16.enabled / bf16.enabled
   "auto" resolve to off (fp32).
 - Keys left out take tierzero's defaults, except zero_optimization.stage, which takes
-  DeepSpeed's default, 0.
+  DeepSpeed's default, 0: plain data parallel, which tierzero does not run, so a config
+  without a stage is refused until it names one (1, 2 or 3).
 - offload_optimizer moves the gradients with the optimizer states (as ZeRO-Offload
   does) at stage 2 and 3. tierzero has one swap directory and one staging pool: the
   two offload sections must agree on nvme_path; buffer_count takes the larger, and
@@ -24,23 +25,28 @@ which `tierzero.config.load_config` then validates like any other. Rules:
 - DeepSpeed's "Adam" is AdamW unless optimizer.params.adam_w_mode is false, as in DeepSpeed.
 - Every key with no tierzero equivalent, including keys DeepSpeed does not know,
   gives exactly one TierZeroConfigWarning naming it, and is ignored.
+- An error about a value that came from a DeepSpeed key names that key first, then the
+  tierzero key it became: "zero_optimization.offload_param.nvme_path (tiers.nvme.path in
+  tierzero) ...". The fix it suggests is in tierzero keys, which `--set` takes.
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierzero.config.fields import ConfigError, TierZeroConfigWarning, show
+from tierzero.config.checks import show
+from tierzero.config.errors import ConfigError, TierZeroConfigWarning
 from tierzero.slices import IO_ALIGNMENT, align_up
 
 AUTO = "auto"
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 _OPTIMIZERS = {"adamw": "adamw", "adam": "adam", "sgd": "sgd"}
 _MAPPING_ROWS = (
-    ("zero_optimization.stage", "zero.stage", "absent: 0, as in DeepSpeed"),
+    ("zero_optimization.stage", "zero.stage", "absent: 0, as in DeepSpeed, which tierzero refuses: set 1, 2 or 3"),
     ("zero_optimization.offload_param.device", "offload.params", "none -> device"),
     ("zero_optimization.offload_optimizer.device", "offload.optimizer, offload.gradients", "gradients follow at stage 2 and 3"),
     ("zero_optimization.offload_*.nvme_path", "tiers.nvme.path", "both sections must agree"),
@@ -49,7 +55,7 @@ _MAPPING_ROWS = (
     ("zero_optimization.offload_param.buffer_size", "swapper.buffer_size", "elements x dtype bytes, rounded up to 4096"),
     ("zero_optimization.stage3_prefetch_bucket_size", "prefetch.bytes", "elements x dtype bytes"),
     ("zero_optimization.stage3_max_live_parameters", "prefetch.max_live_bytes", "elements x dtype bytes"),
-    ("zero_optimization.stage3_param_persistence_threshold", "zero.param_persistence_threshold", "elements"),
+    ("zero_optimization.stage3_param_persistence_threshold", "zero.param_persistence_threshold", "elements; tierzero compares each unit's parameter count"),
     ("zero_optimization.reduce_bucket_size", "zero.reduce_bucket_size", "elements x dtype bytes"),
     ("zero_optimization.overlap_comm", "zero.overlap_comm", ""),
     ("aio.block_size / queue_depth / thread_count", "tiers.nvme.block_size / queue_depth / threads", "intra_op_parallelism also sets threads"),
@@ -65,6 +71,11 @@ _MAPPING_ROWS = (
     ("train_batch_size", "(checked)", "must equal micro batch x accumulation x world size"),
 )
 
+_DEEPSPEED_NAMES = {
+    tz: ds for ds, tz, _ in _MAPPING_ROWS if re.fullmatch(r"[\w.*]+", ds) and re.fullmatch(r"[\w.]+", tz)
+}
+"""tierzero key -> the DeepSpeed key that sets it, for the rows of the table that map one key to one."""
+
 
 @dataclass(slots=True)
 class Translation:
@@ -72,14 +83,56 @@ class Translation:
 
     config: dict[str, Any] = field(default_factory=dict)
     origins: dict[str, str] = field(default_factory=dict)
+    """tierzero key -> the DeepSpeed key its value came from."""
+    absent: set[str] = field(default_factory=set)
+    """tierzero keys whose value is DeepSpeed's default for a key the config left out."""
+    overridden: list[str] = field(default_factory=list)
+    """tierzero keys (or sections) set by overrides after the translation."""
 
-    def set(self, key: str, value: Any, *, origin: str) -> None:
+    def set(self, key: str, value: Any, *, origin: str, absent: bool = False) -> None:
         *parents, leaf = key.split(".")
         node = self.config
         for name in parents:
             node = node.setdefault(name, {})
         node[leaf] = value
         self.origins[key] = origin
+        if absent:
+            self.absent.add(key)
+
+    def forget(self, key: str) -> None:
+        """`key` (and every key under it) was overridden: its value no longer comes from DeepSpeed."""
+        self.overridden.append(key)
+        for known in [k for k in self.origins if _under(k, key)]:
+            del self.origins[known]
+            self.absent.discard(known)
+
+    def explain(self, error: ConfigError) -> ConfigError:
+        """`error` in DeepSpeed words: the first mention of each tierzero key that has a differently
+        named DeepSpeed key becomes "<DeepSpeed key> (<tierzero key> in tierzero)".
+
+        A key the translation set names the DeepSpeed key it came from; one it left at its
+        default (e.g. tiers.nvme.path when no nvme_path was given) names the DeepSpeed key
+        that would set it, unless an override did.
+        """
+        names = {tz: ds for tz, ds in _DEEPSPEED_NAMES.items() if not any(_under(tz, o) for o in self.overridden)}
+        names.update(self.origins)
+        renamed = {tz: ds for tz, ds in names.items() if tz != ds}
+        if not renamed:
+            return error
+        message, seen = str(error), set[str]()
+        if error.key in renamed and not _mentions(message, error.key):
+            message = f"{error.key}: {message}"
+
+        def gloss(match: re.Match[str]) -> str:
+            key = match.group(0)
+            if key in seen:
+                return key
+            seen.add(key)
+            note = "; not set, so DeepSpeed's default" if key in self.absent else ""
+            return f"{renamed[key]} ({key} in tierzero{note})"
+
+        message = _key_pattern(renamed).sub(gloss, message)
+        return error if message == str(error) else ConfigError(message, key=error.key)
 
     def get(self, key: str, default: Any = None) -> Any:
         node: Any = self.config
@@ -88,6 +141,20 @@ class Translation:
                 return default
             node = node[name]
         return node
+
+
+def _under(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(f"{prefix}.")
+
+
+def _key_pattern(keys: Mapping[str, str]) -> re.Pattern[str]:
+    """Whole dotted keys only: "zero.stage" matches in "zero.stage: ..." but not in "zero.stages" or "a.zero.stage"."""
+    alternatives = "|".join(re.escape(key) for key in sorted(keys, key=len, reverse=True))
+    return re.compile(rf"(?<![\w.])(?:{alternatives})(?!\w|\.\w)")
+
+
+def _mentions(message: str, key: str) -> bool:
+    return _key_pattern({key: key}).search(message) is not None
 
 
 def ignore(key: str) -> None:
@@ -126,6 +193,13 @@ class _Reader:
 def _elements(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or not float(value).is_integer():
         raise ConfigError(f"DeepSpeed {key}: expected a number of elements such as 5e8, got {show(value)}", key=key)
+    return int(value)
+
+
+def _positive(value: Any, key: str) -> int:
+    # Checked here, not left to validation: the two offload sections' counts are compared first.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1 or not float(value).is_integer():
+        raise ConfigError(f"DeepSpeed {key}: expected a positive integer such as 4, got {show(value)}", key=key)
     return int(value)
 
 
@@ -236,7 +310,8 @@ def _translate_batch(top: _Reader, out: Translation, *, world_size: int) -> None
 
 def _translate_zero(zero: _Reader, out: Translation, *, dtype_bytes: int) -> None:
     stage = zero.pop("stage")
-    out.set("zero.stage", 0 if stage is None else stage, origin=zero.key("stage"))
+    # DeepSpeed's default, which validation then refuses in DeepSpeed words; an override can still set it.
+    out.set("zero.stage", 0 if stage is None else stage, origin=zero.key("stage"), absent=stage is None)
     _translate_offload(_Reader.of(zero.data, "offload_param", path=zero.path), "params", out, dtype_bytes)
     offload_optimizer = _Reader.of(zero.data, "offload_optimizer", path=zero.path)
     opt_tier = _translate_offload(offload_optimizer, "optimizer", out, dtype_bytes)
@@ -286,8 +361,8 @@ def _translate_offload(section: _Reader, kind: str, out: Translation, dtype_byte
         out.set("tiers.cpu.pin_memory", pin or bool(out.get("tiers.cpu.pin_memory")), origin=section.key("pin_memory"))
     count = section.pop("buffer_count")
     if count is not None:
-        previous = out.get("swapper.buffer_count")
-        larger = count if previous is None or not isinstance(count, int) else max(count, previous)
+        count = _positive(count, section.key("buffer_count"))
+        larger = max(count, out.get("swapper.buffer_count", 0))
         out.set("swapper.buffer_count", larger, origin=section.key("buffer_count"))
     size = section.pop("buffer_size")
     if size is not None:

@@ -1,0 +1,357 @@
+"""The sections of the config tree: one keyword-only, frozen dataclass per part of a training run.
+
+Each field carries its check and its docstring (see `tierzero.config.tree`); a section's
+`_validate` checks its own fields together. Rules across sections live on the root,
+`tierzero.config.schema.Config`. A part of the engine takes its own section, e.g. the NVMe
+tier takes `NvmeTierConfig`, never the whole tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from tierzero.config.checks import (
+    BETAS,
+    BOOL,
+    DIRECTORY,
+    KEYWORDS,
+    LOSS_SCALE,
+    NAMES,
+    OPTIONAL_NAME,
+    PATH_OR_GLOB,
+    TIER,
+    GiB,
+    MiB,
+    choice_check,
+    float_check,
+    int_check,
+    size_check,
+)
+from tierzero.config.errors import ConfigError
+from tierzero.config.tree import Section, section, setting
+from tierzero.sizes import format_size
+from tierzero.slices import IO_ALIGNMENT, Tier
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per element of each `precision.param_dtype`."""
+
+STAGE = dataclasses.replace(
+    int_check(1, 3), refusal="{key} is {got}, this engine runs stages 1, 2 and 3: set {key} to 1, 2 or 3"
+)
+"""`zero.stage`: only the stages the engine runs, so a config never promises one it cannot."""
+
+TORCH_WEIGHT_DECAY = {"adamw": 0.01, "adam": 0.0, "sgd": 0.0}
+"""The default weight decay of torch.optim.AdamW, Adam and SGD, keyed by `optimizer.type`."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ZeroConfig(Section):
+    """ZeRO sharding: which states are split across the data-parallel ranks, and how gradients travel."""
+
+    SECTION: ClassVar[str] = "zero"
+    stage: int = setting(3, STAGE)
+    """1: shard optimizer states; 2: also gradients; 3: also parameters. These are the stages the engine
+    runs; 0 (plain data parallel) is refused."""
+    unit_classes: list[str] = setting([], NAMES)
+    """Class names of the modules wrapped as units (gathered and offloaded as one flat buffer),
+    e.g. [GPT2Block]; empty lets the engine choose."""
+    reduce_bucket_size: int = setting(25 * MiB, size_check())
+    """Bytes of ready gradients (and, in stages 1-2, of updated parameters) sent in one collective;
+    a unit larger than this goes alone."""
+    overlap_comm: bool = setting(True, BOOL)
+    """Overlap collectives with compute instead of running them inline."""
+    param_persistence_threshold: int = setting(0, int_check(0))
+    """Stage 3: units whose parameter count is below this threshold stay gathered on the device
+    between forward and backward instead of being released after forward and gathered again for
+    backward (0: every unit is released)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PrecisionConfig(Section):
+    """Compute dtype and fp16 loss scaling. Master weights and optimizer states are always fp32."""
+
+    SECTION: ClassVar[str] = "precision"
+    param_dtype: str = setting("fp32", choice_check(tuple(DTYPE_BYTES)))
+    """dtype of parameters and gradients in forward and backward."""
+    loss_scale: str | float = setting("dynamic", LOSS_SCALE)
+    """fp16 only: 'dynamic' (halve on overflow, grow after scale_window clean steps) or a fixed
+    positive scale."""
+    initial_scale: float = setting(2.0**16, float_check(lo=0.0, lo_open=True))
+    """Starting dynamic loss scale."""
+    scale_window: int = setting(1000, int_check(1))
+    """Steps without overflow before the dynamic scale doubles."""
+    min_scale: float = setting(1.0, float_check(lo=0.0, lo_open=True))
+    """The dynamic scale never drops below this."""
+
+    def _validate(self) -> None:
+        if self.min_scale > self.initial_scale:
+            raise ConfigError(
+                f"precision.min_scale {self.min_scale:g} is above precision.initial_scale "
+                f"{self.initial_scale:g}: lower min_scale or raise initial_scale",
+                key="precision.min_scale",
+            )
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.param_dtype]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class OptimizerConfig(Section):
+    """The optimizer that steps each fp32 master slice where its states live."""
+
+    SECTION: ClassVar[str] = "optimizer"
+    type: str = setting("adamw", choice_check(tuple(TORCH_WEIGHT_DECAY)))
+    """adamw (decoupled weight decay), adam (L2 added to the gradient) or sgd. Each default below is
+    torch.optim's for the type."""
+    lr: float = setting(1e-3, float_check(lo=0.0, lo_open=True))
+    """Learning rate."""
+    betas: tuple[float, float] = setting((0.9, 0.999), BETAS)
+    """adam and adamw: coefficients for the running averages of the gradient and its square."""
+    eps: float = setting(1e-8, float_check(lo=0.0, lo_open=True))
+    """adam and adamw: term added to the denominator."""
+    # None only until _resolve_defaults puts in the type's default; a built section always holds a float.
+    weight_decay: float | None = setting(
+        None,
+        float_check(lo=0.0, optional=True),
+        shown_default=", ".join(f"{name}: {decay:g}" for name, decay in TORCH_WEIGHT_DECAY.items()),
+    )
+    """Weight decay (decoupled for adamw, L2 for adam and sgd); absent or null: torch.optim's default
+    for the type, as the default column says."""
+    momentum: float = setting(0.0, float_check(lo=0.0, hi=1.0))
+    """sgd: momentum (0 keeps no momentum buffer)."""
+
+    def _resolve_defaults(self) -> None:
+        if self.weight_decay is None:
+            object.__setattr__(self, "weight_decay", TORCH_WEIGHT_DECAY[self.type])
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TrainConfig(Section):
+    """The training loop."""
+
+    SECTION: ClassVar[str] = "train"
+    micro_batch_size: int = setting(1, int_check(1))
+    """Samples per rank per forward/backward."""
+    seed: int = setting(0, int_check(0))
+    """Seed for parameter init and data order (the same on every rank)."""
+    steps: int = setting(100, int_check(1))
+    """Optimizer steps `tierzero train` runs (`--steps` overrides it)."""
+    seq_len: int = setting(128, int_check(1))
+    """Tokens (bytes) per training sequence; at most model.max_seq_len for the built-in models."""
+    log_every: int = setting(10, int_check(1))
+    """`tierzero train` writes a log line every this many steps (the progress bar updates every step)."""
+
+
+MODEL_TYPES = ("gpt", "llama", "transformers")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ModelConfig(Section):
+    """The model `tierzero train` builds, with fresh random weights: a built-in GPT or Llama, or a
+    transformers class by name. The size fields apply to the built-ins."""
+
+    SECTION: ClassVar[str] = "model"
+    type: str = setting("gpt", choice_check(MODEL_TYPES))
+    """gpt (pre-LN, learned positions, tied head), llama (RMSNorm, rotary, SwiGLU, untied head) or
+    transformers."""
+    vocab_size: int = setting(256, int_check(1))
+    """Vocabulary size; 256 for the byte-level data."""
+    n_layer: int = setting(2, int_check(1))
+    """Transformer blocks (one engine unit each)."""
+    n_head: int = setting(2, int_check(1))
+    """Attention heads; must divide model.d_model."""
+    d_model: int = setting(64, int_check(1))
+    """Hidden width."""
+    d_ff: int = setting(256, int_check(1))
+    """Width of the MLP's inner layer."""
+    max_seq_len: int = setting(128, int_check(1))
+    """Longest sequence the model takes (the GPT's learned positions, the Llama's rotary table)."""
+    dropout: float = setting(0.0, float_check(lo=0.0, hi=1.0))
+    """Dropout probability (0 keeps runs deterministic)."""
+    transformers_class: str | None = setting(None, OPTIONAL_NAME)
+    """type transformers: the model class, e.g. GPT2LMHeadModel or LlamaForCausalLM."""
+    transformers_config: dict[str, Any] = setting({}, KEYWORDS)
+    """type transformers: keyword arguments of the class's config (e.g. GPT2Config); nothing is
+    downloaded."""
+
+    def _validate(self) -> None:
+        if self.type == "transformers":
+            if self.transformers_class is None:
+                raise ConfigError(
+                    "model.type is transformers but model.transformers_class is not set: name a class such as "
+                    "GPT2LMHeadModel, or set model.type to gpt or llama",
+                    key="model.transformers_class",
+                )
+        elif self.d_model % self.n_head:
+            raise ConfigError(
+                f"model.d_model {self.d_model} is not a multiple of model.n_head {self.n_head}: "
+                "pick d_model = n_head x head size",
+                key="model.d_model",
+            )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DataConfig(Section):
+    """The byte-level training text `tierzero train` reads."""
+
+    SECTION: ClassVar[str] = "data"
+    path: str | None = setting(None, PATH_OR_GLOB)
+    """A text file, a directory (every file under it) or a glob (** for subdirectories); null: the
+    Python standard library's *.py sources on this machine."""
+    max_bytes: int = setting(64 * MiB, size_check())
+    """Most bytes of the corpus held in memory; files are taken in a seeded order until it is full."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class OffloadConfig(Section):
+    """The home tier of each kind of state: device (accelerator memory), cpu (host memory) or nvme."""
+
+    SECTION: ClassVar[str] = "offload"
+    params: Tier = setting(Tier.DEVICE, TIER)
+    """Home of the parameter slices; cpu or nvme needs zero.stage 3."""
+    gradients: Tier = setting(Tier.DEVICE, TIER)
+    """Home of the gradient slices; cpu or nvme needs zero.stage 2 or 3."""
+    optimizer: Tier = setting(Tier.DEVICE, TIER)
+    """Home of the fp32 master weights and optimizer states; cpu or nvme works at every stage."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DeviceTierConfig(Section):
+    """Accelerator memory."""
+
+    SECTION: ClassVar[str] = "tiers.device"
+    capacity: int | None = setting(None, size_check(optional=True))
+    """Bytes of model state the device tier may hold; null: what the device has."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CpuTierConfig(Section):
+    """Host memory."""
+
+    SECTION: ClassVar[str] = "tiers.cpu"
+    capacity: int | None = setting(None, size_check(optional=True))
+    """Bytes of model state the host tier may hold; null: what the host has."""
+    pin_memory: bool = setting(True, BOOL)
+    """Page-lock host buffers for fast device copies; only where CUDA is available."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class NvmeTierConfig(Section):
+    """The NVMe tier: one preallocated swap file per rank, read and written with direct I/O."""
+
+    SECTION: ClassVar[str] = "tiers.nvme"
+    path: str | None = setting(None, DIRECTORY)
+    """Existing, writable directory for the swap files (made absolute when loaded); required when
+    anything lives on nvme."""
+    capacity: int | None = setting(None, size_check(optional=True))
+    """Bytes of swap file per rank; null: what the state needs (checked against free space at
+    start-up)."""
+    block_size: int = setting(8 * MiB, size_check(multiple_of=IO_ALIGNMENT))
+    """Bytes per I/O request; a multiple of 4096 for direct I/O."""
+    queue_depth: int = setting(16, int_check(1))
+    """I/O requests in flight at once."""
+    threads: int = setting(8, int_check(1))
+    """Worker threads issuing the I/O."""
+    verify: bool = setting(False, BOOL)
+    """Checksum every slice written and check it when read back."""
+    backend: str = setting("pread", choice_check(("pread", "aiofiles")))
+    """pread: os.preadv/pwritev on a thread pool; aiofiles: asyncio file I/O."""
+
+    def _validate(self) -> None:
+        if self.path is not None:
+            _check_swap_dir(self.path)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TiersConfig(Section):
+    """Capacities and settings of the three tiers."""
+
+    SECTION: ClassVar[str] = "tiers"
+    device: DeviceTierConfig = section(DeviceTierConfig)
+    cpu: CpuTierConfig = section(CpuTierConfig)
+    nvme: NvmeTierConfig = section(NvmeTierConfig)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SwapperConfig(Section):
+    """The pool of aligned host staging buffers that bytes pass through between tiers."""
+
+    SECTION: ClassVar[str] = "swapper"
+    buffer_size: int = setting(8 * MiB, size_check(multiple_of=IO_ALIGNMENT))
+    """Bytes per staging buffer; a multiple of 4096."""
+    buffer_count: int = setting(8, int_check(1))
+    """Staging buffers in the pool."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PrefetchConfig(Section):
+    """How far ahead of compute the prefetcher brings slices up."""
+
+    SECTION: ClassVar[str] = "prefetch"
+    bytes: int = setting(64 * MiB, size_check(allow_zero=True))
+    """Bytes of upcoming units' slices kept in flight (0 turns prefetch off)."""
+    max_live_bytes: int = setting(1 * GiB, size_check())
+    """Most bytes of parameter slices fetched to the device ahead of their gathers (issued, not
+    yet used) together with those kept fetched for a unit's next use in the same step. Gathered
+    units are bounded apart: stage 3 gathers at most two block units ahead."""
+
+    def _validate(self) -> None:
+        if self.bytes > self.max_live_bytes:
+            raise ConfigError(
+                f"prefetch.bytes {format_size(self.bytes)} is above prefetch.max_live_bytes "
+                f"{format_size(self.max_live_bytes)}: lower prefetch.bytes or raise prefetch.max_live_bytes",
+                key="prefetch.bytes",
+            )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CheckpointConfig(Section):
+    """Sharded checkpoints: what `tierzero train` writes and `--resume` continues from."""
+
+    SECTION: ClassVar[str] = "checkpoint"
+    dir: str | None = setting(None, DIRECTORY)
+    """Directory of the checkpoints, one `<step>` directory each and a `latest` pointer (created when
+    needed; made absolute when loaded); null: `tierzero train` saves none."""
+    every: int = setting(0, int_check(0))
+    """`tierzero train` saves every this many optimizer steps, and after the last one (0: only after
+    the last one)."""
+    keep: int = setting(2, int_check(1))
+    """Newest checkpoints kept under checkpoint.dir; older ones are deleted after each save."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DistConfig(Section):
+    """The process group `tierzero.initialize` creates under torchrun."""
+
+    SECTION: ClassVar[str] = "dist"
+    timeout: float = setting(600.0, float_check(lo=0.0, lo_open=True))
+    """Seconds a collective may wait for another rank before the job stops with an error naming the
+    lost rank; a dead rank is noticed at once, a hung one after this long."""
+
+
+def _check_swap_dir(path: str) -> None:
+    key = "tiers.nvme.path"
+    if not os.path.exists(path):
+        raise ConfigError(f"{key} {path} does not exist: create it (mkdir -p {path}) or pick another directory", key=key)
+    if not os.path.isdir(path):
+        raise ConfigError(f"{key} {path} is not a directory: point {key} at a directory, not a file", key=key)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tierzero-probe-", dir=path)
+    except OSError as exc:
+        raise ConfigError(
+            f"{key} {path} is not writable ({exc.strerror}): fix its permissions or pick another directory",
+            key=key,
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
