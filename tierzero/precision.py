@@ -1,15 +1,15 @@
-"""Mixed-precision helpers: compute dtypes by name, loss scaling, and overflow checks.
+"""Mixed-precision helpers: compute dtypes by name and loss scaling.
 
-Loss scalers decide from a found-inf flag; making every rank see the same flag
-(an all-reduce of `found_inf_flag`) is the engine's job, so that all ranks skip or
-step together.
+Loss scalers decide from a found-inf flag; making every rank see the same flag is the
+engine's job (a non-finite all-reduced gradient norm), so that all ranks skip or step
+together.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -161,51 +161,6 @@ def make_loss_scaler(precision_cfg: Any) -> LossScaler:
             f"precision.loss_scale must be 'dynamic' or a positive number, got {precision_cfg.loss_scale!r}"
         )
     return StaticLossScaler(float(precision_cfg.loss_scale))
-
-
-def found_inf_flag(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """A float32 0-d tensor: 1.0 when any element is inf or nan, else 0.0.
-
-    It stays on the tensors' device (the first one's; 0.0 on CPU for no tensors), ready
-    for the engine's all-reduce(MAX) without a host sync. One read pass per tensor:
-    the min and the max carry any inf, and both propagate nan.
-    """
-    extremes: list[torch.Tensor] = []
-    device: torch.device | None = None
-    for t in tensors:
-        if t.numel() == 0:
-            continue
-        if device is None:
-            device = t.device
-        lo, hi = torch.aminmax(t.detach())
-        extremes += [lo.to(device=device, dtype=torch.float32), hi.to(device=device, dtype=torch.float32)]
-    if not extremes:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    return (~torch.isfinite(torch.stack(extremes))).any().to(torch.float32)
-
-
-def found_inf(tensors: Iterable[torch.Tensor]) -> bool:
-    """Whether any element of `tensors` is inf or nan (syncs with the device once)."""
-    return bool(found_inf_flag(tensors).item())
-
-
-def unscale_(tensors: Iterable[torch.Tensor], scale: float) -> bool:
-    """Divide every tensor by `scale` in place; returns whether any result is inf or nan.
-
-    One fused pass per device and dtype (torch's own AMP kernel, the one GradScaler
-    uses), multiplying by the float32 reciprocal exactly as GradScaler does.
-    """
-    _check_positive("loss scale", scale)
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    flags: list[torch.Tensor] = []
-    for (device, _), group in groups.items():
-        flag = torch.zeros(1, dtype=torch.float32, device=device)
-        inv = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
-        flags.append(flag)
-    return any(bool(f.item()) for f in flags)
 
 
 def _check_positive(name: str, value: Any) -> None:

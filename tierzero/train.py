@@ -19,9 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import psutil
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
+from tierzero.config import load_config
+from tierzero.config.cli import parse_overrides
+from tierzero.data import ByteBatches
+from tierzero.engine import initialize
+from tierzero.models import build_model, count_parameters
 from tierzero.sizes import format_size
 
 __all__ = ["RunSummary", "add_demo_command", "add_train_command", "run_demo", "run_train", "train"]
@@ -60,9 +67,6 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     """`tierzero train`: 0 when done, 130 when interrupted; user errors raise ValueError/OSError."""
-    from tierzero.config import load_config
-    from tierzero.config.cli import parse_overrides
-
     overrides = parse_overrides(args.overrides, nvme_path=args.nvme_path)
     if args.steps is not None:
         overrides["train.steps"] = args.steps
@@ -153,10 +157,6 @@ class RunSummary:
 
 def train(cfg: Any, *, resume: bool = False, progress: bool = True, out: TextIO | None = None) -> RunSummary:
     """Train `cfg.model` on `cfg.data` for `cfg.train.steps` optimizer steps; rank 0 reports to `out`."""
-    import tierzero
-    from tierzero.data import ByteBatches
-    from tierzero.models import build_model, count_parameters
-
     out = out or sys.stdout
     if resume and cfg.checkpoint.dir is None:
         raise ValueError("--resume needs checkpoint.dir, where the checkpoints are: set it in the config or with --set checkpoint.dir=PATH")
@@ -167,7 +167,7 @@ def train(cfg: Any, *, resume: bool = False, progress: bool = True, out: TextIO 
     device = None if cfg.model.type == "transformers" else "meta"
     model = build_model(cfg.model, device=device)
     summary = RunSummary(planned_steps=cfg.train.steps, parameters=count_parameters(model))
-    engine = tierzero.initialize(model, cfg)
+    engine = initialize(model, cfg)
     rank, world = _rank_and_world()
     try:
         if resume:
@@ -190,8 +190,6 @@ def train(cfg: Any, *, resume: bool = False, progress: bool = True, out: TextIO 
 
 
 def _loop(engine: Any, cfg: Any, *, data: Any, summary: RunSummary, show: bool, progress: bool, out: TextIO) -> None:
-    from tqdm import tqdm
-
     accumulation = cfg.gradient_accumulation_steps
     tokens_per_step = data.tokens_per_batch * data.world_size * accumulation
     device = _compute_device()
@@ -299,18 +297,27 @@ def _train_step(engine: Any, data: Any, *, step: int, accumulation: int, device:
     total = torch.zeros((), dtype=torch.float32, device=device)
     for micro in range(accumulation):
         x, y = (t.to(device, non_blocking=True) for t in data.batch(step * accumulation + micro))
-        if is_hf:
-            logits = engine(input_ids=x).logits
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        else:
-            _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        total += loss.detach().float()
+        total += micro_step(engine, x, y, is_hf=is_hf).float()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
         total /= torch.distributed.get_world_size()
     return total.item() / accumulation
+
+
+def micro_step(engine: Any, x: torch.Tensor, y: torch.Tensor, *, is_hf: bool) -> torch.Tensor:
+    """Forward, loss, backward and `engine.step()` on one micro-batch; the detached loss.
+
+    `tierzero estimate` runs the same function on the meta device, so what it predicts
+    is what this loop does.
+    """
+    if is_hf:
+        logits = engine(input_ids=x).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    else:
+        _, loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    return loss.detach()
 
 
 def _postfix(loss: float, tokens_per_s: float, summary: RunSummary, engine: Any) -> str:
@@ -344,8 +351,6 @@ class _RssProbe:
     """This process's resident set size, by psutil."""
 
     def __init__(self) -> None:
-        import psutil
-
         self._process = psutil.Process(os.getpid())
 
     def sample(self) -> int:

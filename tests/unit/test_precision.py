@@ -7,15 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from overflow_checks import found_inf, found_inf_flag, unscale_
 
 from tierzero.precision import (
     DynamicLossScaler,
     StaticLossScaler,
     dtype_of,
-    found_inf,
-    found_inf_flag,
     make_loss_scaler,
-    unscale_,
 )
 
 

@@ -2,39 +2,29 @@
 CPU Adam (`adam`), an offloaded training step against plain PyTorch (`train`), and the
 ZeRO stages against plain PyTorch and DistributedDataParallel (`zero`).
 
-The tiers, the store and matplotlib are imported only when a subcommand runs.
+matplotlib is imported only when a plot is written.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
-
-def _run_nvme(args: argparse.Namespace) -> int:
-    from tierzero.bench.nvme import command
-
-    return command(args)
-
-
-def _run_swap(args: argparse.Namespace) -> int:
-    from tierzero.bench.swap import command
-
-    return command(args)
+from tierzero.bench import nvme, swap
+from tierzero.bench.adam import bench_cpu_adam
+from tierzero.bench.train_step import bench_train_step
+from tierzero.bench.zero import bench_zero
+from tierzero.sizes import parse_size
 
 
 def _run_adam(args: argparse.Namespace) -> int:
-    from tierzero.bench.adam import bench_cpu_adam
-    from tierzero.sizes import parse_size
-
     result = bench_cpu_adam(parse_size(args.params), steps=args.steps, split=args.split)
     print(result.summary())
     return 0 if result.identical else 1
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from tierzero.bench.train_step import bench_train_step
-
     result = bench_train_step(
         nvme_path=args.nvme_path, preset=args.preset, seq=args.seq, batch=args.batch,
         steps=args.steps, warmup=args.warmup, measure_rss=not args.no_rss,
@@ -44,10 +34,6 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _run_zero(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from tierzero.bench.zero import bench_zero
-
     result = bench_zero(
         d_model=args.d_model, n_layer=args.layers, seq=args.seq, batch=args.batch,
         steps=args.steps, warmup=args.warmup, threads=args.threads,
@@ -59,24 +45,21 @@ def _run_zero(args: argparse.Namespace) -> int:
 
 
 def add_bench_commands(subparsers: Any) -> None:
-    """Adds `bench nvme` and `bench swap` to the `tierzero` command's sub-parsers."""
-    from tierzero.bench.nvme import add_arguments as add_nvme_arguments
-    from tierzero.bench.swap import add_arguments as add_swap_arguments
-
+    """Adds `bench` and its subcommands (nvme, swap, adam, train, zero) to the `tierzero` command's sub-parsers."""
     bench = subparsers.add_parser("bench", help="measure the NVMe tier and stress the swapper")
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    nvme = commands.add_parser(
+    nvme_parser = commands.add_parser(
         "nvme", help="sweep NVMe tier settings against fio; print the best as config",
         description="Sweep block size x queue depth x threads x backend through the NVMe tier, beside fio.",
     )
-    add_nvme_arguments(nvme)
-    nvme.set_defaults(func=_run_nvme)
-    swap = commands.add_parser(
+    nvme.add_arguments(nvme_parser)
+    nvme_parser.set_defaults(func=nvme.command)
+    swap_parser = commands.add_parser(
         "swap", help="stress the store and swapper with random concurrent transfers, verifying every byte",
         description="Concurrent fetches, write-backs and releases of random slices across device, cpu and nvme.",
     )
-    add_swap_arguments(swap)
-    swap.set_defaults(func=_run_swap)
+    swap.add_arguments(swap_parser)
+    swap_parser.set_defaults(func=swap.command)
     adam = commands.add_parser(
         "adam", help="CPU Adam: tierzero's flat step beside torch.optim.AdamW(fused=True)",
         description="Parameters updated per second, both optimizers alternating step by step, results compared bitwise.",

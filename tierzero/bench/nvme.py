@@ -13,21 +13,21 @@ import argparse
 import itertools
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import ExitStack, closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 import torch
 from tqdm import tqdm
 
 from tierzero.bench import nvme_report
 from tierzero.bench.fio import fio_executable, fio_version, run_fio
+from tierzero.bench.nvme_results import PointResult
 from tierzero.bench.report import format_table, machine_info, now_text, nvme_config_snippet, write_json, write_plot
 from tierzero.bench.through_store import StoreBench, open_store, through_store_lines
 from tierzero.bench.workload import (
@@ -42,10 +42,8 @@ from tierzero.bench.workload import (
     open_tier,
 )
 from tierzero.offload.base import Region
+from tierzero.offload.nvme import NvmeTier
 from tierzero.sizes import format_size, parse_size
-
-if TYPE_CHECKING:
-    from tierzero.offload.nvme import NvmeTier
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,44 +64,6 @@ DEFAULT_GRID = Grid(
     block_sizes=(1 << 20, 4 << 20, 8 << 20), queue_depths=(4, 16), threads=(4, 8), backends=("pread", "aiofiles")
 )
 QUICK_GRID = Grid(block_sizes=(1 << 20,), queue_depths=(4,), threads=(2,), backends=("pread", "aiofiles"))
-
-
-@dataclass(slots=True, kw_only=True)
-class Runs:
-    """GB/s of the repeats of one direction at one point, and of the fio runs beside them."""
-
-    direction: Direction
-    gbps: list[float] = field(default_factory=list)
-    fio_gbps: list[float] = field(default_factory=list)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.gbps)
-
-    @property
-    def fio_median(self) -> float | None:
-        return statistics.median(self.fio_gbps) if self.fio_gbps else None
-
-    @property
-    def vs_fio(self) -> float | None:
-        if not self.fio_gbps:
-            return None
-        return statistics.median(mine / fio for mine, fio in zip(self.gbps, self.fio_gbps))
-
-
-@dataclass(slots=True, kw_only=True)
-class PointResult:
-    point: SweepPoint
-    write: Runs = field(default_factory=lambda: Runs(direction=Direction.WRITE))
-    read: Runs = field(default_factory=lambda: Runs(direction=Direction.READ))
-
-    def runs(self, direction: Direction) -> Runs:
-        return self.write if direction is Direction.WRITE else self.read
-
-    @property
-    def score(self) -> float:
-        """Geometric mean of read and write medians: the best point is good at both."""
-        return (self.read.median * self.write.median) ** 0.5
 
 
 def slice_bytes(*, size: int, slices: int, grid: Grid) -> int:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tierzero.bench.nvme_results import PointResult
 from tierzero.bench.report import PlotBar
+from tierzero.bench.workload import Setting
 from tierzero.sizes import format_size
-
-if TYPE_CHECKING:
-    from tierzero.bench.nvme import PointResult, Setting
 
 TABLE_HEADERS = ["backend", "block", "qd", "threads", "write GB/s", "fio", "vs fio", "read GB/s", "fio", "vs fio"]
 

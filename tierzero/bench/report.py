@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import torch
 import yaml
 
 _SIZE_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
@@ -76,8 +77,6 @@ def _mount_of(path: Path) -> tuple[str, str]:
 
 def machine_info(path: Path, *, fio: str | None) -> dict[str, Any]:
     """What the numbers depend on: CPUs, memory, kernel, the filesystem under `path`, versions."""
-    import torch
-
     fstype, device = _mount_of(path)
     return {
         "hostname": platform.node(),

@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
 import torch
 
@@ -32,9 +32,8 @@ from tierzero.bench.through_store import StoreParts, open_store
 from tierzero.bench.workload import Setting, SweepPoint, check_free_space
 from tierzero.sizes import format_size, parse_size
 from tierzero.slices import Kind, SliceKey, Tier, align_up
-
-if TYPE_CHECKING:
-    from tierzero.transfer import Transfer
+from tierzero.store import SliceState, Use
+from tierzero.transfer import Transfer
 
 _DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)?\s*$")
 _SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
@@ -276,8 +275,6 @@ def final_check(parts: StoreParts, slices: list[SliceUnderTest], stats: SwapStat
 
 def release_if_fetched(parts: StoreParts, state: SliceUnderTest) -> None:
     """After a failed episode: give the copy back, so the end checks can still run."""
-    from tierzero.store import SliceState
-
     if parts.store.state(state.key) is not SliceState.HOME:
         parts.store.release(state.key)
 
@@ -287,8 +284,6 @@ def accounted_bytes(parts: StoreParts) -> dict[str, int]:
 
     The staging buffers are the swapper's pool, taken from the CPU tier: not a leak.
     """
-    from tierzero.store.ledger import Use
-
     staging = parts.store.swapper.stats().held
     held = {"device": parts.device.used, "cpu": parts.cpu.used - staging, "nvme": parts.nvme.used}
     for tier, usage in parts.store.report().tiers.items():

@@ -15,19 +15,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from tierzero.bench.fio import run_fio
 from tierzero.bench.workload import Direction, SliceSet, SweepPoint, fio_job, open_tier
 from tierzero.offload.base import TierStorage
+from tierzero.offload.cpu import CpuTier
+from tierzero.offload.device import DeviceTier
+from tierzero.offload.nvme import NvmeTier
 from tierzero.slices import Kind, SliceKey, Tier
-
-if TYPE_CHECKING:
-    from tierzero.offload.nvme import NvmeTier
-    from tierzero.store import TieredStore
-    from tierzero.transfer import Transfer
+from tierzero.store import TieredStore
+from tierzero.swapper import Swapper
+from tierzero.transfer import Transfer
 
 TARGET_FRACTION = 0.9
 """The issue's bar: sustained NVMe reads and writes through the swapper at 90% of fio's best."""
@@ -86,11 +87,6 @@ def open_store(
 
     `cpu_reuse_limit` None keeps the CPU tier's default (what training gets).
     """
-    from tierzero.offload.cpu import CpuTier
-    from tierzero.offload.device import DeviceTier
-    from tierzero.store import TieredStore
-    from tierzero.swapper import Swapper
-
     reuse = {} if cpu_reuse_limit is None else {"reuse_limit": cpu_reuse_limit}
     cpu = CpuTier(capacity=cpu_capacity, **reuse)
     device = DeviceTier(capacity=device_capacity)

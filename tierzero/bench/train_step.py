@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from tierzero.engine import initialize
+from tierzero.models import GPT, PRESETS
 from tierzero.sizes import format_size
 
 __all__ = ["TrainStepResult", "bench_train_step", "peak_rss"]
@@ -89,8 +91,6 @@ def _config(nvme_path: str) -> dict[str, Any]:
 
 
 def _model(preset: str) -> torch.nn.Module:
-    from tierzero.models import GPT, PRESETS
-
     torch.manual_seed(0)
     return GPT(PRESETS[preset])
 
@@ -119,9 +119,7 @@ class _Plain:
 
 class _Tierzero:
     def __init__(self, preset: str, nvme_path: str) -> None:
-        import tierzero
-
-        self.engine = tierzero.initialize(_model(preset), _config(nvme_path))
+        self.engine = initialize(_model(preset), _config(nvme_path))
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         _, loss = self.engine(tokens, targets)

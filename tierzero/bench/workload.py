@@ -11,17 +11,14 @@ import enum
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from tierzero.bench import pattern
 from tierzero.bench.fio import FioJob
+from tierzero.offload.nvme import NvmeTier
 from tierzero.sizes import format_size
 from tierzero.slices import aligned_empty
-
-if TYPE_CHECKING:
-    from tierzero.offload.nvme import NvmeTier
 
 FIO_FILE = "tierzero-bench-fio.dat"
 """fio's data file, beside the tier's swap files in the benchmark directory."""
@@ -113,8 +110,6 @@ def check_free_space(path: Path, *, need: int, what: str) -> None:
 
 def open_tier(point: SweepPoint, *, path: Path, capacity: int, run_id: str) -> NvmeTier:
     """An NVMe tier with the point's settings; checksums off, the benchmark verifies the bytes itself."""
-    from tierzero.offload.nvme import NvmeTier
-
     s = point.setting
     return NvmeTier(
         path,

@@ -18,7 +18,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
+
+from tierzero.engine import initialize
+from tierzero.models import GPT, ModelSpec
 
 __all__ = ["ZeroBenchResult", "bench_zero"]
 
@@ -74,17 +79,13 @@ class _Setup:
     warmup: int
     threads: int
 
-    def spec(self) -> Any:
-        from tierzero.models import ModelSpec
-
+    def spec(self) -> ModelSpec:
         return ModelSpec(
             n_layer=self.n_layer, n_head=max(1, self.d_model // 64), d_model=self.d_model,
             d_ff=4 * self.d_model, max_seq_len=self.seq,
         )
 
     def model(self) -> nn.Module:
-        from tierzero.models import GPT
-
         torch.manual_seed(0)
         return GPT(self.spec())
 
@@ -105,8 +106,6 @@ def bench_zero(
 
 
 def _contenders(setup: _Setup, world_size: int) -> dict[str, tuple[Any, torch.optim.Optimizer | None]]:
-    import tierzero
-
     base = setup.model()
     if world_size > 1:
         base = nn.parallel.DistributedDataParallel(base)
@@ -114,7 +113,7 @@ def _contenders(setup: _Setup, world_size: int) -> dict[str, tuple[Any, torch.op
     out: dict[str, tuple[Any, torch.optim.Optimizer | None]] = {"plain" if world_size == 1 else "ddp": (base, optimizer)}
     for stage in STAGES:
         cfg = {"zero": {"stage": stage}, "optimizer": {"type": "adamw", "lr": 1e-3, "weight_decay": 0.0}}
-        out[f"stage{stage}"] = (tierzero.initialize(setup.model(), cfg), None)
+        out[f"stage{stage}"] = (initialize(setup.model(), cfg), None)
     return out
 
 
@@ -152,8 +151,6 @@ def _bench_rank(setup: _Setup, *, rank: int, world_size: int) -> dict[str, float
 
 
 def _rank_entry(rank: int, port: int, setup: _Setup, queue: Any) -> None:
-    import torch.distributed as dist
-
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)
     try:
@@ -168,8 +165,6 @@ def _rank_entry(rank: int, port: int, setup: _Setup, queue: Any) -> None:
 
 def _run_two_ranks(setup: _Setup) -> dict[str, float]:
     """Rank 0's medians from two forked gloo ranks (forking keeps start-up to a fraction of a second)."""
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
     with socket.socket() as s:
