@@ -1,8 +1,10 @@
 """Sharded checkpoints: save and load (save_load.py), the on-disk format (format.py), the manifest
 (manifest.py), per-rank shards (shards.py), RNG states (rng.py), what an engine hands over
-(engine_state.py) and consolidation into one state dict (consolidate.py)."""
+(engine_state.py), what it must have (protocol.py), how ranks agree on every outcome
+(agree.py) and consolidation into one state dict (consolidate.py)."""
 
 from tierzero.checkpoint.format import CheckpointError
+from tierzero.checkpoint.protocol import Checkpointable
 from tierzero.checkpoint.save_load import (
     CheckpointWriteError,
     find_checkpoint,
@@ -13,6 +15,7 @@ from tierzero.checkpoint.save_load import (
 
 __all__ = [
     "CheckpointError",
+    "Checkpointable",
     "CheckpointWriteError",
     "find_checkpoint",
     "list_checkpoints",

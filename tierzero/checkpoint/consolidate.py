@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -141,8 +142,6 @@ def add_consolidate_command(subparsers: Any) -> None:
 
 
 def run_consolidate(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
-    import sys
-
     target = Path(args.out)
     if target.suffix and target.suffix != ".safetensors":
         raise ValueError(

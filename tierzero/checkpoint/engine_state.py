@@ -1,33 +1,30 @@
 """What checkpoints read from and write to an engine: its slices, layouts and scalars.
 
-Kept apart from checkpoint.py so that the file protocol there never reaches into the
-engine's attributes itself.
+Kept apart from save_load.py so that the file protocol there never reaches into the
+engine's attributes itself. The engine is seen only as a `Checkpointable` (protocol.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tierzero.checkpoint.format import dtype_name
 from tierzero.checkpoint.manifest import EngineScalars, SlotLayout, UnitLayout
+from tierzero.checkpoint.protocol import Checkpointable
 from tierzero.slices import Kind, SliceKey, Tier
-
-if TYPE_CHECKING:
-    from tierzero.engine import Engine
-    from tierzero.stages.base import SliceSpec
-    from tierzero.units import Unit
+from tierzero.stages.plan import SliceSpec
+from tierzero.units import Unit
 
 
-def saved_specs(engine: Engine, unit: Unit) -> list[SliceSpec]:
+def saved_specs(engine: Checkpointable, unit: Unit) -> list[SliceSpec]:
     # Gradients are zero at a step boundary: they are not state worth saving.
     return [spec for spec in engine.stage.slice_specs(unit) if spec.kind is not Kind.GRAD]
 
 
-def own_range(engine: Engine, unit: Unit, spec: SliceSpec, tensor: torch.Tensor) -> torch.Tensor:
+def own_range(engine: Checkpointable, unit: Unit, spec: SliceSpec, tensor: torch.Tensor) -> torch.Tensor:
     """This rank's range of the unit's logical buffer: the slice itself, or its range of a replicated buffer."""
     if spec.numel == unit.shard_numel:
         return tensor
@@ -36,14 +33,14 @@ def own_range(engine: Engine, unit: Unit, spec: SliceSpec, tensor: torch.Tensor)
     return tensor[start:end]
 
 
-def wanted_range(engine: Engine, unit: Unit, spec: SliceSpec) -> tuple[int, int]:
+def wanted_range(engine: Checkpointable, unit: Unit, spec: SliceSpec) -> tuple[int, int]:
     if spec.numel == unit.shard_numel:
         return unit.shard_range(engine.comm.rank)
     return 0, unit.padded_numel
 
 
 @contextmanager
-def slice_for_reading(engine: Engine, unit: Unit, spec: SliceSpec) -> Iterator[torch.Tensor]:
+def slice_for_reading(engine: Checkpointable, unit: Unit, spec: SliceSpec) -> Iterator[torch.Tensor]:
     """The slice's current bytes: its home tensor in memory tiers, a host copy of an NVMe home."""
     key = SliceKey(unit.name, spec.kind)
     if spec.home is not Tier.NVME:
@@ -56,7 +53,7 @@ def slice_for_reading(engine: Engine, unit: Unit, spec: SliceSpec) -> Iterator[t
         engine.store.release(key)
 
 
-def unit_layout(engine: Engine, unit: Unit) -> UnitLayout:
+def unit_layout(engine: Checkpointable, unit: Unit) -> UnitLayout:
     return UnitLayout(
         name=unit.name,
         numel=unit.numel,
@@ -70,7 +67,7 @@ def unit_layout(engine: Engine, unit: Unit) -> UnitLayout:
     )
 
 
-def read_scalars(engine: Engine) -> EngineScalars:
+def read_scalars(engine: Checkpointable) -> EngineScalars:
     return EngineScalars(
         global_step=engine.global_step,
         micro_steps=engine.micro_steps,
@@ -79,12 +76,12 @@ def read_scalars(engine: Engine) -> EngineScalars:
     )
 
 
-def restore_scalars(engine: Engine, scalars: EngineScalars) -> None:
+def restore_scalars(engine: Checkpointable, scalars: EngineScalars) -> None:
     engine.global_step, engine.micro_steps, engine.lr = scalars.global_step, scalars.micro_steps, scalars.lr
     engine.loss_scaler.load_state_dict(scalars.loss_scaler)
 
 
-def require_step_boundary(engine: Engine, *, action: str) -> None:
+def require_step_boundary(engine: Checkpointable, *, action: str) -> None:
     accumulation = engine.cfg.gradient_accumulation_steps
     if engine.micro_steps % accumulation:
         raise ValueError(
@@ -93,7 +90,3 @@ def require_step_boundary(engine: Engine, *, action: str) -> None:
             "completes an optimizer step"
         )
 
-
-def config_json(cfg: Any) -> dict[str, Any]:
-    to_dict = getattr(cfg, "to_dict", None)
-    return to_dict() if callable(to_dict) else {}

@@ -13,7 +13,7 @@ A crash anywhere leaves either the old set of checkpoints or the new one: a dire
 is complete exactly when it is named by a step and holds a manifest, and `.tmp-*`
 directories are never loaded (the next successful save deletes them). Every outcome
 is agreed by all ranks, so an error on one rank (a full disk) is raised on all of them
-rather than leaving the others waiting in a collective.
+rather than leaving the others waiting in a collective (agree.py).
 
 Loading reads the manifest, verifies the size and checksum of every file it will read
 before using a byte of it, and writes each slice home through the store. The layout
@@ -28,12 +28,12 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 import torch
 
+from tierzero.checkpoint.agree import all_gather_objects, from_rank0, on_every_rank
 from tierzero.checkpoint.engine_state import (
-    config_json,
     own_range,
     read_scalars,
     require_step_boundary,
@@ -66,15 +66,12 @@ from tierzero.checkpoint.manifest import (
     rank_tensor_file,
     tensor_name,
 )
+from tierzero.checkpoint.protocol import Checkpointable
 from tierzero.checkpoint.rng import rng_state, set_rng_state
 from tierzero.checkpoint.shards import ShardReader
 from tierzero.slices import Kind, SliceKey, Tier
-
-if TYPE_CHECKING:
-    from tierzero.comm import CommGroup
-    from tierzero.engine import Engine
-    from tierzero.stages.base import SliceSpec
-    from tierzero.units import Unit
+from tierzero.stages.plan import SliceSpec
+from tierzero.units import Unit
 
 __all__ = [
     "CheckpointError",
@@ -87,7 +84,6 @@ __all__ = [
 
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
-T = TypeVar("T")
 
 
 class CheckpointWriteError(OSError):
@@ -130,7 +126,7 @@ def find_checkpoint(path: str | Path) -> Path:
 # ---- saving ------------------------------------------------------------------------
 
 
-def save_checkpoint(engine: Engine, root: str | Path, *, keep: int | None = None) -> Path:
+def save_checkpoint(engine: Checkpointable, root: str | Path, *, keep: int | None = None) -> Path:
     """Write `root/<engine.global_step>` atomically, point `root/latest` at it, keep the newest `keep`.
 
     Collective: every rank calls it at the same step. Raises CheckpointWriteError (an
@@ -142,19 +138,19 @@ def save_checkpoint(engine: Engine, root: str | Path, *, keep: int | None = None
     root, comm, step = Path(root), engine.comm, engine.global_step
     engine.stage.finish()  # parameter all-gathers still in flight write the buffers being saved
     algorithm, fail = checksum_algorithm(), _save_failure(step, root)
-    made = _on_every_rank(comm, lambda: _make_tmp_dir(root, step) if comm.rank == 0 else None, fail=fail)
-    tmp = _from_rank0(comm, made)
+    made = on_every_rank(comm, lambda: _make_tmp_dir(root, step) if comm.rank == 0 else None, fail=fail)
+    tmp = from_rank0(comm, made)
     assert tmp is not None
     try:
-        records = _on_every_rank(comm, lambda: _write_rank_files(engine, tmp, algorithm=algorithm), fail=fail)
-        per_rank = _all_gather_objects(comm, records)
-        return _on_every_rank(
+        records = on_every_rank(comm, lambda: _write_rank_files(engine, tmp, algorithm=algorithm), fail=fail)
+        per_rank = all_gather_objects(comm, records)
+        return on_every_rank(
             comm, lambda: _publish(engine, root, tmp, per_rank, algorithm=algorithm, keep=keep), fail=fail
         )
     except CheckpointWriteError:
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        _all_gather_objects(comm, None)  # every rank raises once the half-written directory is gone
+        all_gather_objects(comm, None)  # every rank raises once the half-written directory is gone
         raise
 
 
@@ -165,7 +161,19 @@ def _make_tmp_dir(root: Path, step: int) -> Path:
     return tmp
 
 
-def _write_rank_files(engine: Engine, tmp: Path, *, algorithm: str) -> list[FileRecord]:
+def _save_failure(step: int, root: Path) -> Callable[[str], Exception]:
+    def make(error: str) -> Exception:
+        previous = list_checkpoints(root)
+        kept = f"the previous checkpoint {previous[-1]} is intact and still loads" if previous else "no earlier checkpoint exists"
+        return CheckpointWriteError(
+            f"checkpoint of step {step} under {root} was not written ({error}); {kept}: "
+            "free space or pick another checkpoint.dir"
+        )
+
+    return make
+
+
+def _write_rank_files(engine: Checkpointable, tmp: Path, *, algorithm: str) -> list[FileRecord]:
     """This rank's slices streamed one at a time, its module's buffers and frozen parameters, its RNG states."""
     rank = engine.comm.rank
     todo = [(unit, spec) for unit in engine.units for spec in saved_specs(engine, unit)]
@@ -187,7 +195,7 @@ def _write_rank_files(engine: Engine, tmp: Path, *, algorithm: str) -> list[File
     return [tensors, state]
 
 
-def _publish(engine: Engine, root: Path, tmp: Path, per_rank: list[list[FileRecord]], *, algorithm: str, keep: int | None) -> Path:
+def _publish(engine: Checkpointable, root: Path, tmp: Path, per_rank: list[list[FileRecord]], *, algorithm: str, keep: int | None) -> Path:
     """Rank 0: manifest, rename into place, move `latest`, prune. Other ranks only learn the path."""
     final = root / str(engine.global_step)
     if engine.comm.rank != 0:
@@ -201,7 +209,7 @@ def _publish(engine: Engine, root: Path, tmp: Path, per_rank: list[list[FileReco
         scalars=read_scalars(engine),
         units=tuple(unit_layout(engine, unit) for unit in engine.units),
         files={record.name: record for records in per_rank for record in records},
-        config=config_json(engine.cfg),
+        config=engine.cfg.to_dict(),
     )
     write_json(tmp / MANIFEST, manifest.to_json(), algorithm=algorithm)
     fsync_dir(tmp)
@@ -235,7 +243,7 @@ def _prune(root: Path, *, keep: int | None, current: Path) -> None:
 # ---- loading -----------------------------------------------------------------------
 
 
-def load_checkpoint(engine: Engine, path: str | Path) -> Path:
+def load_checkpoint(engine: Checkpointable, path: str | Path) -> Path:
     """Load the checkpoint `path` names (or the newest complete one under it) into `engine`.
 
     Collective. Every file is verified before any state changes; a mismatch raises
@@ -244,9 +252,9 @@ def load_checkpoint(engine: Engine, path: str | Path) -> Path:
     require_step_boundary(engine, action="load a checkpoint")
     directory = find_checkpoint(path)
     engine.stage.finish()
-    loaded = _on_every_rank(engine.comm, lambda: _prepare_load(engine, directory), fail=CheckpointError)
-    _on_every_rank(engine.comm, lambda: _write_slices(engine, loaded.reader, loaded.plan), fail=CheckpointError)
-    _on_every_rank(engine.comm, lambda: _load_module_state(engine, loaded.reader), fail=CheckpointError)
+    loaded = on_every_rank(engine.comm, lambda: _prepare_load(engine, directory), fail=CheckpointError)
+    on_every_rank(engine.comm, lambda: _write_slices(engine, loaded.reader, loaded.plan), fail=CheckpointError)
+    on_every_rank(engine.comm, lambda: _load_module_state(engine, loaded.reader), fail=CheckpointError)
     restore_scalars(engine, loaded.reader.manifest.scalars)
     set_rng_state(loaded.rng)
     return directory
@@ -273,7 +281,7 @@ class _Load:
     rng: dict[str, Any]
 
 
-def _prepare_load(engine: Engine, directory: Path) -> _Load:
+def _prepare_load(engine: Checkpointable, directory: Path) -> _Load:
     manifest = Manifest.read(directory)
     reader = ShardReader(directory, manifest)
     plan = []
@@ -296,7 +304,7 @@ def _prepare_load(engine: Engine, directory: Path) -> _Load:
     return _Load(reader=reader, plan=plan, rng=_read_rng(engine, directory, manifest))
 
 
-def _write_slices(engine: Engine, reader: ShardReader, plan: list[_SliceLoad]) -> None:
+def _write_slices(engine: Checkpointable, reader: ShardReader, plan: list[_SliceLoad]) -> None:
     """Each slice in turn: read its range on the host, cast, write it home."""
     for s in plan:
         stored = torch.empty(s.end - s.start, dtype=dtype_from_name(s.layout.kinds[s.source], where=str(reader.directory)))
@@ -306,7 +314,7 @@ def _write_slices(engine: Engine, reader: ShardReader, plan: list[_SliceLoad]) -
         engine.store.write_back(SliceKey(s.unit.name, s.spec.kind), value.contiguous()).wait()
 
 
-def _load_module_state(engine: Engine, reader: ShardReader) -> None:
+def _load_module_state(engine: Checkpointable, reader: ShardReader) -> None:
     """Buffers and frozen parameters, from this rank's file (or, at a larger world size, rank r % N's)."""
     expected = engine.module.state_dict()
     if not expected:
@@ -324,7 +332,7 @@ def _load_module_state(engine: Engine, reader: ShardReader) -> None:
             tensor.copy_(values[name])
 
 
-def _read_rng(engine: Engine, directory: Path, manifest: Manifest) -> dict[str, Any]:
+def _read_rng(engine: Checkpointable, directory: Path, manifest: Manifest) -> dict[str, Any]:
     # At another world size the ranks beyond the writer's reuse its ranks' generators.
     name = rank_state_file(engine.comm.rank % manifest.world_size)
     verify_file(directory, manifest.file(name, directory=directory), algorithm=manifest.checksum)
@@ -349,51 +357,3 @@ def _source_kind(kind: Kind, layout: UnitLayout, *, directory: Path) -> str:
         )
     return kind.value
 
-
-# ---- agreeing across ranks ---------------------------------------------------------
-
-
-def _on_every_rank(comm: CommGroup, fn: Callable[[], T], *, fail: Callable[[str], Exception]) -> T:
-    """Run `fn` on this rank; if it failed on any rank, raise `fail(first message)` on every rank.
-
-    Without this, a rank whose disk filled would raise while the others wait forever in
-    the next collective.
-    """
-    value, local, error = None, None, None
-    try:
-        value = fn()
-    except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
-        local, error = exc, f"rank {comm.rank}: {exc}"
-    failed = [e for e in _all_gather_objects(comm, error) if e is not None]
-    if failed:
-        raise fail(failed[0]) from local
-    return value  # type: ignore[return-value]
-
-
-def _all_gather_objects(comm: CommGroup, value: Any) -> list[Any]:
-    if comm.world_size == 1:
-        return [value]
-    # Plain Python values between live ranks of one job (pickled in memory, never on disk).
-    out: list[Any] = [None] * comm.world_size
-    torch.distributed.all_gather_object(out, value)
-    return out
-
-
-def _from_rank0(comm: CommGroup, value: T) -> T:
-    if comm.world_size == 1:
-        return value
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _save_failure(step: int, root: Path) -> Callable[[str], Exception]:
-    def make(error: str) -> Exception:
-        previous = list_checkpoints(root)
-        kept = f"the previous checkpoint {previous[-1]} is intact and still loads" if previous else "no earlier checkpoint exists"
-        return CheckpointWriteError(
-            f"checkpoint of step {step} under {root} was not written ({error}); {kept}: "
-            "free space or pick another checkpoint.dir"
-        )
-
-    return make

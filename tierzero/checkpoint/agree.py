@@ -1,0 +1,48 @@
+"""Every rank agrees on each step of a save or load: one rank's failure is raised on all of them.
+
+Without this, a rank whose disk filled would raise while the others wait forever in the
+next collective. The values exchanged are small Python objects (paths, file records,
+error messages) between live ranks of one job: pickled in memory, never on disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from tierzero.comm import CommGroup
+
+T = TypeVar("T")
+
+
+def on_every_rank(comm: CommGroup, fn: Callable[[], T], *, fail: Callable[[str], Exception]) -> T:
+    """Run `fn` on this rank; if it failed on any rank, raise `fail(first message)` on every rank."""
+    value, local, error = None, None, None
+    try:
+        value = fn()
+    except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+        local, error = exc, f"rank {comm.rank}: {exc}"
+    failed = [e for e in all_gather_objects(comm, error) if e is not None]
+    if failed:
+        raise fail(failed[0]) from local
+    return value  # type: ignore[return-value]
+
+
+def all_gather_objects(comm: CommGroup, value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order."""
+    if comm.world_size == 1:
+        return [value]
+    out: list[Any] = [None] * comm.world_size
+    torch.distributed.all_gather_object(out, value)
+    return out
+
+
+def from_rank0(comm: CommGroup, value: T) -> T:
+    """Rank 0's `value` on every rank."""
+    if comm.world_size == 1:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
