@@ -44,7 +44,8 @@ import enum
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+
+from tierzero.config import PrefetchConfig
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +149,9 @@ class Prefetcher:
         self._reset_step()
 
     @classmethod
-    def from_config(cls, cfg: Any, *, unit_bytes: Mapping[str, int]) -> Prefetcher:
-        """Budgets from `cfg.prefetch.bytes` and `cfg.prefetch.max_live_bytes`."""
-        return cls(unit_bytes=unit_bytes, prefetch_bytes=cfg.prefetch.bytes, max_live_bytes=cfg.prefetch.max_live_bytes)
+    def from_config(cls, section: PrefetchConfig, *, unit_bytes: Mapping[str, int]) -> Prefetcher:
+        """Budgets from the `prefetch` section: `bytes` and `max_live_bytes`."""
+        return cls(unit_bytes=unit_bytes, prefetch_bytes=section.bytes, max_live_bytes=section.max_live_bytes)
 
     @property
     def mode(self) -> Mode:

@@ -33,6 +33,7 @@ from typing import Protocol
 
 import torch
 
+from tierzero.config import SwapperConfig
 from tierzero.offload.base import Region, TierStorage
 from tierzero.offload.memory import MemoryTier
 from tierzero.offload.staging import StagingBuffer, StagingPool, StagingStats
@@ -75,9 +76,9 @@ class Swapper:
         """Whether device<->NVMe moves go through the staging pool (always with a GPU)."""
 
     @classmethod
-    def from_config(cls, cfg: object, *, host: MemoryTier | None = None, **kwargs: object) -> Swapper:
-        swapper = cfg.swapper  # type: ignore[attr-defined]
-        return cls(buffer_size=swapper.buffer_size, buffer_count=swapper.buffer_count, host=host, **kwargs)
+    def from_config(cls, section: SwapperConfig, *, host: MemoryTier | None = None, host_device: bool = False) -> Swapper:
+        """From the `swapper` section."""
+        return cls(buffer_size=section.buffer_size, buffer_count=section.buffer_count, host=host, host_device=host_device)
 
     @property
     def buffer_size(self) -> int:

@@ -6,7 +6,6 @@ import errno
 import os
 import random
 import shutil
-import stat
 import threading
 import time
 import warnings
@@ -528,11 +527,11 @@ def test_from_config(tmp_path: Path) -> None:
         path=str(tmp_path), capacity=8 * MiB, block_size=MiB, queue_depth=2, threads=3, verify=True, backend="aiofiles"
     )
     cfg = SimpleNamespace(tiers=SimpleNamespace(nvme=nvme))
-    with NvmeTier.from_config(cfg, rank=2, run_id="cfg") as tier:
+    with NvmeTier.from_config(cfg.tiers.nvme, rank=2, run_id="cfg") as tier:
         assert (tier.capacity, tier.block_size, tier.queue_depth, tier.threads) == (8 * MiB, MiB, 2, 3)
         assert (tier.verify, tier.backend, tier.file_path) == (True, "aiofiles", tmp_path / "cfg" / "rank2.swap")
-    with NvmeTier.from_config(cfg, rank=0, capacity=4 * MiB) as tier:
+    with NvmeTier.from_config(cfg.tiers.nvme, rank=0, capacity=4 * MiB) as tier:
         assert tier.capacity == 4 * MiB
     nvme.path = None
     with pytest.raises(ValueError, match="tiers.nvme.path is not set"):
-        NvmeTier.from_config(cfg, rank=0)
+        NvmeTier.from_config(cfg.tiers.nvme, rank=0)

@@ -330,7 +330,7 @@ def test_reports_are_deterministic() -> None:
 
 def test_from_config() -> None:
     cfg = SimpleNamespace(prefetch=SimpleNamespace(bytes=1 << 20, max_live_bytes=4 << 20))
-    pf = Prefetcher.from_config(cfg, unit_bytes={"a": 10})
+    pf = Prefetcher.from_config(cfg.prefetch, unit_bytes={"a": 10})
     assert (pf.prefetch_bytes, pf.max_live_bytes, pf.unit_bytes) == (1 << 20, 4 << 20, {"a": 10})
 
 

@@ -216,6 +216,13 @@ async def _awaited(transfer):
     return await transfer
 
 
+def _store_from(cfg: SimpleNamespace, **kwargs: object) -> TieredStore:
+    """`TieredStore.from_config` with the sections of `cfg`, as the engine builds it."""
+    offload = cfg.offload
+    nvme = Tier.NVME in (offload.params, offload.gradients, offload.optimizer)
+    return TieredStore.from_config(cfg.tiers, cfg.swapper, nvme=nvme, **kwargs)
+
+
 def _config(path, *, optimizer: Tier) -> SimpleNamespace:
     return SimpleNamespace(
         offload=SimpleNamespace(params=Tier.DEVICE, gradients=Tier.CPU, optimizer=optimizer),
@@ -234,10 +241,10 @@ def test_from_config_builds_nvme_only_when_offloaded(tmp_path) -> None:
     def cfg(optimizer: Tier) -> SimpleNamespace:
         return _config(tmp_path, optimizer=optimizer)
 
-    with TieredStore.from_config(cfg(Tier.CPU)) as store:
+    with _store_from(cfg(Tier.CPU)) as store:
         assert set(store.report().tiers) == {Tier.DEVICE, Tier.CPU}
         assert store.report().tiers[Tier.DEVICE].capacity == 1 << 20
-    with TieredStore.from_config(cfg(Tier.NVME), nvme_capacity=2 << 20) as store:
+    with _store_from(cfg(Tier.NVME), nvme_capacity=2 << 20) as store:
         assert store.report().tiers[Tier.NVME].capacity == 2 << 20
         assert store.report().staging.capacity == 3 << 16
         key = SliceKey("u0", Kind.EXP_AVG_SQ)
@@ -251,7 +258,7 @@ def test_without_a_gpu_nvme_moves_to_the_device_tier_are_direct_and_reuse_memory
     from tierzero.offload.cpu import HostDeviceTier
     from tierzero.slices import IO_ALIGNMENT
 
-    with TieredStore.from_config(_config(tmp_path, optimizer=Tier.NVME), nvme_capacity=2 << 20) as store:
+    with _store_from(_config(tmp_path, optimizer=Tier.NVME), nvme_capacity=2 << 20) as store:
         device = store._tiers[Tier.DEVICE]
         assert isinstance(device, HostDeviceTier) and device.capacity == 1 << 20
         key = SliceKey("u0", Kind.EXP_AVG)
@@ -277,7 +284,7 @@ def test_ranks_given_one_run_id_share_its_directory_until_the_last_closes(tmp_pa
 
     cfg, run_id = _config(tmp_path, optimizer=Tier.NVME), new_run_id()
     run_dir = tmp_path / run_id
-    stores = [TieredStore.from_config(cfg, rank=rank, run_id=run_id) for rank in (0, 1)]
+    stores = [_store_from(cfg, rank=rank, run_id=run_id) for rank in (0, 1)]
     try:
         assert sorted(p.name for p in run_dir.iterdir()) == ["rank0.owner", "rank0.swap", "rank1.owner", "rank1.swap"]
         key = SliceKey("u0", Kind.EXP_AVG)
@@ -308,8 +315,8 @@ def test_from_a_loaded_config_the_nvme_capacity_is_required(tmp_path) -> None:
         }
     )
     with pytest.raises(ValueError, match=r"tiers.nvme.capacity is not set"):
-        TieredStore.from_config(cfg)
-    with TieredStore.from_config(cfg, nvme_capacity=1 << 20) as store:
+        _store_from(cfg)
+    with _store_from(cfg, nvme_capacity=1 << 20) as store:
         usage = store.report().tiers
         assert (usage[Tier.DEVICE].capacity, usage[Tier.NVME].capacity, usage[Tier.CPU].capacity) == (1 << 20, 1 << 20, None)
         key = SliceKey("u0", Kind.PARAM)

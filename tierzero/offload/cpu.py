@@ -18,14 +18,14 @@ allocation past that mark drops kept buffers first, so reuse costs no peak memor
 
 from __future__ import annotations
 
-import threading
 from collections import defaultdict
 
 import torch
 
+from tierzero.config import CpuTierConfig
 from tierzero.offload.base import Region
 from tierzero.offload.memory import MemoryTier
-from tierzero.slices import IO_ALIGNMENT, Tier, align_up, aligned_empty
+from tierzero.slices import Tier, aligned_empty
 
 _CUDA_HOST_REGISTER_PORTABLE = 1
 """Pinned for every CUDA context, not only the current device's."""
@@ -67,9 +67,9 @@ class CpuTier(MemoryTier):
         """Allocations served from kept buffers (for tests and reports)."""
 
     @classmethod
-    def from_config(cls, cfg: object) -> CpuTier:
-        tiers = cfg.tiers  # type: ignore[attr-defined]
-        return cls(capacity=tiers.cpu.capacity, pin_memory=tiers.cpu.pin_memory)
+    def from_config(cls, section: CpuTierConfig) -> CpuTier:
+        """From the `tiers.cpu` section."""
+        return cls(capacity=section.capacity, pin_memory=section.pin_memory)
 
     @property
     def kept_bytes(self) -> int:

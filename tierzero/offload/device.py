@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from tierzero.config import DeviceTierConfig
 from tierzero.offload.base import TierCapacityError
 from tierzero.offload.memory import MemoryTier
 from tierzero.slices import Tier
@@ -24,8 +25,9 @@ class DeviceTier(MemoryTier):
         self.device = device
 
     @classmethod
-    def from_config(cls, cfg: object, *, device: torch.device | None = None) -> DeviceTier:
-        return cls(device=device, capacity=cfg.tiers.device.capacity)  # type: ignore[attr-defined]
+    def from_config(cls, section: DeviceTierConfig, *, device: torch.device | None = None) -> DeviceTier:
+        """From the `tiers.device` section."""
+        return cls(device=device, capacity=section.capacity)
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
         try:

@@ -12,10 +12,10 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from tierzero.config import NvmeTierConfig
 from tierzero.offload.base import Region, TierCapacityError, TierStorage
 from tierzero.offload.nvme_backends import AiofilesBackend, ThreadBackend
 from tierzero.offload.nvme_files import (
@@ -173,9 +173,10 @@ class NvmeTier(TierStorage):
         return engine
 
     @classmethod
-    def from_config(cls, cfg: Any, *, rank: int, capacity: int | None = None, run_id: str | None = None) -> NvmeTier:
-        """Builds the tier from `cfg.tiers.nvme`; `capacity` overrides `tiers.nvme.capacity`."""
-        nvme = cfg.tiers.nvme
+    def from_config(
+        cls, nvme: NvmeTierConfig, *, rank: int, capacity: int | None = None, run_id: str | None = None
+    ) -> NvmeTier:
+        """Builds the tier from the `tiers.nvme` section; `capacity` overrides its `capacity`."""
         if nvme.path is None:
             raise ValueError(
                 "state is offloaded to nvme but tiers.nvme.path is not set: set it to a directory on a local NVMe disk"

@@ -22,7 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierzero.config import SwapperConfig, TiersConfig
 from tierzero.offload.base import Region, TierStorage
+from tierzero.offload.cpu import CpuTier, HostDeviceTier
+from tierzero.offload.device import DeviceTier
+from tierzero.offload.nvme import NvmeTier
 from tierzero.slices import MODEL_STATE_KINDS, Kind, SliceKey, Tier
 from tierzero.store.ledger import Ledger, StoreReport, Use
 from tierzero.swapper import Swapper
@@ -100,33 +104,31 @@ class TieredStore:
     @classmethod
     def from_config(
         cls,
-        cfg: object,
+        tiers: TiersConfig,
+        swapper: SwapperConfig,
         *,
+        nvme: bool,
         rank: int = 0,
         device: torch.device | None = None,
         nvme_capacity: int | None = None,
         run_id: str | None = None,
     ) -> TieredStore:
-        """Device and CPU tiers always; the NVMe tier only when some state is offloaded to it.
+        """Device and CPU tiers from the `tiers` section always, the NVMe tier when `nvme` (some
+        state is offloaded to it), and a swapper from the `swapper` section.
 
         `run_id` names the run directory the ranks' swap files share: pass the same one on
         every rank (rank 0's `tierzero.offload.nvme_files.new_run_id()`, broadcast), or
         None for a fresh one per store.
         """
-        from tierzero.offload.cpu import CpuTier, HostDeviceTier
-        from tierzero.offload.device import DeviceTier
-
-        cpu = CpuTier.from_config(cfg)
+        cpu = CpuTier.from_config(tiers.cpu)
         on_host = (device.type == "cpu") if device is not None else not torch.cuda.is_available()
-        capacity = cfg.tiers.device.capacity  # type: ignore[attr-defined]
-        device_tier = HostDeviceTier(capacity=capacity) if on_host else DeviceTier.from_config(cfg, device=device)
-        tiers: dict[Tier, TierStorage] = {Tier.DEVICE: device_tier, Tier.CPU: cpu}
-        offload = cfg.offload  # type: ignore[attr-defined]
-        if Tier.NVME in (offload.params, offload.gradients, offload.optimizer):
-            from tierzero.offload.nvme import NvmeTier
-
-            tiers[Tier.NVME] = NvmeTier.from_config(cfg, rank=rank, capacity=nvme_capacity, run_id=run_id)
-        return cls(tiers=tiers, swapper=Swapper.from_config(cfg, host=cpu, host_device=on_host))
+        device_tier = (
+            HostDeviceTier(capacity=tiers.device.capacity) if on_host else DeviceTier.from_config(tiers.device, device=device)
+        )
+        storages: dict[Tier, TierStorage] = {Tier.DEVICE: device_tier, Tier.CPU: cpu}
+        if nvme:
+            storages[Tier.NVME] = NvmeTier.from_config(tiers.nvme, rank=rank, capacity=nvme_capacity, run_id=run_id)
+        return cls(tiers=storages, swapper=Swapper.from_config(swapper, host=cpu, host_device=on_host))
 
     @property
     def swapper(self) -> Swapper:
