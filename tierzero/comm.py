@@ -87,6 +87,9 @@ class CommGroup:
     world_size: int
     counter: CommCounter
     group: dist.ProcessGroup | None = None
+    dry_run: bool = False
+    """Count every collective's bytes and move none: `tierzero estimate` runs the engine at a
+    world size it does not have, over tensors that hold no values (the meta device)."""
 
     @classmethod
     def single(cls) -> CommGroup:
@@ -184,6 +187,8 @@ def all_gather_many(
         return Pending()
     for output in outputs:
         _count(comm, Collective.ALL_GATHER, output)
+    if comm.dry_run:
+        return Pending()
     if not _direct(comm):
         works = [_all_gather_flat(o, s, group=comm.group, async_op=async_op) for o, s in zip(outputs, shards)]
         return Pending(tuple(works) if async_op else ())
@@ -233,6 +238,8 @@ def reduce_scatter_many(
         return Pending()
     for full in fulls:
         _count(comm, Collective.REDUCE_SCATTER, full)
+    if comm.dry_run:
+        return Pending()
     if not _direct(comm):
         sum_ = dist.ReduceOp.SUM
         works = [_reduce_scatter_flat(o, f, op=sum_, group=comm.group, async_op=async_op) for o, f in zip(outputs, fulls)]
@@ -272,5 +279,6 @@ def all_reduce(tensor: torch.Tensor, *, comm: CommGroup, op: dist.ReduceOp = dis
     """Reduce `tensor` in place over all ranks (sum by default)."""
     if comm.world_size == 1:
         return
-    dist.all_reduce(tensor, op=op, group=comm.group)
     _count(comm, Collective.ALL_REDUCE, tensor)
+    if not comm.dry_run:
+        dist.all_reduce(tensor, op=op, group=comm.group)

@@ -19,12 +19,19 @@ from torch import nn
 
 from tierzero import comm as C
 from tierzero import dist as D
+from tierzero.checkpoint import load_checkpoint, save_checkpoint
+from tierzero.config import Config, load_config
 from tierzero.materialize import flat_fp32, has_meta, materialize_rest, materialize_unit, unit_on_meta
 from tierzero.optim import make_optimizer
 from tierzero.precision import dtype_of, make_loss_scaler
-from tierzero.slices import IO_ALIGNMENT, MODEL_STATE_KINDS, Kind, Tier, align_up
-from tierzero.stages import STAGES, Homes, Stage, Stage3, StepScalars
-from tierzero.stages.base import bind, clip_coefficient, unregister_params
+from tierzero.prefetch import Prefetcher
+from tierzero.slices import IO_ALIGNMENT, MODEL_STATE_KINDS, Tier
+from tierzero.stages import STAGES, Homes, Stage3, StepScalars
+from tierzero.stages.base import clip_coefficient
+from tierzero.stages.binding import bind, unregister_params
+from tierzero.stages.param_prefetch import ParamPrefetch
+from tierzero.store import TieredStore
+from tierzero.store.protocol import SliceStore
 from tierzero.units import Unit, plan_units
 
 
@@ -37,16 +44,22 @@ class Engine:
     frozen ones. `full_state_dict()` is the way to read the weights.
     """
 
-    def __init__(self, model: nn.Module, cfg: Any, *, ctx: D.DistContext, store: Any | None = None) -> None:
-        if cfg.zero.stage not in STAGES:
-            raise ValueError(
-                f"zero.stage is {cfg.zero.stage}, this engine runs stages 1, 2 and 3: set zero.stage to 1, 2 or 3"
-            )
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: Config,
+        *,
+        ctx: D.DistContext,
+        store: SliceStore | None = None,
+        comm: C.CommGroup | None = None,
+    ) -> None:
+        """`store` and `comm` default to a `TieredStore` built from `cfg` and the default process
+        group's collectives; `tierzero estimate` passes a counting store and a dry-run group."""
         self.cfg, self._ctx = cfg, ctx
         # A meta-built model is materialised unit by unit in _install: see [Note: meta init] in materialize.py.
         self._meta = has_meta(model)
         self.module = model if self._meta else model.to(ctx.device)
-        self.comm = C.CommGroup(rank=ctx.rank, world_size=ctx.world_size, counter=C.CommCounter())
+        self.comm = comm or C.CommGroup(rank=ctx.rank, world_size=ctx.world_size, counter=C.CommCounter())
         self.global_step = 0
         self.lr = float(cfg.optimizer.lr)
         self._micro_steps = 0
@@ -56,12 +69,31 @@ class Engine:
         # Only fp16 can overflow where fp32 would not; bf16 shares fp32's exponent range.
         self._skips_overflow = self._param_dtype == torch.float16
         self.units = plan_units(model, world_size=ctx.world_size, unit_classes=list(cfg.zero.unit_classes))
-        self.stage = self._make_stage()
+        stage_class = STAGES[cfg.zero.stage]
+        optimizer = make_optimizer(cfg.optimizer)
+        offload = cfg.offload
+        homes = Homes(params=offload.params, grads=offload.gradients, optimizer=offload.optimizer)
+        self.plan = stage_class.plan_slices(
+            self.units, param_dtype=self._param_dtype, state_kinds=optimizer.state_kinds, homes=homes
+        )
         self.store = store if store is not None else self._make_store()
-        self.stage.store = self.store
-        self._attach_prefetch()
         self._hooks: list[Any] = []
         try:
+            self.param_prefetch = self._make_prefetch() if stage_class.shards_params else None
+            extra = {"param_prefetch": self.param_prefetch} if stage_class.shards_params else {}
+            self.stage = stage_class(
+                units=self.units,
+                plan=self.plan,
+                store=self.store,
+                comm=self.comm,
+                optimizer=optimizer,
+                param_dtype=self._param_dtype,
+                homes=homes,
+                device=ctx.device,
+                overlap=bool(cfg.zero.overlap_comm),
+                bucket_bytes=int(cfg.zero.reduce_bucket_size),
+                **extra,
+            )
             self._install()
         except BaseException:
             # A tier that is too small fails here: leave no swap file or group behind.
@@ -70,54 +102,31 @@ class Engine:
 
     # ---- set-up -------------------------------------------------------------------
 
-    def _make_stage(self) -> Stage:
-        offload = self.cfg.offload
-        return STAGES[self.cfg.zero.stage](
-            units=self.units,
-            store=None,
-            comm=self.comm,
-            optimizer=make_optimizer(self.cfg.optimizer),
-            param_dtype=self._param_dtype,
-            homes=Homes(params=offload.params, grads=offload.gradients, optimizer=offload.optimizer),
-            device=self._ctx.device,
-            overlap=bool(self.cfg.zero.overlap_comm),
-            bucket_bytes=int(self.cfg.zero.reduce_bucket_size),
-        )
-
-    def _make_store(self) -> Any:
-        from tierzero.store import TieredStore
-
+    def _make_store(self) -> TieredStore:
         # Unless the config sizes the swap file, it holds exactly this rank's NVMe-homed slices.
-        need = sum(
-            align_up(spec.nbytes)
-            for unit in self.units
-            for spec in self.stage.slice_specs(unit)
-            if spec.home is Tier.NVME
+        capacity = max(self.plan.nvme_bytes(), IO_ALIGNMENT) if self.cfg.tiers.nvme.capacity is None else None
+        offload = self.cfg.offload
+        return TieredStore.from_config(
+            self.cfg.tiers,
+            self.cfg.swapper,
+            nvme=Tier.NVME in (offload.params, offload.gradients, offload.optimizer),
+            rank=self._ctx.rank,
+            device=self._ctx.device,
+            nvme_capacity=capacity,
         )
-        capacity = max(need, IO_ALIGNMENT) if self.cfg.tiers.nvme.capacity is None else None
-        return TieredStore.from_config(self.cfg, rank=self._ctx.rank, device=self._ctx.device, nvme_capacity=capacity)
 
-    def _attach_prefetch(self) -> None:
+    def _make_prefetch(self) -> ParamPrefetch:
         """Stage 3 fetches parameter slices ahead of their gathers, within `cfg.prefetch`'s budgets."""
-        from tierzero.prefetch import Prefetcher
-        from tierzero.stages.param_prefetch import ParamPrefetch
-
-        if not isinstance(self.stage, Stage3):
-            return
-        # What a fetched copy costs the device tier: the slice's home region, I/O-aligned.
-        unit_bytes = {
-            unit.name: align_up(spec.nbytes)
-            for unit in self.units
-            for spec in self.stage.slice_specs(unit)
-            if spec.kind is Kind.PARAM
-        }
-        policy = Prefetcher.from_config(self.cfg, unit_bytes=unit_bytes)
-        self.stage.param_prefetch = ParamPrefetch(store=self.store, policy=policy)
+        policy = Prefetcher.from_config(self.cfg.prefetch, unit_bytes=self.plan.fetched_param_bytes())
+        return ParamPrefetch(store=self.store, policy=policy)
 
     def _install(self) -> None:
         empty = torch.empty(0, dtype=self._param_dtype, device=self._ctx.device)
         for index, unit in enumerate(self.units):
-            if unit_on_meta(unit):
+            if self._ctx.device.type == "meta":
+                # The estimator's dry run: shapes only, no values to initialise or share.
+                full = torch.empty(unit.padded_numel, dtype=torch.float32, device="meta")
+            elif unit_on_meta(unit):
                 seed = int(self.cfg.train.seed) + index
                 full = materialize_unit(self.module, unit, seed=seed).to(self._ctx.device)
             else:
@@ -132,7 +141,7 @@ class Engine:
             bind(unit, [empty] * len(unit.slots))
             self._hooks.append(unit.module.register_forward_pre_hook(self._pre_hook(unit)))
             self._hooks.append(unit.module.register_forward_hook(self._post_hook(unit)))
-        if self._meta:
+        if self._meta and self._ctx.device.type != "meta":
             materialize_rest(self.module, seed=int(self.cfg.train.seed) + len(self.units))
             self.module.to(self._ctx.device)
 
@@ -187,6 +196,8 @@ class Engine:
         """‖g‖ over all ranks: one all-reduce of this rank's sum of squares."""
         sq = self.stage.grad_sq_sum(grad_scale)
         C.all_reduce(sq, comm=self.comm)
+        if sq.is_meta:
+            return 0.0  # the estimator's dry run holds no values: a finite norm, as most steps have
         total = sq.item()
         return math.sqrt(total) if math.isfinite(total) else math.inf
 
@@ -212,8 +223,6 @@ class Engine:
 
         Collective: every rank calls it after the same `step()`. See tierzero/checkpoint/save_load.py.
         """
-        from tierzero.checkpoint import save_checkpoint
-
         return save_checkpoint(self, self._checkpoint_root(root), keep=self.cfg.checkpoint.keep if keep is None else keep)
 
     def load_checkpoint(self, root: str | os.PathLike[str] | None = None) -> Path:
@@ -221,8 +230,6 @@ class Engine:
 
         Sets `global_step`; raises FileNotFoundError when there is none. Collective.
         """
-        from tierzero.checkpoint import load_checkpoint
-
         return load_checkpoint(self, self._checkpoint_root(root))
 
     def _checkpoint_root(self, root: str | os.PathLike[str] | None) -> Path:
@@ -265,8 +272,7 @@ class Engine:
 
         Only stage 3 prefetches; None before the first step ends.
         """
-        prefetch = getattr(self.stage, "param_prefetch", None)
-        return None if prefetch is None else prefetch.last_report
+        return None if self.param_prefetch is None else self.param_prefetch.last_report
 
     def comm_report(self) -> dict[str, int]:
         return self.comm.counter.report()
@@ -279,7 +285,9 @@ class Engine:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        self.stage.finish()
+        stage = getattr(self, "stage", None)
+        if stage is not None:
+            stage.finish()
         self.store.close()
         D.teardown(self._ctx)
 
@@ -292,8 +300,6 @@ class Engine:
 
 def initialize(model: nn.Module, config: Any) -> Engine:
     """Wrap `model` for ZeRO training; `config` is a path, a dict or a tierzero config object."""
-    from tierzero.config import load_config
-
     cfg = load_config(config)
     return Engine(model, cfg, ctx=D.setup(timeout_s=cfg.dist.timeout))
 

@@ -70,3 +70,9 @@ def aligned_empty(nbytes: int, *, alignment: int = IO_ALIGNMENT) -> torch.Tensor
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
     start = (-raw.data_ptr()) % alignment
     return raw[start : start + nbytes]
+
+
+def storage_id(tensor: torch.Tensor) -> int:
+    """Which storage the tensor views, also on the meta device (where every data_ptr is 0,
+    and where `tierzero estimate` runs the engine): the address of its storage object."""
+    return tensor.untyped_storage()._cdata

@@ -227,3 +227,20 @@ def test_oversized_preset_is_a_2b_model_with_32gb_of_state(tmp_path: Path) -> No
     assert total >= 16 * result.parameters  # fp32 param, grad, exp_avg, exp_avg_sq: 32 GB and more
     assert (cfg.zero.stage, cfg.offload.params, cfg.offload.optimizer) == (3, Tier.NVME, Tier.NVME)
     assert result.tiers[Tier.DEVICE].homes == dict.fromkeys(MODEL_STATE_KINDS, 0)
+
+
+def test_estimate_follows_a_changed_step_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimate runs the engine's own step: change its order and the estimate follows, unedited."""
+    raw = {**_raw(tmp_path, stage=3, params="nvme", grads="cpu", optimizer="nvme"), "gradient_clipping": 0.0}
+    in_backward = estimate(load_config(raw))
+    # Stage 3 without clipping steps each unit inside backward; make it step after backward instead.
+    monkeypatch.setattr(Engine, "_steps_in_backward", lambda self: False)
+    after_backward = estimate(load_config(raw))
+    figures = [(t.peak, t.working) for t in after_backward.tiers.values()], after_backward.nvme_read
+    assert figures != ([(t.peak, t.working) for t in in_backward.tiers.values()], in_backward.nvme_read)
+
+    summary, _ = _train(raw, monkeypatch)
+    for tier, est in after_backward.tiers.items():
+        measured = summary.peak_tier_bytes.get(tier.value, 0)
+        assert abs(est.peak - measured) <= 0.10 * measured, (tier, est.peak, measured, est.working)
+

@@ -1,8 +1,8 @@
 """`tierzero estimate`: what a config will hold in each tier, and how fast a step can be, before anything is allocated.
 
 Per rank: the bytes of each kind of state in each tier, the peak each tier's ledger
-will reach (homes plus gathered units, scratch, fetched copies, staging; replayed by
-tierzero/estimate/replay.py from the engine's own slice plan), the NVMe bytes read and
+will reach (homes plus gathered units, scratch, fetched copies, staging: the engine's
+own step, run on the meta device by tierzero/estimate/dry_run.py), the NVMe bytes read and
 written per step, and step-time floors from the disk bandwidth (`bench nvme` results,
 or a stated assumption) and from 6 x parameters x tokens FLOPs at a stated or measured
 rate. A config that does not fit says which tier and by how much, and which change
@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
-from tierzero.estimate.replay import TIER_ORDER, Replay, plan_slices
+from tierzero.config import load_config
+from tierzero.estimate.dry_run import dry_run
+from tierzero.precision import dtype_of
 from tierzero.sizes import format_size
 from tierzero.slices import MODEL_STATE_KINDS, Kind, Tier, align_up
 
@@ -135,22 +137,15 @@ def estimate(
     rate (default: `assumed_flops`). With `suggest`, a config that does not fit gets the
     placement or capacity changes that would make it fit, each estimated the same way.
     """
-    units, parameters, model = plan_slices(cfg, world_size=world_size)
-    replay = Replay(cfg, units, world_size=world_size)
-    replay.homes()
-    replay.step()  # the prefetcher learns the unit order in the first step and follows it after
-    read_first = replay.read
-    replay.read = replay.written = 0
-    replay.step()
-    tiers = {tier: TierEstimate(tier=tier, capacity=_capacity(cfg, tier)) for tier in TIER_ORDER}
-    for unit in units:
-        for spec in unit.specs:
-            tiers[spec.home].homes[spec.kind] += spec.nbytes
+    run = dry_run(cfg, world_size=world_size)
+    tiers = {tier: TierEstimate(tier=tier, capacity=_capacity(cfg, tier)) for tier in Tier}
+    for spec in run.plan.all():
+        tiers[spec.home].homes[spec.kind] += spec.nbytes
     for tier, est in tiers.items():
-        est.working = {use: n for use, n in replay.working[tier].items() if use != "home" and n}
-        est.peak = replay.peak[tier] if tier is not Tier.NVME else est.home_total
-        est.uncounted = replay.working[tier]["bounce"]
-    nvme_file = sum(align_up(s.nbytes) for u in units for s in u.specs if s.home is Tier.NVME)
+        est.working = {use: n for use, n in run.working[tier].items() if use != "home" and n}
+        est.peak = run.peak[tier] if tier is not Tier.NVME else est.home_total
+        est.uncounted = run.bounce if tier is Tier.CPU else 0
+    nvme_file = run.plan.nvme_bytes()
     if cfg.tiers.nvme.capacity is not None and nvme_file:
         nvme_file = cfg.tiers.nvme.capacity
     tiers[Tier.NVME].capacity = cfg.tiers.nvme.capacity
@@ -159,18 +154,18 @@ def estimate(
     result = Estimate(
         stage=cfg.zero.stage,
         world_size=world_size,
-        parameters=parameters,
-        units=len(units),
+        parameters=run.parameters,
+        units=len(run.plan.specs),
         tokens_per_step=train.micro_batch_size * train.seq_len * cfg.gradient_accumulation_steps,
         tiers=tiers,
-        nvme_read=replay.read,
-        nvme_read_first=read_first,
-        nvme_written=replay.written,
+        nvme_read=run.nvme_read,
+        nvme_read_first=run.nvme_read_first,
+        nvme_written=run.nvme_written,
         nvme_file=nvme_file,
         nvme_free=_free_space(cfg.tiers.nvme.path) if uses_nvme else None,
         disk=(disk or ASSUMED_DISK) if uses_nvme else None,
         flops=flops or assumed_flops(cfg.precision.param_dtype),
-        activations=_activation_bytes(cfg, model),
+        activations=_activation_bytes(cfg, run.model),
     )
     _check_fit(result, cfg)
     if suggest and not result.fits:
@@ -190,8 +185,6 @@ def assumed_flops(param_dtype: str) -> Bandwidth:
 
 def measure_flops(param_dtype: str, *, seconds: float = 0.3) -> Bandwidth:
     """Time square matmuls in the compute dtype on the compute device for about `seconds`."""
-    from tierzero.precision import dtype_of
-
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     n = 4096 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device).to(dtype_of(param_dtype))
@@ -275,8 +268,6 @@ _MOVES: tuple[tuple[dict[str, Any], str], ...] = (
 
 def _fixes(cfg: Any, result: Estimate, *, world_size: int) -> list[str]:
     """One line per change that would make `cfg` fit: a placement move that fits, else raising a capacity."""
-    from tierzero.config import load_config
-
     fixes: list[str] = []
     short = [t for t in (Tier.DEVICE, Tier.CPU) if not result.tiers[t].fits]
     for overrides, what in _MOVES:

@@ -7,11 +7,13 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from tierzero.config import load_config
+from tierzero.config.cli import parse_overrides
 from tierzero.estimate.estimator import Bandwidth, Estimate, estimate, measure_flops
 from tierzero.sizes import format_size
 from tierzero.slices import MODEL_STATE_KINDS
 
-__all__ = ["DEFAULT_BENCH_PATHS", "add_command", "format_estimate", "load_bench", "run_estimate", "to_json"]
+__all__ = ["DEFAULT_BENCH_PATHS", "add_estimate_command", "format_estimate", "load_bench", "run_estimate", "to_json"]
 
 
 def to_json(result: Estimate) -> dict[str, Any]:
@@ -146,9 +148,6 @@ def add_estimate_command(subparsers: Any) -> None:
 
 def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
     """`tierzero estimate`: 0 when the config fits, 1 when it does not; user errors raise ValueError."""
-    from tierzero.config import load_config
-    from tierzero.config.cli import parse_overrides
-
     out = out or sys.stdout
     cfg = load_config(args.config, overrides=parse_overrides(args.overrides, nvme_path=args.nvme_path))
     if args.flops is not None and args.flops <= 0:

@@ -10,7 +10,6 @@ bounce buffer from a pool that never holds more than `queue_depth` buffers.
 from __future__ import annotations
 
 import enum
-import errno
 import math
 import threading
 import zlib

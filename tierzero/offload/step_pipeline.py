@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.store.protocol import SliceStore
 from tierzero.transfer import Transfer
 
 __all__ = ["MAX_RESIDENT_GROUPS", "PendingWrite", "SliceGroup", "StepPipeline", "PipelineReport", "step_tier"]
@@ -82,6 +83,10 @@ class _Writing:
 
     def wait(self) -> None:
         """Block until the group has landed; a write that failed raises here."""
+        for transfer in self.transfers:
+            # Waiting on the transfer first lets a write that lands only when waited for
+            # (the estimator's counting store) land now; the events follow its callbacks.
+            transfer.future.exception()
         for event in self.done:
             event.wait()
         for transfer in self.transfers:
@@ -123,7 +128,7 @@ class StepPipeline:
     """
 
     def __init__(
-        self, store: object, compute: Compute, *, written: Callable[[SliceGroup], None] | None = None
+        self, store: SliceStore, compute: Compute, *, written: Callable[[SliceGroup], None] | None = None
     ) -> None:
         """`written(group)` is told once the group's write-backs are queued: a read of its slices
         submitted after that sees the new bytes, as the swapper orders a key's operations."""
@@ -147,7 +152,7 @@ class StepPipeline:
         kinds = tuple(
             (kind, tier)
             for kind, tier in group.fetches
-            if kind is not Kind.GRAD and self._store.at_home(SliceKey(group.unit, kind))  # type: ignore[attr-defined]
+            if kind is not Kind.GRAD and self._store.at_home(SliceKey(group.unit, kind))
         )
         self._prepared.append((group, self._read(SliceGroup(unit=group.unit, fetches=kinds))))
         self.report.prepared += 1
@@ -207,7 +212,7 @@ class StepPipeline:
         """Release a group's fetched copies unchanged, once their reads have ended."""
         for kind, transfer in reads.items():
             transfer.future.exception()
-            self._store.release(SliceKey(group.unit, kind))  # type: ignore[attr-defined]
+            self._store.release(SliceKey(group.unit, kind))
 
     def run(self, groups: Sequence[SliceGroup], *, drain: bool = True) -> PipelineReport:
         """Push every group in order, then flush."""
@@ -232,15 +237,15 @@ class StepPipeline:
 
     def _read(self, group: SliceGroup) -> dict[Kind, Transfer[torch.Tensor]]:
         store = self._store
-        return {kind: store.fetch(SliceKey(group.unit, kind), to=tier) for kind, tier in group.fetches}  # type: ignore[attr-defined]
+        return {kind: store.fetch(SliceKey(group.unit, kind), to=tier) for kind, tier in group.fetches}
 
     def _write_back(self, group: SliceGroup, writes: list[PendingWrite]) -> _Writing:
         store = self._store
         job = _Writing(sources=[w.source for w in writes])
         transfers = [w.transfer for w in writes]
         for key in group.keys():
-            transfer = store.write_back(key)  # type: ignore[attr-defined]
-            store.release(key)  # type: ignore[attr-defined]
+            transfer = store.write_back(key)
+            store.release(key)
             # Registered after the release's own callback, so this one fires after the free.
             transfers.append(transfer)
         job.transfers = transfers

@@ -1,19 +1,6 @@
-"""What stages 1, 2 and 3 share: slice registration, parameter binding, the optimizer step.
+"""What stages 1, 2 and 3 share: slice registration, gradient buckets, the optimizer step.
 
-[Note: binding parameters]
-A unit's parameters are removed from their modules at set-up. Before each forward of
-the unit, `_UnitParams` (a custom autograd Function with one empty anchor leaf as
-input) returns one view of the unit's full buffer per parameter slot, and these views
-are set as plain attributes on the owning modules. The Function's backward runs once
-all of a use's parameter gradients are known, so it *is* the unit's post-backward hook:
-it hands the gradients to the stage. A unit used twice in one step has two Function
-nodes, hence two post-backward calls; a module that runs no forward simply contributes
-no gradient.
-
-Stage 3 frees the full buffer after forward. Autograd still wants the parameter views
-that ops saved for backward; stage 3's saved-tensor hooks replace any saved tensor
-that lives in a gathered buffer by its (unit, offset, size, stride), and gather the
-unit again if backward unpacks it before the unit's pre-backward hook did.
+Parameters reach the modules through stages/binding.py ([Note: binding parameters]).
 
 [Note: gradient buckets]
 A collective has a fixed cost besides its bytes (about half a millisecond on gloo
@@ -45,41 +32,11 @@ import torch
 from tierzero import comm as C
 from tierzero.offload.step_pipeline import PendingWrite, PipelineReport
 from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.stages.binding import UnitParams, bind
+from tierzero.stages.plan import Homes, SlicePlan, SliceSpec, plan_slices
+from tierzero.stages.step import BackwardStep, StepScalars, run_step
+from tierzero.store.protocol import SliceStore
 from tierzero.units import Unit, UnitState
-
-
-@dataclass(frozen=True, slots=True)
-class Homes:
-    """The home tier of each kind of model state, from `cfg.offload.*`."""
-
-    params: Tier = Tier.DEVICE
-    grads: Tier = Tier.DEVICE
-    optimizer: Tier = Tier.DEVICE
-
-
-@dataclass(frozen=True, slots=True)
-class StepScalars:
-    """What the engine decided for one optimizer step, the same on every rank."""
-
-    grad_scale: float
-    """Multiplies the summed gradient slices: 1 / (world size x accumulation x loss scale)."""
-    step: int
-    lr: float
-
-
-@dataclass(frozen=True, slots=True)
-class SliceSpec:
-    """One slice a stage keeps per unit: what it holds, how big, where it lives."""
-
-    kind: Kind
-    numel: int
-    dtype: torch.dtype
-    home: Tier
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
 
 #: Units whose gradients (stages 2, 3) may wait in scratch for their reduce-scatter at once,
 #: or more while they fit in one bucket (see [Note: gradient buckets]).
@@ -108,23 +65,6 @@ class _ReduceBucket:
     pending: C.Pending
 
 
-class _UnitParams(torch.autograd.Function):
-    """Returns one view per parameter slot of `unit.gathered`; its backward hands grads to the stage."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, stage: Stage, unit: Unit) -> tuple[torch.Tensor, ...]:
-        ctx.stage, ctx.unit = stage, unit
-        assert unit.gathered is not None
-        return tuple(slot.view(unit.gathered) for slot in unit.slots)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, None, None]:
-        ctx.unit.has_grads = True
-        ctx.unit.pending_uses -= 1
-        ctx.stage.post_backward(ctx.unit, list(grads))
-        return None, None, None
-
-
 class Stage(ABC):
     """One ZeRO stage over a list of units; every slice is reached through the store."""
 
@@ -136,7 +76,8 @@ class Stage(ABC):
         self,
         *,
         units: list[Unit],
-        store: Any,
+        plan: SlicePlan,
+        store: SliceStore,
         comm: C.CommGroup,
         optimizer: Any,
         param_dtype: torch.dtype,
@@ -145,7 +86,7 @@ class Stage(ABC):
         overlap: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
-        self.units, self.store, self.comm, self.optimizer = units, store, comm, optimizer
+        self.units, self.plan, self.store, self.comm, self.optimizer = units, plan, store, comm, optimizer
         self.param_dtype, self.homes, self.device, self.overlap = param_dtype, homes, device, overlap
         self.bucket_bytes = bucket_bytes
         """Collectives wait for this many bytes of ready units before they start (`zero.reduce_bucket_size`)."""
@@ -157,25 +98,28 @@ class Stage(ABC):
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self.last_step_report: PipelineReport | None = None
         """What the last optimizer step's pipeline did (resident groups, seconds waiting on reads)."""
-        self._backward_step: Any = None
-        """The `stages.step.BackwardStep` of this backward, when the engine asked for one."""
+        self._backward_step: BackwardStep | None = None
+        """The step run during this backward, when the engine asked for one."""
 
     # ---- slices -------------------------------------------------------------------
 
-    def grad_numel(self, unit: Unit) -> int:
-        return unit.shard_numel if self.shards_grads else unit.padded_numel
+    @classmethod
+    def plan_slices(
+        cls, units: list[Unit], *, param_dtype: torch.dtype, state_kinds: tuple[Kind, ...], homes: Homes
+    ) -> SlicePlan:
+        """The slices this stage keeps per unit (see stages/plan.py): what the stage is built with."""
+        return plan_slices(
+            units,
+            shards_params=cls.shards_params,
+            shards_grads=cls.shards_grads,
+            param_dtype=param_dtype,
+            state_kinds=state_kinds,
+            homes=homes,
+        )
 
-    def slice_specs(self, unit: Unit) -> list[SliceSpec]:
+    def slice_specs(self, unit: Unit) -> tuple[SliceSpec, ...]:
         """Every slice this rank keeps for the unit, with its size and home tier."""
-        shard, dtype = unit.shard_numel, self.param_dtype
-        specs = [
-            SliceSpec(Kind.PARAM, shard if self.shards_params else unit.padded_numel, dtype, self.homes.params),
-            SliceSpec(Kind.GRAD, self.grad_numel(unit), dtype, self.homes.grads),
-        ]
-        if self.mixed:
-            specs.append(SliceSpec(Kind.MASTER, shard, torch.float32, self.homes.optimizer))
-        specs += [SliceSpec(kind, shard, torch.float32, self.homes.optimizer) for kind in self.optimizer.state_kinds]
-        return specs
+        return self.plan.of(unit)
 
     def register(self, unit: Unit, full_fp32: torch.Tensor) -> None:
         """Register the unit's slices with the store and write their initial values."""
@@ -226,7 +170,7 @@ class Stage(ABC):
         """
         if counts_as_use:
             unit.pending_uses += 1
-        bind(unit, _UnitParams.apply(self._anchor, self, unit))
+        bind(unit, UnitParams.apply(self._anchor, self, unit))
 
     def post_forward(self, unit: Unit, output: Any) -> None:
         """Stage 3 frees the gathered parameters here; stages 1 and 2 keep them."""
@@ -340,8 +284,6 @@ class Stage(ABC):
 
     def step(self, scalars: StepScalars, *, clip_coef: float) -> None:
         """Step every unit with gradients where the optimizer states live (stages/step.py)."""
-        from tierzero.stages.step import run_step
-
         self._land_last_step()
         report = run_step(self, scalars, clip_coef=clip_coef, **self._step_hooks())
         if report.groups or self.last_step_report is None:
@@ -349,8 +291,6 @@ class Stage(ABC):
 
     def begin_backward_step(self, scalars: StepScalars) -> None:
         """Step each unit during the coming backward, as soon as its gradient is complete (stage 3)."""
-        from tierzero.stages.step import BackwardStep
-
         self._land_last_step()
         self._backward_step = BackwardStep(self, scalars, written=self._step_hooks().get("written"))
 
@@ -400,21 +340,6 @@ class Stage(ABC):
         with self._master(unit, write=False) as (master, _):
             C.all_gather(full, master.clone(), comm=self.comm)
         return full
-
-
-def bind(unit: Unit, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
-    """Set each slot's tensor on every module attribute that names it."""
-    for slot, tensor in zip(unit.slots, tensors, strict=True):
-        for b in slot.bindings:
-            setattr(b.module, b.attr, tensor)
-
-
-def unregister_params(unit: Unit) -> None:
-    """Take the unit's nn.Parameters off their modules; `bind` sets plain tensors in their place."""
-    for slot in unit.slots:
-        for b in slot.bindings:
-            if b.attr in b.module._parameters:
-                del b.module._parameters[b.attr]
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

@@ -21,7 +21,8 @@ import torch
 from tierzero import comm as C
 from tierzero.offload.step_pipeline import PendingWrite
 from tierzero.slices import Kind, SliceKey, Tier
-from tierzero.stages.base import Stage, StepScalars, mark_state
+from tierzero.stages.base import Stage, mark_state
+from tierzero.stages.step import StepScalars
 from tierzero.units import Unit, UnitState
 
 

@@ -5,14 +5,14 @@ when the gradient of the unit's output arrives; when the unit's post-backward ru
 free the parameters and queue the gradients' reduce-scatter into the owned slice (in
 buckets: see [Note: gradient buckets] in stages/base.py). Between the two,
 the parameter views that autograd saved are stand-ins (see [Note: binding parameters]
-in stages/base.py), so freeing a unit really frees its memory.
+in stages/binding.py), so freeing a unit really frees its memory.
 
 The root unit (parameters outside the wrapped blocks) wraps the whole model, so it is
 gathered from the start of forward to its end and again through all of backward: the
 peak of gathered bytes is the root plus the units in flight, never the whole model.
 
 Below the gathers, the PARAM slices themselves come up the tiers ahead of use: the
-engine gives the stage a `ParamPrefetch` (stages/param_prefetch.py), which follows the
+engine builds the stage with a `ParamPrefetch` (stages/param_prefetch.py), which follows the
 unit order learned in the first step. Without clipping or fp16 overflow checks, the
 optimizer step runs during backward: each unit steps as soon as its gradient is
 complete (`BackwardStep` in stages/step.py), its states read while backward goes
@@ -31,9 +31,11 @@ import torch
 from tierzero import comm as C
 from tierzero.offload.step_pipeline import PendingWrite
 from tierzero.prefetch import Phase
-from tierzero.slices import Kind, SliceKey, Tier
-from tierzero.stages.base import Stage, StepScalars, bind, mark_state
+from tierzero.slices import Kind, SliceKey, Tier, storage_id
+from tierzero.stages.base import Stage, mark_state
+from tierzero.stages.binding import bind
 from tierzero.stages.param_prefetch import ParamPrefetch
+from tierzero.stages.step import StepScalars
 from tierzero.units import ROOT, Unit, UnitState
 
 
@@ -53,7 +55,7 @@ class Stage3(Stage):
     shards_grads = True
     shards_params = True
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, param_prefetch: ParamPrefetch | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         # Storage address of each gathered buffer -> its unit, for the pack hook.
         self._by_storage: dict[int, Unit] = {}
@@ -62,8 +64,8 @@ class Stage3(Stage):
         self._order: list[Unit] = []
         """Units in the order the last forward first ran them: what to prefetch next."""
         self._order_now: list[Unit] = []
-        self.param_prefetch: ParamPrefetch | None = None
-        """Set by the engine: fetches PARAM slices up the tiers ahead of their gathers."""
+        self.param_prefetch = param_prefetch
+        """Fetches PARAM slices up the tiers ahead of their gathers (None: each on demand)."""
         self._phase = Phase.FORWARD
 
     # ---- gather and free ----------------------------------------------------------
@@ -81,7 +83,7 @@ class Stage3(Stage):
             shard = self.param_prefetch.acquire(unit.name, self._phase)
         self._gathering[unit.name] = C.all_gather(gathered, shard, comm=self.comm, async_op=self.overlap)
         unit.gathered = gathered
-        self._by_storage[gathered.untyped_storage().data_ptr()] = unit
+        self._by_storage[storage_id(gathered)] = unit
 
     def unshard(self, unit: Unit) -> None:
         self.start_gather(unit)
@@ -99,7 +101,7 @@ class Stage3(Stage):
         if unit.state is not UnitState.GATHERED:
             return
         assert unit.gathered is not None
-        del self._by_storage[unit.gathered.untyped_storage().data_ptr()]
+        del self._by_storage[storage_id(unit.gathered)]
         bind(unit, [self._empty] * len(unit.slots))
         self.store.free(unit.gathered)
         unit.gathered = None
@@ -212,7 +214,7 @@ class Stage3(Stage):
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | SavedView:
         try:
-            unit = self._by_storage.get(tensor.untyped_storage().data_ptr())
+            unit = self._by_storage.get(storage_id(tensor))
         except (RuntimeError, NotImplementedError):
             return tensor
         if unit is None or unit.gathered is None or tensor.dtype != unit.gathered.dtype:

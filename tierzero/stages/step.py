@@ -10,19 +10,51 @@ the states; so device, CPU and NVMe homes give identical bits.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
+from tierzero.comm import CommGroup
 from tierzero.offload.step_pipeline import PendingWrite, PipelineReport, SliceGroup, StepPipeline, step_tier
 from tierzero.slices import Kind, Tier
+from tierzero.stages.plan import Homes
+from tierzero.store.protocol import SliceStore
+from tierzero.units import Unit
 
-if TYPE_CHECKING:
-    from tierzero.stages.base import Stage, StepScalars
-    from tierzero.units import Unit
+__all__ = ["BackwardStep", "StepScalars", "Steppable", "run_step", "slice_group"]
 
 
-def slice_group(stage: Stage, unit: Unit) -> SliceGroup:
+@dataclass(frozen=True, slots=True)
+class StepScalars:
+    """What the engine decided for one optimizer step, the same on every rank."""
+
+    grad_scale: float
+    """Multiplies the summed gradient slices: 1 / (world size x accumulation x loss scale)."""
+    step: int
+    lr: float
+
+
+class Steppable(Protocol):
+    """What the step asks of a stage (`tierzero.stages.base.Stage` is one)."""
+
+    units: list[Unit]
+    store: SliceStore
+    comm: CommGroup
+    optimizer: Any
+    homes: Homes
+    device: torch.device
+    mixed: bool
+    shards_params: bool
+
+    def grad_slice(self, grads: torch.Tensor, unit: Unit) -> torch.Tensor: ...
+
+    def publish(self, unit: Unit, master: torch.Tensor) -> list[PendingWrite]: ...
+
+    def unshard(self, unit: Unit) -> None: ...
+
+
+def slice_group(stage: Steppable, unit: Unit) -> SliceGroup:
     """The slices the unit's step fetches, and where to: states to the step tier, grads as cheaply as possible."""
     tier = step_tier(stage.homes.optimizer)
     # Memory-homed gradients are read in place (copied into step-tier scratch by the
@@ -38,7 +70,7 @@ def slice_group(stage: Stage, unit: Unit) -> SliceGroup:
 
 
 def run_step(
-    stage: Stage,
+    stage: Steppable,
     scalars: StepScalars,
     *,
     clip_coef: float,
@@ -73,7 +105,7 @@ class BackwardStep:
     the bits are the same as stepping after backward.
     """
 
-    def __init__(self, stage: Stage, scalars: StepScalars, *, written: Callable[[str], None] | None = None) -> None:
+    def __init__(self, stage: Steppable, scalars: StepScalars, *, written: Callable[[str], None] | None = None) -> None:
         self._stage = stage
         self._pipeline = _pipeline(stage, scalars, clip_coef=1.0, written=written)
 
@@ -95,7 +127,7 @@ class BackwardStep:
 
 
 def _pipeline(
-    stage: Stage, scalars: StepScalars, *, clip_coef: float, written: Callable[[str], None] | None
+    stage: Steppable, scalars: StepScalars, *, clip_coef: float, written: Callable[[str], None] | None
 ) -> StepPipeline:
     by_name = {unit.name: unit for unit in stage.units}
 
@@ -107,7 +139,7 @@ def _pipeline(
 
 
 def _step_unit(
-    stage: Stage, unit: Unit, fetched: dict[Kind, torch.Tensor], scalars: StepScalars, *, clip_coef: float
+    stage: Steppable, unit: Unit, fetched: dict[Kind, torch.Tensor], scalars: StepScalars, *, clip_coef: float
 ) -> list[PendingWrite]:
     tier = step_tier(stage.homes.optimizer)
     store = stage.store
@@ -139,7 +171,7 @@ def _step_unit(
     return writes
 
 
-def _master(stage: Stage, unit: Unit, fetched: dict[Kind, torch.Tensor], tier: Tier) -> tuple[torch.Tensor, bool]:
+def _master(stage: Steppable, unit: Unit, fetched: dict[Kind, torch.Tensor], tier: Tier) -> tuple[torch.Tensor, bool]:
     """(the fp32 slice to step, whether it is step-tier scratch the caller frees)."""
     if Kind.MASTER in fetched:
         return fetched[Kind.MASTER], False

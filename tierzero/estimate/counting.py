@@ -1,0 +1,224 @@
+"""A store that only counts bytes: the `SliceStore` the estimator runs the engine against.
+
+Its tensors live on the meta device (shapes, no memory), and it books every home,
+fetched copy and scratch buffer in the same `Ledger` the real store keeps, so the
+engine's own stage, prefetcher and step pipeline decide what is held when, and this
+store only says how much. What it models of the mechanism below the store:
+
+- A read lands at once, so the prefetcher is as far ahead as its budgets allow: the
+  most device memory prefetched slices can take.
+- A write lands only when someone waits for it (the step pipeline making room, the
+  next step landing the last one, a slice's own `wait()`): a write-back holds its
+  copy, and its bounce blocks, as long as the engine lets it, which bounds a run from
+  above.
+- Device<->NVMe moves on a GPU pass through the swapper's staging pool, which keeps
+  the buffers it made; NVMe writes from host memory the store did not allocate (the
+  first value of a slice, a published compute-dtype shard) pass through the NVMe
+  tier's bounce blocks, which it keeps too and which count against no capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from tierzero.config import SwapperConfig, TiersConfig
+from tierzero.offload.staging import StagingStats
+from tierzero.slices import MODEL_STATE_KINDS, Kind, SliceKey, Tier, storage_id
+from tierzero.store import StoreReport, Use
+from tierzero.store.ledger import Ledger
+from tierzero.transfer import Transfer, TransferOutcome
+
+__all__ = ["CountingStore"]
+
+
+class _LandsWhenWaited(Future):
+    """A write that lands when it is waited for (see the module note)."""
+
+    def result(self, timeout: float | None = None) -> TransferOutcome:
+        self._land()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._land()
+        return super().exception(timeout)
+
+    def _land(self) -> None:
+        if not self.done():
+            self.set_result(TransferOutcome())
+
+
+@dataclass(slots=True, kw_only=True)
+class _Slice:
+    key: SliceKey
+    numel: int
+    dtype: torch.dtype
+    home: Tier
+    copy_tier: Tier | None = None
+    """Where the slice is fetched to; None while only the home exists."""
+    fetched: Transfer[torch.Tensor] | None = None
+    home_tensor: torch.Tensor | None = None
+    writes: list[Future] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def tensor(self) -> torch.Tensor:
+        return torch.empty(self.numel, dtype=self.dtype, device="meta")
+
+
+class CountingStore:
+    """Books what a `TieredStore` built from the same sections would hold; moves nothing."""
+
+    def __init__(self, tiers: TiersConfig, swapper: SwapperConfig, *, cuda: bool) -> None:
+        self._ledger = Ledger({Tier.DEVICE: tiers.device.capacity, Tier.CPU: tiers.cpu.capacity, Tier.NVME: None})
+        self._nvme, self._swapper, self._cuda = tiers.nvme, swapper, cuda
+        self._slices: dict[SliceKey, _Slice] = {}
+        self._scratch: dict[int, tuple[Tier, Kind, int]] = {}
+        self._use_now: Counter[tuple[Tier, str]] = Counter()
+        self.working: dict[Tier, Counter[str]] = {tier: Counter() for tier in Tier}
+        """Peak bytes per tier by use: home, fetched, gathered, scratch, staging, bounce."""
+        self._staging = 0
+        self._bounce_chunks = 0
+        self.bounce = 0
+        """Bytes of bounce blocks the NVMe tier keeps (host memory outside any capacity)."""
+        self.nvme_read = self.nvme_written = 0
+
+    # ---- the SliceStore protocol ----------------------------------------------------
+
+    def register(self, key: SliceKey, *, numel: int, dtype: torch.dtype, home: Tier) -> None:
+        if key in self._slices:
+            raise ValueError(f"{key} is already registered; unregister it first")
+        record = self._slices[key] = _Slice(key=key, numel=numel, dtype=dtype, home=home)
+        if home is not Tier.NVME:
+            record.home_tensor = record.tensor()
+        self._add(home, key.kind, Use.HOME, record.nbytes, "home")
+
+    def fetch(self, key: SliceKey, *, to: Tier) -> Transfer[torch.Tensor]:
+        record = self._slices[key]
+        if record.fetched is not None:
+            if record.copy_tier is not to:
+                raise ValueError(f"{key} is already fetched to {record.copy_tier}, asked for {to.value}: release it first")
+            return record.fetched
+        record.copy_tier = to
+        if record.home is to:
+            assert record.home_tensor is not None
+            record.fetched = Transfer.ready(record.home_tensor)
+        else:
+            self._add(to, key.kind, Use.FETCHED, record.nbytes, "fetched")
+            if record.home is Tier.NVME:
+                self.nvme_read += record.nbytes
+            self._move(record.home, to, record.nbytes)
+            record.fetched = Transfer.ready(record.tensor())
+        for write in list(record.writes):
+            write.result()  # a read is ordered after the key's pending writes
+        return record.fetched
+
+    def write_back(self, key: SliceKey, src: torch.Tensor | None = None) -> Transfer[None]:
+        record = self._slices[key]
+        if src is None and (record.fetched is None or record.copy_tier is record.home):
+            return Transfer.ready()
+        # A source the caller made (a slice's first value, a published shard) is taken to be
+        # on the GPU where there is one: it is staged there, and bounced without one.
+        source = record.copy_tier if src is None else (Tier.DEVICE if self._cuda else record.copy_tier or Tier.CPU)
+        assert source is not None
+        write = _LandsWhenWaited()
+        if record.home is Tier.NVME:
+            self.nvme_written += record.nbytes
+            self._move(source, Tier.NVME, record.nbytes)
+            if src is not None and not self._cuda:
+                self._bounce(write, record.nbytes)
+        record.writes.append(write)
+        write.add_done_callback(lambda done: record.writes.remove(done))
+        return Transfer(write)
+
+    def release(self, key: SliceKey) -> None:
+        record = self._slices[key]
+        if record.fetched is None:
+            raise ValueError(f"cannot release {key}: it is not fetched")
+        tier, record.copy_tier, record.fetched = record.copy_tier, None, None
+        if tier is record.home:
+            return
+        assert tier is not None
+        pending = list(record.writes)
+        left = [len(pending)]
+
+        def free(_: object = None) -> None:
+            left[0] -= 1
+            if left[0] <= 0:
+                self._add(tier, key.kind, Use.FETCHED, -record.nbytes, "fetched")
+
+        if not pending:
+            free()
+        for write in pending:
+            write.add_done_callback(free)
+
+    def at_home(self, key: SliceKey) -> bool:
+        return self._slices[key].fetched is None
+
+    def allocate(self, *, kind: Kind, numel: int, dtype: torch.dtype, tier: Tier, label: str = "") -> torch.Tensor:
+        if tier is Tier.NVME:
+            raise ValueError(f"scratch {label or kind.value} must be in device or cpu memory, got nvme")
+        tensor = torch.empty(numel, dtype=dtype, device="meta")
+        self._scratch[storage_id(tensor)] = (tier, kind, tensor.nbytes)
+        self._add(tier, kind, Use.SCRATCH, tensor.nbytes, "gathered" if kind is Kind.GATHERED else "scratch")
+        return tensor
+
+    def free(self, tensor: torch.Tensor) -> None:
+        tier, kind, nbytes = self._scratch.pop(storage_id(tensor))
+        self._add(tier, kind, Use.SCRATCH, -nbytes, "gathered" if kind is Kind.GATHERED else "scratch")
+
+    def kind_bytes(self) -> dict[Kind, int]:
+        return self._ledger.home_bytes(MODEL_STATE_KINDS)
+
+    def report(self) -> StoreReport:
+        size, count = self._swapper.buffer_size, self._swapper.buffer_count
+        staging = StagingStats(
+            buffer_size=size, buffer_count=count, held=self._staging, peak_held=self._staging, in_use=0, peak_in_use=0
+        )
+        return self._ledger.report(staging=staging)
+
+    def close(self) -> None:
+        for record in self._slices.values():
+            for write in list(record.writes):
+                write.result()
+
+    # ---- counting -------------------------------------------------------------------
+
+    def reset_traffic(self) -> None:
+        self.nvme_read = self.nvme_written = 0
+
+    def _add(self, tier: Tier, kind: Kind, use: Use, delta: int, label: str) -> None:
+        self._ledger.add(tier, kind, use, delta)
+        self._use_now[tier, label] += delta
+        self.working[tier][label] = max(self.working[tier][label], self._use_now[tier, label])
+
+    def _move(self, a: Tier, b: Tier, nbytes: int) -> None:
+        """A device<->NVMe move on a GPU passes through the staging pool, which keeps what it made."""
+        if not self._cuda or {a, b} != {Tier.DEVICE, Tier.NVME}:
+            return
+        size, count = self._swapper.buffer_size, self._swapper.buffer_count
+        need = min(count, math.ceil(nbytes / size)) * size
+        if need > self._staging:
+            self._add(Tier.CPU, Kind.STAGING, Use.STAGING, need - self._staging, "staging")
+            self._staging = need
+
+    def _bounce(self, write: Future, nbytes: int) -> None:
+        """The NVMe tier copies an unaligned source through its bounce blocks, up to `queue_depth`
+        of them at once, and keeps the blocks it made."""
+        chunks = math.ceil(nbytes / self._nvme.block_size)
+        self._bounce_chunks += chunks
+        need = min(self._nvme.queue_depth, self._bounce_chunks) * self._nvme.block_size
+        if need > self.bounce:
+            self._add(Tier.CPU, Kind.STAGING, Use.STAGING, need - self.bounce, "bounce")
+            self.bounce = need
+
+        def landed(_: object) -> None:
+            self._bounce_chunks -= chunks
+
+        write.add_done_callback(landed)

@@ -1,0 +1,93 @@
+"""The engine's own training step, run on the meta device against a store that only counts bytes.
+
+`dry_run` builds the model on the meta device, wraps it in a real `Engine` (its own
+slice plan, stage, prefetcher and step pipeline) with a `CountingStore` and a
+dry-run collective group at the world size asked for, and runs two optimizer steps
+through `tierzero.train.micro_step`, the training loop's own: the prefetcher learns
+the unit order in the first and follows it in the second. Nothing is allocated and no
+byte moves; whatever order the engine takes, the estimate follows, because there is
+no second copy of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tierzero.comm import CommCounter, CommGroup
+from tierzero.config import Config
+from tierzero.dist import DistContext
+from tierzero.engine import Engine
+from tierzero.estimate.counting import CountingStore
+from tierzero.models import build_model, count_parameters
+from tierzero.slices import Tier
+from tierzero.stages.plan import SlicePlan
+from tierzero.train import micro_step
+
+__all__ = ["DryRun", "dry_run"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DryRun:
+    """What one rank's store held and moved over set-up and two steps."""
+
+    plan: SlicePlan
+    parameters: int
+    """Distinct parameters of the model."""
+    model: nn.Module
+    """The model, on the meta device."""
+    peak: dict[Tier, int]
+    """The ledger's peak per tier: what `engine.memory_report()` reports after a real run."""
+    working: dict[Tier, dict[str, int]]
+    """Peak bytes per tier by use (home, fetched, gathered, scratch, staging, bounce)."""
+    bounce: int
+    """Bytes of the NVMe tier's bounce blocks, in the cpu peak but outside any capacity."""
+    nvme_read_first: int
+    """NVMe bytes read by the first step, which learns the unit order."""
+    nvme_read: int
+    """NVMe bytes read by a later step."""
+    nvme_written: int
+    """NVMe bytes written by a step."""
+
+
+def dry_run(cfg: Config, *, world_size: int) -> DryRun:
+    """Run set-up and two optimizer steps of `cfg` as rank 0 of `world_size`, counting bytes."""
+    if world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {world_size}")
+    model = build_model(cfg.model, device="meta")
+    parameters = count_parameters(model)
+    store = CountingStore(cfg.tiers, cfg.swapper, cuda=torch.cuda.is_available())
+    comm = CommGroup(rank=0, world_size=world_size, counter=CommCounter(), dry_run=True)
+    ctx = DistContext(rank=0, world_size=world_size, local_rank=0, device=torch.device("meta"), created_group=False)
+    engine = Engine(model, cfg, ctx=ctx, store=store, comm=comm)
+    try:
+        store.reset_traffic()
+        _step(engine, cfg)
+        read_first = store.nvme_read
+        store.reset_traffic()
+        _step(engine, cfg)
+    finally:
+        engine.close()
+    peaks = store.report().tiers
+    return DryRun(
+        plan=engine.plan,
+        parameters=parameters,
+        model=model,
+        peak={tier: peaks[tier].peak for tier in Tier},
+        working={tier: dict(store.working[tier]) for tier in Tier},
+        bounce=store.bounce,
+        nvme_read_first=read_first,
+        nvme_read=store.nvme_read,
+        nvme_written=store.nvme_written,
+    )
+
+
+def _step(engine: Engine, cfg: Config) -> None:
+    """One optimizer step: a micro-step per accumulated micro-batch, of token ids on the meta device."""
+    train = cfg.train
+    is_hf = cfg.model.type == "transformers"
+    for _ in range(cfg.gradient_accumulation_steps):
+        x, y = (torch.empty(train.micro_batch_size, train.seq_len, dtype=torch.long, device="meta") for _ in range(2))
+        micro_step(engine, x, y, is_hf=is_hf)

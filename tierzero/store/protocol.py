@@ -1,0 +1,51 @@
+"""What the stages, the step pipeline and the prefetcher ask of a store: `SliceStore`.
+
+Two stores speak it: `TieredStore`, which moves real bytes between tiers, and the
+estimator's `CountingStore`, which hands out tensors on the meta device and only
+counts what each tier would hold. The callers never learn which one they talk to,
+nor where a slice lives (see [Note: slice lifecycle] in tiered.py).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.store.ledger import StoreReport
+from tierzero.transfer import Transfer
+
+__all__ = ["SliceStore"]
+
+
+class SliceStore(Protocol):
+    def register(self, key: SliceKey, *, numel: int, dtype: torch.dtype, home: Tier) -> None:
+        """Allocate the slice's home in `home`."""
+
+    def fetch(self, key: SliceKey, *, to: Tier) -> Transfer[torch.Tensor]:
+        """Bring the slice to `to` (idempotent while fetched); `.wait()` gives a typed 1-D tensor."""
+
+    def write_back(self, key: SliceKey, src: torch.Tensor | None = None) -> Transfer[None]:
+        """Copy the fetched copy, or `src`, to the slice's home."""
+
+    def release(self, key: SliceKey) -> None:
+        """Drop the fetched copy once its transfers are done."""
+
+    def at_home(self, key: SliceKey) -> bool:
+        """Whether only the home copy exists."""
+
+    def allocate(self, *, kind: Kind, numel: int, dtype: torch.dtype, tier: Tier, label: str = "") -> torch.Tensor:
+        """Scratch memory in a memory tier, accounted under `kind` until `free`."""
+
+    def free(self, tensor: torch.Tensor) -> None:
+        """Give back scratch memory `allocate` returned."""
+
+    def kind_bytes(self) -> dict[Kind, int]:
+        """Bytes of each model-state kind in their homes, all tiers together."""
+
+    def report(self) -> StoreReport:
+        """Bytes per tier, now and at peak."""
+
+    def close(self) -> None:
+        """Finish every transfer and free everything. Idempotent."""
