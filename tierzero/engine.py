@@ -80,7 +80,12 @@ class Engine:
         self._hooks: list[Any] = []
         try:
             self.param_prefetch = self._make_prefetch() if stage_class.shards_params else None
-            extra = {"param_prefetch": self.param_prefetch} if stage_class.shards_params else {}
+            extra: dict[str, Any] = {}
+            if stage_class.shards_params:
+                extra = {
+                    "param_prefetch": self.param_prefetch,
+                    "persistence_threshold": int(cfg.zero.param_persistence_threshold),
+                }
             self.stage = stage_class(
                 units=self.units,
                 plan=self.plan,

@@ -244,3 +244,14 @@ def test_estimate_follows_a_changed_step_order(tmp_path: Path, monkeypatch: pyte
         measured = summary.peak_tier_bytes.get(tier.value, 0)
         assert abs(est.peak - measured) <= 0.10 * measured, (tier, est.peak, measured, est.working)
 
+def test_estimate_counts_units_kept_gathered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """zero.param_persistence_threshold keeps small units gathered through backward: the device peak grows, and the
+    estimate, which runs the engine's own stage, says by how much."""
+    raw = _raw(tmp_path, stage=3, params="cpu", grads="cpu", optimizer="cpu")
+    released = estimate(load_config(raw))
+    raw["zero"]["param_persistence_threshold"] = 10**9
+    kept = estimate(load_config(raw))
+    assert kept.tiers[Tier.DEVICE].working["gathered"] > released.tiers[Tier.DEVICE].working["gathered"]
+    summary, _ = _train(raw, monkeypatch)
+    measured = summary.peak_tier_bytes["device"]
+    assert abs(kept.tiers[Tier.DEVICE].peak - measured) <= 0.10 * measured, (kept.tiers[Tier.DEVICE].peak, measured)

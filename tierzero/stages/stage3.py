@@ -10,6 +10,9 @@ in stages/binding.py), so freeing a unit really frees its memory.
 The root unit (parameters outside the wrapped blocks) wraps the whole model, so it is
 gathered from the start of forward to its end and again through all of backward: the
 peak of gathered bytes is the root plus the units in flight, never the whole model.
+Units with fewer parameters than `zero.param_persistence_threshold` are the exception
+a user opts into: they stay gathered from their forward to the end of backward, which
+saves their backward all-gather and costs their full size on the device meanwhile.
 
 Below the gathers, the PARAM slices themselves come up the tiers ahead of use: the
 engine builds the stage with a `ParamPrefetch` (stages/param_prefetch.py), which follows the
@@ -55,8 +58,12 @@ class Stage3(Stage):
     shards_grads = True
     shards_params = True
 
-    def __init__(self, *, param_prefetch: ParamPrefetch | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *, param_prefetch: ParamPrefetch | None = None, persistence_threshold: int = 0, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
+        self.persistence_threshold = persistence_threshold
+        """Units with fewer parameters stay gathered from forward to backward (`zero.param_persistence_threshold`)."""
         # Storage address of each gathered buffer -> its unit, for the pack hook.
         self._by_storage: dict[int, Unit] = {}
         self._gathering: dict[str, C.Pending] = {}
@@ -110,8 +117,9 @@ class Stage3(Stage):
     def _prefetch(self, unit: Unit, *, step: int) -> None:
         """Start gathering the unit after (`step=1`) or before (-1) `unit` in the last forward's order.
 
-        At most two block units are gathered or gathering at once (besides the root),
-        which is the peak-memory promise of stage 3. The decision depends only on the
+        At most two block units are gathered or gathering at once (besides the root and the
+        units the persistence threshold keeps gathered), which is the peak-memory promise of
+        stage 3. The decision depends only on the
         order and on unit states, never on timing, so every rank issues the same
         collectives in the same order.
         """
@@ -123,7 +131,7 @@ class Stage3(Stage):
         if not 0 <= index < len(self._order):
             return
         target = self._order[index]
-        live = sum(1 for u in self.units if u.state is not UnitState.SHARDED and u.name != ROOT)
+        live = sum(1 for u in self.units if u.state is not UnitState.SHARDED and u.name != ROOT and not self._persists(u))
         if target.name != ROOT and live <= 1:
             self.start_gather(target)
 
@@ -141,7 +149,11 @@ class Stage3(Stage):
         outputs = [t for t in _tensors(output) if t.requires_grad]
         if outputs and torch.is_grad_enabled():
             torch.autograd.graph.register_multi_grad_hook(outputs, lambda _: self.pre_backward(unit), mode="any")
-        self.reshard(unit)
+        if not (torch.is_grad_enabled() and self._persists(unit)):
+            self.reshard(unit)  # a persistent unit stays gathered for its backward (after_backward frees it)
+
+    def _persists(self, unit: Unit) -> bool:
+        return unit.numel < self.persistence_threshold
 
     def pre_backward(self, unit: Unit) -> None:
         self._phase = Phase.BACKWARD
