@@ -99,6 +99,14 @@ class CountingStore:
             record.home_tensor = record.tensor()
         self._add(home, key.kind, Use.HOME, record.nbytes, "home")
 
+    def home_tensor(self, key: SliceKey) -> torch.Tensor:
+        record = self._slices[key]
+        if record.home_tensor is None:
+            raise ValueError(f"{key} lives on nvme, which has no tensor: fetch it to device or cpu")
+        for write in list(record.writes):
+            write.result()
+        return record.home_tensor
+
     def fetch(self, key: SliceKey, *, to: Tier) -> Transfer[torch.Tensor]:
         record = self._slices[key]
         if record.fetched is not None:

@@ -23,6 +23,9 @@ class SliceStore(Protocol):
     def register(self, key: SliceKey, *, numel: int, dtype: torch.dtype, home: Tier) -> None:
         """Allocate the slice's home in `home`."""
 
+    def home_tensor(self, key: SliceKey) -> torch.Tensor:
+        """The typed 1-D home of a device- or cpu-homed slice, once its pending writes have landed."""
+
     def fetch(self, key: SliceKey, *, to: Tier) -> Transfer[torch.Tensor]:
         """Bring the slice to `to` (idempotent while fetched); `.wait()` gives a typed 1-D tensor."""
 
