@@ -153,19 +153,15 @@ class FlatOptimizer(ABC):
         `grad` may be overwritten: SGD with weight decay uses it as scratch (the engine
         zeroes gradients after a step anyway). Adam and AdamW leave it untouched.
         """
-        self.step_many([OptimSlice(param=param, grad=grad, states=states, layout=layout)], step=step, lr=lr)
-
-    def step_many(self, slices: Sequence[OptimSlice], *, step: int, lr: float) -> None:
-        """`step` on several slices at once: one kernel launch for all of them where the rule allows."""
         if step < 1:
             raise ValueError(f"optimizer step numbers start at 1, got {step}: pass the 1-based count of updates")
-        for s in slices:
-            _check_slice(s, self.state_kinds)
-        if slices:
-            self._apply(slices, step=step, lr=float(lr))
+        one = OptimSlice(param=param, grad=grad, states=states, layout=layout)
+        _check_slice(one, self.state_kinds)
+        self._apply([one], step=step, lr=float(lr))
 
     @abstractmethod
-    def _apply(self, slices: Sequence[OptimSlice], *, step: int, lr: float) -> None: ...
+    def _apply(self, slices: Sequence[OptimSlice], *, step: int, lr: float) -> None:
+        """Step checked slices: Adam launches one fused kernel over all of them."""
 
 
 class FlatAdam(FlatOptimizer):

@@ -61,7 +61,7 @@ def run_torch(cls: type[torch.optim.Optimizer], **kwargs) -> tuple[torch.Tensor,
 
 
 def run_flat(
-    opt, *, cuts: list[int], use_step_many: bool = False, with_layout: bool = True
+    opt, *, cuts: list[int], in_one_launch: bool = False, with_layout: bool = True
 ) -> tuple[torch.Tensor, dict[Kind, torch.Tensor]]:
     """Steps the flattened parameters as slices [cuts[i], cuts[i+1]) of larger padded buffers."""
     pad = 5  # slices are views into a larger buffer, not whole tensors
@@ -83,8 +83,8 @@ def run_flat(
             )
             for a, b in zip(bounds, bounds[1:], strict=False)
         ]
-        if use_step_many:
-            opt.step_many(slices, step=step, lr=lr_at(step))
+        if in_one_launch:
+            opt._apply(slices, step=step, lr=lr_at(step))  # several slices in one kernel launch
         else:
             for s in slices:
                 opt.step(param=s.param, grad=s.grad, states=s.states, step=step, lr=lr_at(step), layout=s.layout)
@@ -105,13 +105,13 @@ ADAM_CASES = [
 
 
 @pytest.mark.parametrize(("kind", "cls", "kw"), ADAM_CASES)
-@pytest.mark.parametrize("use_step_many", [False, True])
-def test_adam_bitwise_equal_to_torch_fused(kind, cls, kw, use_step_many) -> None:
+@pytest.mark.parametrize("in_one_launch", [False, True])
+def test_adam_bitwise_equal_to_torch_fused(kind, cls, kw, in_one_launch) -> None:
     ref_param, ref_states = run_torch(cls, fused=True, **kw)
     total = ref_param.numel()
     # Cut at offsets unrelated to the tensor boundaries: a rank's shard of a unit.
     cuts = [3, 50, 51, 1500, total // 2, total - 17]
-    param, states = run_flat(FlatAdam(spec(kind, **kw)), cuts=cuts, use_step_many=use_step_many)
+    param, states = run_flat(FlatAdam(spec(kind, **kw)), cuts=cuts, in_one_launch=in_one_launch)
     assert torch.equal(param, ref_param)
     assert torch.equal(states[Kind.EXP_AVG], ref_states[0])
     assert torch.equal(states[Kind.EXP_AVG_SQ], ref_states[1])

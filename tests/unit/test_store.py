@@ -138,7 +138,8 @@ def test_a_full_tier_refuses_and_nothing_is_spilled(tmp_path) -> None:
             "device tier is full: needs 31.2 KiB for u1/param, 31.2 KiB of its 39.1 KiB capacity already in use; "
             "raise tiers.device.capacity or move state to a lower tier"
         )
-        assert not store.is_registered(SliceKey("u1", Kind.PARAM))
+        with pytest.raises(ValueError, match=r"^u1/param is not registered"):
+            store.state(SliceKey("u1", Kind.PARAM))
         assert store.report() == before  # no other tier took the bytes
         cpu_key = SliceKey("u2", Kind.MASTER)
         store.register(cpu_key, numel=8000, dtype=torch.float32, home=Tier.CPU)

@@ -151,9 +151,6 @@ class TieredStore:
             self._slices[key] = SliceRecord(key=key, numel=numel, dtype=dtype, home=region)
             self._ledger.add(home, key.kind, Use.HOME, region.nbytes)
 
-    def is_registered(self, key: SliceKey) -> bool:
-        return key in self._slices
-
     def home_tensor(self, key: SliceKey) -> torch.Tensor:
         """The typed 1-D home of a device- or cpu-homed slice (no copy), once its pending writes have landed."""
         with self._lock:
