@@ -181,13 +181,7 @@ def all_gather_many(
                 f"all_gather output holds {output.numel()} elements, expected "
                 f"{comm.world_size} x {shard.numel()}: size the output as world_size x shard"
             )
-    if comm.world_size == 1:
-        for output, shard in zip(outputs, shards):
-            output.copy_(shard)
-        return Pending()
-    for output in outputs:
-        _count(comm, Collective.ALL_GATHER, output)
-    if comm.dry_run:
+    if _done_locally(comm, Collective.ALL_GATHER, outputs, shards, counted=outputs):
         return Pending()
     if not _direct(comm):
         works = [_all_gather_flat(o, s, group=comm.group, async_op=async_op) for o, s in zip(outputs, shards)]
@@ -232,13 +226,7 @@ def reduce_scatter_many(
                 f"reduce_scatter input holds {full.numel()} elements, expected "
                 f"{comm.world_size} x {output.numel()}: pad the input to a multiple of world_size"
             )
-    if comm.world_size == 1:
-        for output, full in zip(outputs, fulls):
-            output.copy_(full)
-        return Pending()
-    for full in fulls:
-        _count(comm, Collective.REDUCE_SCATTER, full)
-    if comm.dry_run:
+    if _done_locally(comm, Collective.REDUCE_SCATTER, outputs, fulls, counted=fulls):
         return Pending()
     if not _direct(comm):
         sum_ = dist.ReduceOp.SUM
@@ -265,6 +253,25 @@ def reduce_scatter_many(
                 output.add_(term)
 
     return _settle(Pending(tuple(works), finish, keep=tuple(t for t, _ in sends)), async_op=async_op)
+
+
+def _done_locally(
+    comm: CommGroup,
+    op: Collective,
+    outputs: Sequence[torch.Tensor],
+    sources: Sequence[torch.Tensor],
+    *,
+    counted: Sequence[torch.Tensor],
+) -> bool:
+    """Whether the collective needs no exchange: at world size 1 each source is its output
+    (copied), and a dry run only counts the bytes of `counted`."""
+    if comm.world_size == 1:
+        for output, source in zip(outputs, sources):
+            output.copy_(source)
+        return True
+    for full in counted:
+        _count(comm, op, full)
+    return comm.dry_run
 
 
 def _settle(pending: Pending, *, async_op: bool) -> Pending:

@@ -61,3 +61,16 @@ def test_size_mismatch_is_a_clear_error() -> None:
 def test_default_group_absent_means_single_process() -> None:
     comm = CommGroup.from_default_group()
     assert (comm.rank, comm.world_size) == (0, 1)
+
+
+def test_a_dry_run_group_counts_what_a_real_one_sends_and_needs_no_process_group() -> None:
+    """`tierzero estimate` runs the stages at a world size it does not have, over meta tensors."""
+    comm = CommGroup(rank=1, world_size=4, counter=CommCounter(), dry_run=True)
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    all_gather(torch.empty(4096, **meta), torch.empty(1024, **meta), comm=comm, async_op=True).wait()
+    reduce_scatter(torch.empty(1024, **meta), torch.empty(4096, **meta), comm=comm)
+    all_reduce(torch.empty((), device="meta"), comm=comm)
+    assert comm.counter.report() == {"all_gather": 3 * 8192 // 4, "reduce_scatter": 3 * 8192 // 4, "all_reduce": 6}
+    assert comm.counter.calls[Collective.ALL_GATHER] == 1
+    with pytest.raises(ValueError, match="expected 4 x 1000"):
+        all_gather(torch.empty(4096, **meta), torch.empty(1000, **meta), comm=comm)
