@@ -79,9 +79,10 @@ class Engine:
         self.store = store if store is not None else self._make_store()
         self._hooks: list[Any] = []
         try:
-            self.param_prefetch = self._make_prefetch() if stage_class.shards_params else None
+            self.param_prefetch: ParamPrefetch | None = None
             extra: dict[str, Any] = {}
             if stage_class.shards_params:
+                self.param_prefetch = self._make_prefetch()
                 extra = {
                     "param_prefetch": self.param_prefetch,
                     "persistence_threshold": int(cfg.zero.param_persistence_threshold),

@@ -31,6 +31,7 @@ import torch
 
 from tierzero import comm as C
 from tierzero.offload.step_pipeline import PendingWrite, PipelineReport
+from tierzero.optim import FlatOptimizer
 from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.binding import UnitParams, bind
 from tierzero.stages.plan import Homes, SlicePlan, SliceSpec, plan_slices
@@ -79,7 +80,7 @@ class Stage(ABC):
         plan: SlicePlan,
         store: SliceStore,
         comm: C.CommGroup,
-        optimizer: Any,
+        optimizer: FlatOptimizer,
         param_dtype: torch.dtype,
         homes: Homes,
         device: torch.device,

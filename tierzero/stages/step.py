@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from tierzero.comm import CommGroup
 from tierzero.offload.step_pipeline import PendingWrite, PipelineReport, SliceGroup, StepPipeline, step_tier
+from tierzero.optim import FlatOptimizer
 from tierzero.slices import Kind, Tier
 from tierzero.stages.plan import Homes
 from tierzero.store.protocol import SliceStore
@@ -41,7 +42,7 @@ class Steppable(Protocol):
     units: list[Unit]
     store: SliceStore
     comm: CommGroup
-    optimizer: Any
+    optimizer: FlatOptimizer
     homes: Homes
     device: torch.device
     mixed: bool
