@@ -78,6 +78,7 @@ class Engine:
         )
         self.store = store if store is not None else self._make_store()
         self._hooks: list[Any] = []
+        self._closed = False
         try:
             self.param_prefetch: ParamPrefetch | None = None
             extra: dict[str, Any] = {}
@@ -160,10 +161,12 @@ class Engine:
     # ---- training -----------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_open("a forward")
         with self.stage.forward_context():
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
+        self._require_open("backward()")
         scale = self._scaler.scale
         self.stage.last_micro_step = (self._micro_steps + 1) % self.cfg.gradient_accumulation_steps == 0
         if self.stage.last_micro_step and self._steps_in_backward():
@@ -176,6 +179,7 @@ class Engine:
 
     def step(self) -> None:
         """Count one micro-step; at each accumulation boundary step the optimizer and clear grads."""
+        self._require_open("step()")
         self._micro_steps += 1
         if self._micro_steps % self.cfg.gradient_accumulation_steps:
             return
@@ -229,6 +233,7 @@ class Engine:
 
         Collective: every rank calls it after the same `step()`. See tierzero/checkpoint/save_load.py.
         """
+        self._require_open("save_checkpoint()")
         return save_checkpoint(self, self._checkpoint_root(root), keep=self.cfg.checkpoint.keep if keep is None else keep)
 
     def load_checkpoint(self, root: str | os.PathLike[str] | None = None) -> Path:
@@ -236,6 +241,7 @@ class Engine:
 
         Sets `global_step`; raises FileNotFoundError when there is none. Collective.
         """
+        self._require_open("load_checkpoint()")
         return load_checkpoint(self, self._checkpoint_root(root))
 
     def _checkpoint_root(self, root: str | os.PathLike[str] | None) -> Path:
@@ -247,6 +253,7 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full fp32 parameters by the model's names, on CPU, on rank 0 (None elsewhere). Collective."""
+        self._require_open("full_state_dict()")
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
             full = self.stage.gather_fp32(unit)
@@ -286,8 +293,17 @@ class Engine:
     def reset_comm_report(self) -> None:
         self.comm.counter.reset()
 
+    def _require_open(self, what: str) -> None:
+        if self._closed:
+            raise ValueError(
+                f"{what} after engine.close(): its tiers and swap files are gone; build a new engine with tierzero.initialize"
+            )
+
     def close(self) -> None:
-        """Remove the hooks, free every tier and file, leave a group this engine created."""
+        """Remove the hooks, free every tier and file, leave a group this engine created. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
