@@ -14,8 +14,8 @@ import yaml
 import tierzero.train as T
 from tierzero.config import load_config
 from tierzero.engine import Engine
-from tierzero.estimate import Bandwidth, estimate
-from tierzero.estimate.report import add_estimate_command, run_estimate
+from tierzero.estimate import Bandwidth, estimate, estimator
+from tierzero.estimate.report import add_estimate_command, format_estimate, run_estimate
 from tierzero.models import GPT, ModelSpec, count_parameters
 from tierzero.offload.base import TierCapacityError
 from tierzero.sizes import format_size
@@ -255,3 +255,14 @@ def test_estimate_counts_units_kept_gathered(tmp_path: Path, monkeypatch: pytest
     summary, _ = _train(raw, monkeypatch)
     measured = summary.peak_tier_bytes["device"]
     assert abs(kept.tiers[Tier.DEVICE].peak - measured) <= 0.10 * measured, (kept.tiers[Tier.DEVICE].peak, measured)
+
+
+def test_a_disk_too_small_for_the_swap_file_marks_the_nvme_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table's nvme row says NO when the swap file does not fit the disk, as the verdict below it does."""
+    monkeypatch.setattr(estimator, "_free_space", lambda path: 4096)
+    result = estimate(load_config(_raw(tmp_path, stage=3, params="nvme", grads="cpu", optimizer="nvme")))
+    assert not result.fits and not result.tiers[Tier.NVME].fits
+    assert result.tiers[Tier.DEVICE].fits and result.tiers[Tier.CPU].fits
+    nvme_row = next(line for line in format_estimate(result).splitlines() if line.startswith("nvme "))
+    assert nvme_row.split()[-1] == "NO"
+    assert "DOES NOT FIT:" in format_estimate(result)

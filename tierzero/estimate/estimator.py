@@ -52,6 +52,10 @@ class TierEstimate:
     """The store ledger's peak for this tier (`engine.memory_report()["tiers"][tier]["peak"]`)."""
     uncounted: int = 0
     """Bytes in `peak` that do not count against the capacity (the NVMe tier's bounce blocks)."""
+    disk_need: int = 0
+    """Bytes of files this tier preallocates (the NVMe tier's swap file)."""
+    disk_free: int | None = None
+    """Free bytes on the disk that holds them; None when unknown or not on a disk."""
 
     @property
     def home_total(self) -> int:
@@ -64,7 +68,8 @@ class TierEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.capacity is None or self.need <= self.capacity
+        on_disk = self.disk_free is None or self.disk_need <= self.disk_free
+        return on_disk and (self.capacity is None or self.need <= self.capacity)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -148,8 +153,10 @@ def estimate(
     nvme_file = run.plan.nvme_bytes()
     if cfg.tiers.nvme.capacity is not None and nvme_file:
         nvme_file = cfg.tiers.nvme.capacity
-    tiers[Tier.NVME].capacity = cfg.tiers.nvme.capacity
     uses_nvme = nvme_file > 0
+    nvme = tiers[Tier.NVME]
+    nvme.capacity = cfg.tiers.nvme.capacity
+    nvme.disk_need, nvme.disk_free = nvme_file, _free_space(cfg.tiers.nvme.path) if uses_nvme else None
     train = cfg.train
     result = Estimate(
         stage=cfg.zero.stage,
@@ -162,7 +169,7 @@ def estimate(
         nvme_read_first=run.nvme_read_first,
         nvme_written=run.nvme_written,
         nvme_file=nvme_file,
-        nvme_free=_free_space(cfg.tiers.nvme.path) if uses_nvme else None,
+        nvme_free=nvme.disk_free,
         disk=(disk or ASSUMED_DISK) if uses_nvme else None,
         flops=flops or assumed_flops(cfg.precision.param_dtype),
         activations=_activation_bytes(cfg, run.model),
