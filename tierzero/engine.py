@@ -56,9 +56,11 @@ class Engine:
         """`store` and `comm` default to a `TieredStore` built from `cfg` and the default process
         group's collectives; `tierzero estimate` passes a counting store and a dry-run group."""
         self.cfg, self._ctx = cfg, ctx
-        # A meta-built model is materialised unit by unit in _install: see [Note: meta init] in materialize.py.
+        # The model reaches the device unit by unit in _install, never whole: a meta-built one is
+        # materialised a unit at a time (see [Note: meta init] in materialize.py), a materialised
+        # one has each unit copied and its own parameters dropped in turn.
         self._meta = has_meta(model)
-        self.module = model if self._meta else model.to(ctx.device)
+        self.module = model
         self.comm = comm or C.CommGroup(rank=ctx.rank, world_size=ctx.world_size, counter=C.CommCounter())
         self.global_step = 0
         self.lr = float(cfg.optimizer.lr)
@@ -150,7 +152,7 @@ class Engine:
             self._hooks.append(unit.module.register_forward_hook(self._post_hook(unit)))
         if self._meta and self._ctx.device.type != "meta":
             materialize_rest(self.module, seed=int(self.cfg.train.seed) + len(self.units))
-            self.module.to(self._ctx.device)
+        self.module.to(self._ctx.device)  # what no unit took: frozen parameters and buffers
 
     def _pre_hook(self, unit: Unit) -> Callable[..., None]:
         return lambda _module, _args: self.stage.pre_forward(unit)
