@@ -25,6 +25,7 @@ from tierzero.materialize import flat_fp32, has_meta, materialize_rest, material
 from tierzero.optim import make_optimizer
 from tierzero.precision import dtype_of, make_loss_scaler
 from tierzero.prefetch import Prefetcher
+from tierzero.pretrained import PretrainedWeights
 from tierzero.slices import IO_ALIGNMENT, MODEL_STATE_KINDS, Tier
 from tierzero.stages import STAGES, Homes, Stage3, StepScalars
 from tierzero.stages.base import clip_coefficient
@@ -52,10 +53,13 @@ class Engine:
         ctx: D.DistContext,
         store: SliceStore | None = None,
         comm: C.CommGroup | None = None,
+        weights: PretrainedWeights | None = None,
     ) -> None:
         """`store` and `comm` default to a `TieredStore` built from `cfg` and the default process
-        group's collectives; `tierzero estimate` passes a counting store and a dry-run group."""
-        self.cfg, self._ctx = cfg, ctx
+        group's collectives; `tierzero estimate` passes a counting store and a dry-run group.
+        `weights` (checked against `model`) gives every parameter and persistent buffer its
+        pretrained value, streamed unit by unit; without it a meta-built model is initialised."""
+        self.cfg, self._ctx, self._weights = cfg, ctx, weights
         # The model reaches the device unit by unit in _install, never whole: a meta-built one is
         # materialised a unit at a time (see [Note: meta init] in materialize.py), a materialised
         # one has each unit copied and its own parameters dropped in turn.
@@ -132,27 +136,38 @@ class Engine:
     def _install(self) -> None:
         empty = torch.empty(0, dtype=self._param_dtype, device=self._ctx.device)
         for index, unit in enumerate(self.units):
-            if self._ctx.device.type == "meta":
-                # The estimator's dry run: shapes only, no values to initialise or share.
-                full = torch.empty(unit.padded_numel, dtype=torch.float32, device="meta")
-            elif unit_on_meta(unit):
-                seed = int(self.cfg.train.seed) + index
-                full = materialize_unit(self.module, unit, seed=seed).to(self._ctx.device)
-            else:
-                full = flat_fp32(unit, device=self._ctx.device)
-                if self.comm.world_size > 1:
-                    # Every rank starts from rank 0's weights, as DistributedDataParallel does.
-                    torch.distributed.broadcast(full, src=0)
-            self.stage.register(unit, full)
-            # The store holds this rank's slices now; the unit's full buffer must not outlive this pass.
-            del full
+            values, offset = self._unit_values(index, unit)
+            self.stage.register(unit, values, offset=offset)
+            # The store holds this rank's slices now; the unit's values must not outlive this pass.
+            del values
             unregister_params(unit)
             bind(unit, [empty] * len(unit.slots))
             self._hooks.append(unit.module.register_forward_pre_hook(self._pre_hook(unit)))
             self._hooks.append(unit.module.register_forward_hook(self._post_hook(unit)))
         if self._meta and self._ctx.device.type != "meta":
             materialize_rest(self.module, seed=int(self.cfg.train.seed) + len(self.units))
+        if self._weights is not None:
+            self._weights.load_rest(self.module)
+            self._weights.close()
         self.module.to(self._ctx.device)  # what no unit took: frozen parameters and buffers
+
+    def _unit_values(self, index: int, unit: Unit) -> tuple[torch.Tensor, int]:
+        """(the unit's fp32 values on the device, the element of its padded buffer they start at)."""
+        device = self._ctx.device
+        if device.type == "meta":
+            # The estimator's dry run: shapes only, no values to initialise or share.
+            return torch.empty(unit.padded_numel, dtype=torch.float32, device="meta"), 0
+        if self._weights is not None:
+            # Pretrained files: each rank reads only what it keeps (its slice, where parameters are sharded).
+            start, end = unit.shard_range(self.comm.rank) if self.stage.shards_params else (0, unit.padded_numel)
+            return self._weights.unit_range(unit, start=start, end=end).to(device), start
+        if unit_on_meta(unit):
+            return materialize_unit(self.module, unit, seed=int(self.cfg.train.seed) + index).to(device), 0
+        full = flat_fp32(unit, device=device)
+        if self.comm.world_size > 1:
+            # Every rank starts from rank 0's weights, as DistributedDataParallel does.
+            torch.distributed.broadcast(full, src=0)
+        return full, 0
 
     def _pre_hook(self, unit: Unit) -> Callable[..., None]:
         return lambda _module, _args: self.stage.pre_forward(unit)
@@ -322,10 +337,19 @@ class Engine:
         self.close()
 
 
-def initialize(model: nn.Module, config: Any) -> Engine:
-    """Wrap `model` for ZeRO training; `config` is a path, a dict or a tierzero config object."""
+def initialize(model: nn.Module, config: Any, *, pretrained: str | os.PathLike[str] | None = None) -> Engine:
+    """Wrap `model` for ZeRO training; `config` is a path, a dict or a tierzero config object.
+
+    `pretrained` names a transformers model directory (config.json and safetensors files) whose
+    weights `model`, best built on the meta device (`tierzero.pretrained.build_meta_model`),
+    starts from: each unit is read from the files straight into its slices, one at a time.
+    """
     cfg = load_config(config)
-    return Engine(model, cfg, ctx=D.setup(timeout_s=cfg.dist.timeout))
+    weights = None
+    if pretrained is not None:
+        weights = PretrainedWeights.open(pretrained).for_model(model)
+        weights.check(model)
+    return Engine(model, cfg, ctx=D.setup(timeout_s=cfg.dist.timeout), weights=weights)
 
 
 __all__ = ["Engine", "initialize"]

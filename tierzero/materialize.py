@@ -88,7 +88,9 @@ def _init_modules(model: nn.Module, modules: list[nn.Module], *, seed: int) -> N
 
 
 def _init_module(model: nn.Module, module: nn.Module) -> None:
-    init = getattr(model, "init_module", None)
+    # tierzero's built-ins name their per-module init `init_module`; a transformers model's is
+    # `_init_weights(module)`, the hook its `post_init` runs on every module (rotary buffers too).
+    init = getattr(model, "init_module", None) or getattr(model, "_init_weights", None)
     if init is not None:
         init(module)
         return

@@ -148,6 +148,18 @@ class PretrainedWeights:
         out.narrow(0, pad_from - start, end - pad_from).zero_()
         return out
 
+    def load_rest(self, model: nn.Module) -> None:
+        """Copy into `model` the value of every parameter and persistent buffer it still holds itself.
+
+        The engine calls it once the units have taken their parameters: what is left (frozen
+        parameters outside units, buffers) is small and kept whole on every rank. A tensor the
+        files do not hold (a buffer `check` let through) keeps the value its module's init gave it.
+        """
+        with torch.no_grad():
+            for names, tensor in model_tensors(model):
+                if self.lookup(names) is not None:
+                    tensor.copy_(self.read_tensor(names, shape=tensor.shape))
+
     def close(self) -> None:
         """Unmap the files read so far; a later read maps them again."""
         self._readers.clear()

@@ -122,15 +122,25 @@ class Stage(ABC):
         """Every slice this rank keeps for the unit, with its size and home tier."""
         return self.plan.of(unit)
 
-    def register(self, unit: Unit, full_fp32: torch.Tensor) -> None:
-        """Register the unit's slices with the store and write their initial values."""
+    def register(self, unit: Unit, values: torch.Tensor, *, offset: int = 0) -> None:
+        """Register the unit's slices with the store and write their initial values.
+
+        `values` holds the unit's fp32 parameters from element `offset` of its padded buffer:
+        the whole buffer, or (where parameters are sharded) at least this rank's slice of it.
+        """
         start, end = unit.shard_range(self.comm.rank)
+        full = (0, unit.padded_numel) if not self.shards_params else (start, end)
+        if offset > full[0] or offset + values.numel() < full[1]:
+            raise ValueError(
+                f"unit {unit.name}: values cover elements {offset}-{offset + values.numel()}, "
+                f"this rank registers {full[0]}-{full[1]}"
+            )
         initial = {
-            Kind.PARAM: full_fp32[start:end] if self.shards_params else full_fp32,
-            Kind.MASTER: full_fp32[start:end],
+            Kind.PARAM: values[full[0] - offset : full[1] - offset],
+            Kind.MASTER: values[start - offset : end - offset],
         }
         for spec in self.slice_specs(unit):
-            value = initial[spec.kind] if spec.kind in initial else torch.zeros(spec.numel, device=full_fp32.device)
+            value = initial[spec.kind] if spec.kind in initial else torch.zeros(spec.numel, device=values.device)
             self._init(SliceKey(unit.name, spec.kind), value.to(spec.dtype), spec.home)
 
     def _init(self, key: SliceKey, value: torch.Tensor, home: Tier) -> None:

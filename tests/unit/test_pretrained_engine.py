@@ -1,0 +1,96 @@
+"""tierzero.initialize(..., pretrained=DIR): a meta-built transformers model starts from its files, unit by unit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import tierzero
+from tierzero.pretrained import PretrainedError, build_meta_model
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def _gpt2() -> nn.Module:
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32))
+
+
+MODELS = {"llama": (_llama, "LlamaDecoderLayer"), "gpt2": (_gpt2, "GPT2Block")}
+
+
+def _saved(kind: str, directory: Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    model = MODELS[kind][0]().eval()
+    model.to(dtype).save_pretrained(directory, safe_serialization=True)
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_the_engine_starts_from_the_files_bit_for_bit(kind: str, stage: int, tmp_path: Path) -> None:
+    reference = _saved(kind, tmp_path)
+    model = build_meta_model(tmp_path).eval()
+    cfg = {"zero": {"stage": stage, "unit_classes": [MODELS[kind][1]]}, "offload": {"optimizer": "cpu"}}
+    with tierzero.initialize(model, cfg, pretrained=tmp_path) as engine:
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            assert torch.equal(engine(input_ids=x).logits, reference(input_ids=x).logits)
+        state = engine.full_state_dict()
+        expected = reference.state_dict()
+        for name, value in expected.items():
+            if name in state:
+                assert torch.equal(state[name], value.float()), name
+        assert set(state) == {n for n, _ in reference.named_parameters(remove_duplicate=False)}
+        engine.module.train()
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        assert torch.isfinite(loss) and engine.global_step == 1
+
+
+def test_bf16_files_are_widened_to_fp32_master_weights(tmp_path: Path) -> None:
+    reference = _saved("llama", tmp_path, dtype=torch.bfloat16)
+    with tierzero.initialize(build_meta_model(tmp_path), {"zero": {"stage": 3}}, pretrained=tmp_path) as engine:
+        state = engine.full_state_dict()
+    for name, value in reference.state_dict().items():
+        if name in state:
+            assert state[name].dtype == torch.float32 and torch.equal(state[name], value.float()), name
+
+
+def test_files_that_do_not_fit_the_model_are_refused_before_anything_is_allocated(tmp_path: Path) -> None:
+    _saved("gpt2", tmp_path)
+    wider = transformers.GPT2Config(vocab_size=64, n_embd=64, n_layer=2, n_head=2, n_positions=32)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(wider)
+    with pytest.raises(PretrainedError, match=r"model\.safetensors: tensor .* has shape \[") as info:
+        tierzero.initialize(model, {"zero": {"stage": 3}}, pretrained=tmp_path)
+    assert "\n" not in str(info.value)
+
+
+def test_a_meta_built_transformers_model_without_files_is_initialised_by_its_own_init(tmp_path: Path) -> None:
+    _saved("llama", tmp_path)
+    with tierzero.initialize(build_meta_model(tmp_path), {"zero": {"stage": 3}}) as engine:
+        state = engine.full_state_dict()
+        x = torch.randint(0, 64, (2, 16))
+        loss = engine(input_ids=x, labels=x).loss
+    assert torch.isfinite(loss)
+    # transformers' own init: norms at one, the rotary frequencies computed, weights random.
+    assert torch.equal(state["model.norm.weight"], torch.ones(32))
+    assert state["model.layers.0.mlp.up_proj.weight"].std() > 0
