@@ -408,10 +408,10 @@ def test_real_small_tmpfs(tmpfs: Path, monkeypatch) -> None:
 def test_buffered_fallback_warns_once_per_path(tmp_path: Path, monkeypatch) -> None:
     real_open = os.open
 
-    def no_direct(path, flags, *args):
+    def no_direct(path, flags, *args, **kwargs):
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
+        return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", no_direct)
     other = tmp_path / "other"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import gc
 import json
+import logging
 import os
 import signal
 import socket
@@ -20,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierzero.cli import main
+from tierzero.offload.clean import Leftover, find_leftovers
 from tierzero.offload.nvme import NvmeTier
-from tierzero.offload.nvme_files import Leftover, find_leftovers, remove_leftovers
 from tierzero.sizes import format_size
 
 MiB = 1 << 20
@@ -69,12 +71,12 @@ def test_failed_start_after_the_files_exist_leaves_nothing(tmp_path: Path, monke
     real_open = os.open
     direct_opens = []
 
-    def refuse_aiofiles_handles(path, flags, *args):
+    def refuse_aiofiles_handles(path, flags, *args, **kwargs):
         if flags & os.O_DIRECT:
             direct_opens.append(path)
             if len(direct_opens) > 1:  # the tier's own descriptor opens; the backend's handles do not
                 raise PermissionError(errno.EACCES, "Permission denied")
-        return real_open(path, flags, *args)
+        return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", refuse_aiofiles_handles)
     with pytest.raises(PermissionError):
@@ -231,21 +233,66 @@ def test_find_and_remove_leftovers(tmp_path: Path) -> None:
         for d, p in ((dead, pid), (reused, os.getpid()))
     ]
     assert find_leftovers(tmp_path) == expected
-    assert remove_leftovers(tmp_path) == expected
+    assert main(["clean", str(tmp_path)]) == 0
     assert sorted(os.listdir(tmp_path)) == ["not-ours", "tz-alive", "tz-elsewhere"]
 
 
-def test_startup_warns_once_per_leftover(tmp_path: Path) -> None:
+def test_startup_notes_leftovers_once_in_one_line(tmp_path: Path, caplog) -> None:
     pid = dead_pid()
     dead = fake_run(tmp_path, "tz-old", pid=pid, payload=3 * MiB)
     size = sum(f.stat().st_blocks * 512 for f in dead.iterdir())
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
         warnings.simplefilter("always")
         with make_tier(tmp_path, run_id="new1"), make_tier(tmp_path, run_id="new2"):
             pass
-    assert [str(w.message) for w in caught] == [
-        f"leftover tierzero run directory {dead} from a dead run (pid {pid}), {format_size(size)}: "
-        "delete it to free the space"
+    assert caught == []
+    assert caplog.messages == [
+        f"tierzero: 1 leftover swap run directory under {tmp_path} (3.0 MiB) from dead processes: "
+        f"remove it with `tierzero clean {tmp_path}`"
     ]
     assert format_size(size) == "3.0 MiB"
     assert sorted(os.listdir(tmp_path)) == ["tz-old"]
+
+
+def test_clean_lists_then_removes_dead_runs_and_never_a_live_one(tmp_path: Path, capsys) -> None:
+    pids = [dead_pid(), dead_pid()]
+    dead = [fake_run(tmp_path, "tz-a", pid=pids[0], payload=3 * MiB), fake_run(tmp_path, "tz-b", pid=pids[1], payload=MiB)]
+    sizes = [sum(f.stat().st_blocks * 512 for f in d.iterdir()) for d in dead]
+    listing = [f"{d}  {format_size(s)}  pid {p}" for d, s, p in zip(dead, sizes, pids)]
+    with make_tier(tmp_path, run_id="tz-live") as live:
+        region = live.allocate(4096, label="x")
+        live.write(region, torch.full((4096,), 4, dtype=torch.uint8))
+        capsys.readouterr()
+
+        assert main(["clean", str(tmp_path), "--dry-run"]) == 0
+        assert capsys.readouterr().out.splitlines() == [
+            *listing,
+            f"would remove 2 run directories ({format_size(sum(sizes))}); run without --dry-run to remove them",
+        ]
+        assert sorted(os.listdir(tmp_path)) == ["tz-a", "tz-b", "tz-live"]
+
+        assert main(["clean", str(tmp_path)]) == 0
+        assert capsys.readouterr().out.splitlines() == [*listing, f"removed 2 run directories ({format_size(sum(sizes))})"]
+        assert os.listdir(tmp_path) == ["tz-live"]
+        out = torch.empty(4096, dtype=torch.uint8)
+        live.read(region, out)
+        assert torch.equal(out, torch.full((4096,), 4, dtype=torch.uint8))
+
+        assert main(["clean", str(tmp_path)]) == 0
+        assert capsys.readouterr().out == f"no leftover swap run directories under {tmp_path}\n"
+    assert main(["clean", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err == (
+        f"tierzero: error: {tmp_path / 'nope'} is not a directory: pass the tiers.nvme.path that holds the run directories\n"
+    )
+
+
+def test_startup_notice_is_one_line_on_stderr(tmp_path: Path) -> None:
+    dead = [fake_run(tmp_path, f"tz-{i}", pid=dead_pid(), payload=MiB) for i in range(2)]
+    total = sum(f.stat().st_blocks * 512 for d in dead for f in d.iterdir())
+    code = "import sys; from tierzero.offload.nvme import NvmeTier; NvmeTier(sys.argv[1], capacity=1 << 20).close()"
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == (
+        f"tierzero: 2 leftover swap run directories under {tmp_path} ({format_size(total)}) from dead processes: "
+        f"remove them with `tierzero clean {tmp_path}`\n"
+    )

@@ -13,19 +13,20 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
+import psutil
 import torch
 
 from tierzero.config import NvmeTierConfig
 from tierzero.offload.base import Region, TierCapacityError, TierStorage
+from tierzero.offload.clean import warn_leftovers
 from tierzero.offload.nvme_backends import AiofilesBackend, ThreadBackend
 from tierzero.offload.nvme_files import (
     RunFiles,
     create_swap,
     new_run_id,
     register,
+    reopen,
     reopen_direct,
-    unregister,
-    warn_leftovers,
 )
 from tierzero.offload.nvme_io import (
     BouncePool,
@@ -143,9 +144,13 @@ class NvmeTier(TierStorage):
             raise ValueError(f"run_id must be a plain directory name, got {self.run_id!r}")
         warn_leftovers(self.path)
         size = align_up(capacity)
-        self._files, fd = create_swap(self.path, self.path / self.run_id, rank=rank, size=size)
+        self._files = RunFiles(self.path / self.run_id, rank)
+        # Before the first file exists, so that a signal during start-up removes what there is.
+        register(self._files)
+        fd = -1
         try:
-            fd, self.direct = reopen_direct(self._files.swap, fd, base=self.path)
+            fd = create_swap(self._files, base=self.path, size=size, fresh=not run_id)
+            fd, self.direct = reopen_direct(self._files, fd, base=self.path)
             self._lock = threading.Lock()
             self._allocator = ExtentAllocator(size)
             self._checksums: dict[int, ChecksumTable] = {}
@@ -153,12 +158,12 @@ class NvmeTier(TierStorage):
             self._queue = ChunkQueue(queue_depth=queue_depth, block_size=block_size)
             engine = self._start_engine(fd)
         except BaseException:
-            os.close(fd)
-            self._files.remove()
+            if fd >= 0:
+                os.close(fd)
+            self._files.close()
             raise
         self._closed = False
         self._finalizer = weakref.finalize(self, _release, self._queue, engine, self._pool, fd, self._files)
-        register(self, self._files)
 
     def _start_engine(self, fd: int) -> ThreadBackend | AiofilesBackend:
         io = ChunkIO(path=self._files.swap, direct=self.direct, pool=self._pool)
@@ -167,8 +172,11 @@ class NvmeTier(TierStorage):
         if self.backend == "pread":
             engine = ThreadBackend(fd=fd, io=io, threads=self.threads, done=done)
         else:
-            swap, handles = self._files.swap, self.queue_depth
-            engine = AiofilesBackend(path=swap, io=io, threads=self.threads, handles=handles, done=done)
+            files, handles = self._files, self.queue_depth
+            engine = AiofilesBackend(
+                path=files.swap, reopen=lambda flags: reopen(files, flags), io=io, threads=self.threads,
+                handles=handles, done=done,
+            )
         self._queue.launch = engine.launch
         return engine
 
@@ -271,11 +279,13 @@ class NvmeTier(TierStorage):
         return self._submit(Op.WRITE, region, src, start)
 
     def close(self) -> None:
-        """Waits for chunks in flight, fails those not started, removes the files. Idempotent."""
+        """Waits for chunks in flight, fails those not started, removes the files. Idempotent, and
+        quiet after a failed construction (which removed what it had made before raising)."""
+        if not hasattr(self, "_finalizer"):
+            return
         with self._lock:
             self._closed = True
         self._finalizer()
-        unregister(self)
 
     def __enter__(self) -> NvmeTier:
         return self
@@ -360,6 +370,15 @@ def _check_settings(*, capacity: int, rank: int, block_size: int, queue_depth: i
         raise ValueError(f"tiers.nvme.queue_depth and .threads must be >= 1, got {queue_depth} and {threads}")
     if backend not in BACKENDS:
         raise ValueError(f"tiers.nvme.backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    # The bounce pool may hold queue_depth blocks (nvme_io.BouncePool); each is allocated
+    # whole, so a block the machine cannot hold fails at the first unaligned transfer.
+    bound, available = block_size * queue_depth, psutil.virtual_memory().available
+    if bound > available:
+        raise ValueError(
+            f"tiers.nvme.block_size {format_size(block_size)} x tiers.nvme.queue_depth {queue_depth} = "
+            f"{format_size(bound)} of bounce blocks, {format_size(available)} of memory available: "
+            "lower tiers.nvme.block_size (8 MiB is the default) or tiers.nvme.queue_depth"
+        )
 
 
 def _release(
@@ -374,6 +393,6 @@ def _release(
     finally:
         # Even when the workers cannot be stopped cleanly (interpreter exit), the files go.
         os.close(fd)
-        files.remove()
+        files.close()
 
 

@@ -77,11 +77,12 @@ class AiofilesBackend:
 
     aiofiles runs every file call on the loop's executor (`threads` workers). A file object
     has one position, so `queue_depth` handles are opened and each chunk borrows one for
-    its seek and read/write.
+    its seek and read/write. `path` only names the file: each handle's descriptor comes from
+    `reopen(flags)`, which opens the very file the tier created and no other (nvme_files.reopen).
     """
 
     def __init__(
-        self, *, path: Path, io: ChunkIO, threads: int, handles: int, done: DoneCallback
+        self, *, path: Path, reopen: Callable[[int], int], io: ChunkIO, threads: int, handles: int, done: DoneCallback
     ) -> None:
         self._io, self._done = io, done
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierzero-nvme-aio")
@@ -90,18 +91,22 @@ class AiofilesBackend:
         self._thread = threading.Thread(target=self._loop.run_forever, name="tierzero-nvme-loop", daemon=True)
         self._thread.start()
         flags = os.O_DIRECT if io.direct else 0
-        opened = asyncio.run_coroutine_threadsafe(self._open(path, flags, handles), self._loop)
+        opened = asyncio.run_coroutine_threadsafe(self._open(path, reopen, flags, handles), self._loop)
         try:
             self._handles: asyncio.Queue = opened.result()
         except BaseException:
             self._stop_loop()
             raise
 
-    async def _open(self, path: Path, flags: int, count: int) -> asyncio.Queue:
+    async def _open(self, path: Path, reopen: Callable[[int], int], flags: int, count: int) -> asyncio.Queue:
         handles: asyncio.Queue = asyncio.Queue()
-        for _ in range(count):
-            opener = lambda p, f: os.open(p, f | flags)  # noqa: E731
-            handles.put_nowait(await aiofiles.open(path, "r+b", buffering=0, opener=opener))
+        try:
+            for _ in range(count):
+                opener = lambda _path, f: reopen(f | flags)  # noqa: E731
+                handles.put_nowait(await aiofiles.open(path, "r+b", buffering=0, opener=opener))
+        except BaseException:
+            await self._close_queue(handles)
+            raise
         return handles
 
     def launch(self, chunk: Chunk) -> None:
@@ -138,8 +143,12 @@ class AiofilesBackend:
         self._pool.shutdown(wait=True)
 
     async def _close_handles(self) -> None:
-        while not self._handles.empty():
-            handle = self._handles.get_nowait()
+        await self._close_queue(self._handles)
+
+    @staticmethod
+    async def _close_queue(handles: asyncio.Queue) -> None:
+        while not handles.empty():
+            handle = handles.get_nowait()
             try:
                 await handle.close()
             except RuntimeError:

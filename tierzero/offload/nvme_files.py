@@ -3,22 +3,38 @@
 Layout on disk: `<path>/<run id>/rank<r>.swap` (mode 0600) and `rank<r>.owner` (pid,
 host, start time) in a run directory of mode 0700 that the ranks of one job share. The
 files go away when their tier closes, at interpreter exit, when the tier is collected,
-and on SIGTERM; a run killed harder than that leaves a directory that `find_leftovers`
-finds.
+and on SIGINT, SIGTERM and SIGHUP; a run killed harder than that leaves a directory
+that `tierzero clean` (clean.py) finds.
+
+[Note: swap files no other user can redirect]
+`tiers.nvme.path` may be a directory others can write to (/tmp, a shared scratch disk),
+where a planted symlink could turn the tier's writes onto another file. So:
+- A fresh run id carries 64 random bits and its directory must not exist yet: mkdir
+  (0700) fails on anything planted there, symlinks included.
+- A given run id (the ranks of one job share one) may name a directory another rank
+  made first: it is opened with O_NOFOLLOW | O_DIRECTORY and must belong to this user
+  with mode 0700, which no other user can arrange.
+- Every file inside is created and reopened relative to that directory's descriptor,
+  never by path, with O_NOFOLLOW, and a reopened swap file must be the very file
+  created (same st_dev and st_ino), so renaming the directory away or swapping a file
+  in it afterwards redirects nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
+import stat
 import threading
 import time
 import warnings
-import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,72 +60,106 @@ class NvmeSpaceError(OSError):
         return self.strerror
 
 
-@dataclass(frozen=True, slots=True)
-class Leftover:
-    """A run directory whose owner processes on this host are all gone."""
-
-    dir: Path
-    pid: int
-    size_bytes: int
-
-
 @dataclass(slots=True)
 class RunFiles:
-    """This rank's files. `remove` takes no lock, so the SIGTERM handler may call it at any moment."""
+    """This rank's files: their names, the run directory's descriptor and what this record created.
+
+    `remove` takes no lock and only unlinks what this record made, so a signal handler may
+    call it at any moment, any number of times.
+    """
 
     run_dir: Path
-    swap: Path
-    owner: Path
+    rank: int
+    dir_fd: int = -1
+    """The run directory, opened without following links; files inside are opened relative to it."""
+    made_dir: bool = False
+    made: list[str] = field(default_factory=list)
+    """Names created by this record: clean-up never touches another rank's or process's files."""
+    swap_id: tuple[int, int] | None = None
+    """(st_dev, st_ino) of the swap file created; a reopen must find the same."""
     pid: int = field(default_factory=os.getpid)
     """The creating process. A forked child (a DataLoader worker) inherits this record and
     the exit-time finalizer, and must leave its parent's files alone."""
 
+    @property
+    def swap(self) -> Path:
+        return self.run_dir / f"rank{self.rank}.swap"
+
+    @property
+    def owner(self) -> Path:
+        return self.run_dir / f"rank{self.rank}.owner"
+
     def remove(self) -> None:
         if os.getpid() != self.pid:
             return
-        for path in (self.swap, self.owner):
+        if self.dir_fd >= 0:
+            for name in tuple(self.made):
+                try:
+                    os.unlink(name, dir_fd=self.dir_fd)
+                except FileNotFoundError:
+                    pass
+        if self.made_dir or self.dir_fd >= 0:
             try:
-                path.unlink()
-            except FileNotFoundError:
+                self.run_dir.rmdir()  # only when the other ranks' files are gone too
+            except OSError:
                 pass
-        try:
-            self.run_dir.rmdir()  # only when the other ranks' files are gone too
-        except OSError:
-            pass
+
+    def close(self) -> None:
+        """`remove`, then closes the directory's descriptor and leaves the signal registry. Idempotent."""
+        self.remove()
+        # -1 first: a handler that runs between the two lines never sees a closed (or reused) number.
+        fd, self.dir_fd = self.dir_fd, -1
+        if fd >= 0 and os.getpid() == self.pid:
+            os.close(fd)
+        _LIVE.pop(id(self), None)
 
 
-# [Note: process-wide registry] SIGTERM arrives with no tier in hand, so the handler
-# reaches the live tiers' files through this mapping, keyed weakly by tier so that
-# registering never keeps a dropped tier (and its memory and threads) alive.
-# Interpreter exit needs no registry: each tier's weakref.finalize runs at exit. The
-# sets of warned paths make each warning appear once per process, as a warning about
-# a path is news only the first time.
-_LIVE: weakref.WeakKeyDictionary[object, RunFiles] = weakref.WeakKeyDictionary()
-_SIGTERM_LOCK = threading.Lock()
-_sigterm_installed = False
+# [Note: process-wide registry] A signal arrives with no tier in hand, so the handler
+# reaches the live tiers' files through this mapping. It holds the small RunFiles
+# records, never the tiers, so registering keeps no dropped tier (and its memory and
+# threads) alive; a record leaves it only once its files are gone (`RunFiles.close`),
+# so a signal that lands while a dropped tier's finalizer is still stopping its
+# workers removes the files too. Interpreter exit needs no registry: each tier's
+# weakref.finalize runs at exit. The set of warned paths makes the O_DIRECT warning
+# appear once per process.
+_LIVE: dict[int, RunFiles] = {}
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_INSTALL_LOCK = threading.Lock()
+_previous: dict[int, Any] = {}
+"""Signal -> the handler ours replaced and chains to; a signal is in here once ours is installed."""
+_held = 0
+_deferred: list[int] = []
 _warned_buffered: set[Path] = set()
-_warned_leftovers: set[Path] = set()
-os.register_at_fork(after_in_child=_LIVE.clear)
 
 
-def register(owner: object, files: RunFiles) -> None:
-    """Have SIGTERM remove `files` while `owner` (the tier) lives; installs the handler once."""
-    _LIVE[owner] = files
-    _install_sigterm_handler()
+def _forget_in_child() -> None:
+    """A forked child owns none of these files, and may have been forked from another thread
+    while the main thread held signals back."""
+    global _held
+    _LIVE.clear()
+    _held = 0
+    _deferred.clear()
 
 
-def unregister(owner: object) -> None:
-    _LIVE.pop(owner, None)
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def register(files: RunFiles) -> None:
+    """Have SIGINT, SIGTERM and SIGHUP remove `files` until `files.close()`; installs the
+    handlers once. Call it before the first file exists."""
+    _LIVE[id(files)] = files
+    _install_handlers()
 
 
 def new_run_id() -> str:
-    """A fresh run id: `tz-<date>-<time>-<pid>-<random>`. Ranks of one job share one (rank 0
-    makes it and broadcasts it); the random part keeps two tiers of one process apart."""
-    return f"tz-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{os.urandom(2).hex()}"
+    """A fresh run id: `tz-<date>-<time>-<pid>-<64 random bits>`. Ranks of one job share one
+    (rank 0 makes it and broadcasts it); nobody else can guess it before it exists."""
+    return f"tz-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(8)}"
 
 
-def create_swap(base: Path, run_dir: Path, *, rank: int, size: int) -> tuple[RunFiles, int]:
-    """Creates the run dir, the owner file and the preallocated swap file.
+def create_swap(files: RunFiles, *, base: Path, size: int, fresh: bool) -> int:
+    """Creates (`fresh`) or joins the run dir, then the owner file and the preallocated swap
+    file; returns the swap file's descriptor. See [Note: swap files no other user can redirect].
 
     On failure removes what it created and nothing else: other ranks' files and whatever
     else lives under `base` are left as they were.
@@ -117,52 +167,104 @@ def create_swap(base: Path, run_dir: Path, *, rank: int, size: int) -> tuple[Run
     free = shutil.disk_usage(base).free
     if size > free:
         raise NvmeSpaceError(path=base, need=size, free=free)
-    files = RunFiles(run_dir, run_dir / f"rank{rank}.swap", run_dir / f"rank{rank}.owner")
-    try:
-        run_dir.mkdir(mode=0o700)
-        os.chmod(run_dir, 0o700)  # mkdir's mode is filtered by the umask
-    except FileExistsError:
-        if not run_dir.is_dir():
-            raise ValueError(f"{run_dir} exists and is not a directory: pick another run id") from None
-    created: list[Path] = []
     fd = -1
     try:
-        for path in (files.owner, files.swap):
-            try:
-                new_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            except FileExistsError:
-                raise ValueError(
-                    f"{path} already exists: another process uses run id {run_dir.name}, pick another"
-                ) from None
-            created.append(path)
-            os.fchmod(new_fd, 0o600)
-            if path == files.owner:
-                owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "rank": rank}
-                with os.fdopen(new_fd, "w") as out:
-                    json.dump(owner, out)
-            else:
-                fd = new_fd
+        _open_run_dir(files, fresh=fresh)
+        owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "rank": files.rank}
+        with os.fdopen(_create(files, files.owner.name), "w") as out:
+            json.dump(owner, out)
+        fd = _create(files, files.swap.name)
+        st = os.fstat(fd)
+        files.swap_id = (st.st_dev, st.st_ino)
         os.posix_fallocate(fd, 0, size)
     except BaseException as exc:
         if fd >= 0:
             os.close(fd)
-        for path in created:
-            path.unlink(missing_ok=True)
-        try:
-            run_dir.rmdir()
-        except OSError:
-            pass
+        files.close()
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise NvmeSpaceError(path=base, need=size, free=shutil.disk_usage(base).free) from exc
         raise
-    return files, fd
+    return fd
 
 
-def reopen_direct(path: Path, fd: int, *, base: Path) -> tuple[int, bool]:
-    """Swaps `fd` for an O_DIRECT descriptor of `path` where the filesystem allows it (at
+def _open_run_dir(files: RunFiles, *, fresh: bool) -> None:
+    run_dir = files.run_dir
+    with _signals_deferred():
+        try:
+            os.mkdir(run_dir, 0o700)
+            files.made_dir = True
+        except FileExistsError:
+            if fresh:
+                raise ValueError(
+                    f"{run_dir} already exists though its run id was drawn at random just now: something planted it; "
+                    f"remove it and make {run_dir.parent} writable by you alone"
+                ) from None
+    try:
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise ValueError(
+            f"{run_dir} is a symlink or not a directory: remove it, or pick another run id or tiers.nvme.path"
+        ) from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid() and files.made_dir:
+            os.fchmod(fd, 0o700)  # mkdir's mode is filtered by the umask
+            st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
+            raise ValueError(
+                f"{run_dir} belongs to uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}, the NVMe tier "
+                f"needs uid {os.geteuid()} and mode 0700: something else made it; remove it or pick another run id"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    files.dir_fd = fd  # only now: a directory refused is not this record's to remove
+
+
+def _create(files: RunFiles, name: str) -> int:
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with _signals_deferred():
+        try:
+            fd = os.open(name, flags, 0o600, dir_fd=files.dir_fd)
+        except FileExistsError:
+            raise ValueError(
+                f"{files.run_dir / name} already exists: another process uses run id {files.run_dir.name}, pick another"
+            ) from None
+        files.made.append(name)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+def reopen(files: RunFiles, flags: int) -> int:
+    """A new descriptor of this rank's swap file: opened relative to the run directory with
+    O_NOFOLLOW, and refused unless it is the file that `create_swap` made."""
+    try:
+        fd = os.open(files.swap.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=files.dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOENT):
+            raise
+        raise _replaced(files.swap) from None
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != files.swap_id:
+        os.close(fd)
+        raise _replaced(files.swap)
+    return fd
+
+
+def _replaced(path: Path) -> ValueError:
+    return ValueError(
+        f"{path} is no longer the swap file the NVMe tier created (removed, or replaced by a symlink or another "
+        f"file): nothing was written to it; stop whatever changes {path.parent} and start again"
+    )
+
+
+def reopen_direct(files: RunFiles, fd: int, *, base: Path) -> tuple[int, bool]:
+    """Swaps `fd` for an O_DIRECT descriptor of the same file where the filesystem allows it (at
     open and at a first aligned read); otherwise keeps `fd` and warns once per `base`."""
     try:
-        direct_fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+        direct_fd = reopen(files, os.O_RDWR | os.O_DIRECT)
         try:
             os.preadv(direct_fd, [memoryview(aligned_empty(IO_ALIGNMENT).numpy())], 0)
         except OSError:
@@ -183,64 +285,74 @@ def reopen_direct(path: Path, fd: int, *, base: Path) -> tuple[int, bool]:
     return direct_fd, True
 
 
-def _install_sigterm_handler() -> None:
-    """Once per process, from the main thread (only it may set handlers), and only where
-    SIGTERM would otherwise kill the process or run a Python handler: where it is ignored,
-    the process survives it and must keep its files."""
-    global _sigterm_installed
+# [Note: signal clean-up]
+# SIGINT, SIGTERM and SIGHUP each get one handler per process, from the main thread
+# (only it may set handlers), installed before a tier makes its first file. It is never
+# installed over an ignored signal (the process survives it and keeps its files) nor
+# over a handler set from C (which cannot be chained). When it runs it unlinks the live
+# tiers' files, then hands the signal on: to the Python handler it replaced, which is
+# called; else to the default action, re-raised so that the process dies by the signal
+# as before. SIGINT chained to a Python handler unlinks nothing: Python turns it into
+# KeyboardInterrupt, which code may catch and carry on after, and an uncaught one ends
+# the process through the exit-time finalizers, which remove the files. Unlinking only
+# leaves open descriptors working, so a chained handler can still read the tier (to
+# save a checkpoint); the space returns when the process ends. The handler runs in the
+# main thread between bytecodes, so it may land between a system call that creates a
+# file and the line that records it: `_signals_deferred` marks those pairs, and a
+# signal arriving inside one is re-raised when the pair is done.
+
+
+def _install_handlers() -> None:
     if threading.current_thread() is not threading.main_thread():
         return
-    with _SIGTERM_LOCK:
-        if _sigterm_installed:
-            return
-        previous = signal.getsignal(signal.SIGTERM)
-        if previous is signal.SIG_IGN or previous is None:
-            return
-        signal.signal(signal.SIGTERM, lambda signum, frame: _on_sigterm(previous))
-        _sigterm_installed = True
+    with _INSTALL_LOCK:
+        for signum in _SIGNALS:
+            if signum in _previous:
+                continue
+            previous = signal.getsignal(signum)
+            if previous is signal.SIG_IGN or previous is None:
+                continue
+            _previous[signum] = previous
+            signal.signal(signum, _on_signal)
 
 
-def _on_sigterm(previous: Any) -> None:
-    """Unlinks the live tiers' files, then hands SIGTERM back to the handler that was there.
-
-    Only unlinks: open descriptors keep working on an unlinked file, so a previous Python
-    handler that saves a checkpoint from the tier still can, and the disk space returns
-    when the process ends. Under the default action the process dies by SIGTERM as before.
-    """
-    global _sigterm_installed
-    for files in list(_LIVE.values()):
-        files.remove()
-    signal.signal(signal.SIGTERM, previous)
-    _sigterm_installed = False
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def find_leftovers(path: str | os.PathLike[str]) -> list[Leftover]:
-    """Run directories under `path` whose owners all ran on this host and are all dead."""
-    found = []
-    host = socket.gethostname()
-    for run_dir in sorted(p for p in Path(path).iterdir() if p.is_dir() and not p.is_symlink()):
-        owners = [_read_owner(f) for f in sorted(run_dir.glob("rank*.owner"))]
-        if not owners or any(o is None or o.get("host") != host or _alive(o) for o in owners):
-            continue
-        try:
-            size = sum(f.lstat().st_blocks * 512 for f in run_dir.iterdir())
-        except FileNotFoundError:
-            continue  # another process is removing it right now
-        found.append(Leftover(dir=run_dir, pid=int(owners[0]["pid"]), size_bytes=size))
-    return found
+def _on_signal(signum: int, frame: Any) -> Any:
+    if _held:
+        _deferred.append(signum)
+        return None
+    previous = _previous[signum]
+    if not (signum == signal.SIGINT and callable(previous)):
+        for files in list(_LIVE.values()):
+            files.remove()
+    if callable(previous):
+        return previous(signum, frame)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    signal.signal(signum, _on_signal)  # only reached where the signal is blocked
+    return None
 
 
-def remove_leftovers(path: str | os.PathLike[str]) -> list[Leftover]:
-    """Deletes what `find_leftovers` finds; returns it."""
-    leftovers = find_leftovers(path)
-    for leftover in leftovers:
-        shutil.rmtree(leftover.dir, ignore_errors=True)
-    return leftovers
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Holds back this module's signal handling in the main thread until the block ends."""
+    global _held
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _held += 1
+    try:
+        yield
+    finally:
+        _held -= 1
+        if not _held and _deferred:
+            pending = list(dict.fromkeys(_deferred))
+            _deferred.clear()
+            for signum in pending:
+                os.kill(os.getpid(), signum)
 
 
-def _read_owner(path: Path) -> dict[str, Any] | None:
-    """The owner record, or None while it is unreadable (its rank may be writing it right now)."""
+def read_owner(path: Path) -> dict[str, Any] | None:
+    """An owner record, or None while it is unreadable (its rank may be writing it right now)."""
     try:
         record = json.loads(path.read_text())
         int(record["pid"]), float(record["started"])
@@ -249,7 +361,7 @@ def _read_owner(path: Path) -> dict[str, Any] | None:
     return record
 
 
-def _alive(owner: dict[str, Any]) -> bool:
+def owner_alive(owner: dict[str, Any]) -> bool:
     """Whether the owner's process still runs; a pid reused by a process started later does not count."""
     try:
         created = psutil.Process(int(owner["pid"])).create_time()
@@ -258,15 +370,3 @@ def _alive(owner: dict[str, Any]) -> bool:
     except psutil.AccessDenied:
         return True
     return created <= float(owner["started"]) + 1.0
-
-
-def warn_leftovers(path: Path) -> None:
-    for leftover in find_leftovers(path):
-        if leftover.dir in _warned_leftovers:
-            continue
-        _warned_leftovers.add(leftover.dir)
-        warnings.warn(
-            f"leftover tierzero run directory {leftover.dir} from a dead run (pid {leftover.pid}), "
-            f"{format_size(leftover.size_bytes)}: delete it to free the space",
-            stacklevel=3,
-        )

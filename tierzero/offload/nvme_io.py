@@ -78,14 +78,21 @@ class BouncePool:
             for i, block in enumerate(self._idle):
                 if block.numel() == size:
                     return self._idle.pop(i)
-            delta = size
             if self._count == self._limit:
                 assert self._idle, "more chunks in flight than the queue depth"
-                delta -= self._idle.pop().numel()
+                self._changed(-self._idle.pop().numel())
                 self._count -= 1
-            self._count += 1
-            self._changed(delta)
-        return aligned_empty(size)
+            self._count += 1  # reserved before allocating, so that concurrent takes never pass the limit
+        try:
+            block = aligned_empty(size)
+        except BaseException:
+            # A block too big for the machine fails the chunk; the pool must still close cleanly.
+            with self._lock:
+                self._count -= 1
+            raise
+        with self._lock:
+            self._changed(size)
+        return block
 
     def give(self, block: torch.Tensor) -> None:
         with self._lock:
