@@ -16,6 +16,7 @@ import yaml
 from tierzero.config.errors import ConfigError, TierZeroConfigWarning
 from tierzero.config.loading import load_config
 from tierzero.config.markdown import config_markdown
+from tierzero.config.reading import load_yaml
 
 
 def add_config_commands(subparsers: Any) -> None:
@@ -48,7 +49,7 @@ def parse_overrides(items: list[str], *, nvme_path: str | None = None) -> dict[s
         if not sep or not key.strip():
             raise ConfigError(f"--set expects KEY=VALUE such as zero.stage=2, got {item!r}")
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = load_yaml(text, source=f"--set {key.strip()}") if text.strip() else None
         except yaml.YAMLError:
             value = text
         overrides[key.strip()] = value

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierzero.config.checks import show
-from tierzero.config.errors import ConfigError, TierZeroConfigWarning
+from tierzero.config.errors import ConfigError, TierZeroConfigWarning, one_line
 from tierzero.slices import IO_ALIGNMENT, align_up
 
 AUTO = "auto"
@@ -159,7 +159,7 @@ def _mentions(message: str, key: str) -> bool:
 
 def ignore(key: str) -> None:
     """The one warning for a DeepSpeed key with no tierzero equivalent."""
-    warnings.warn(f"DeepSpeed key {key} has no tierzero equivalent; ignored", TierZeroConfigWarning, stacklevel=2)
+    warnings.warn(one_line(f"DeepSpeed key {key} has no tierzero equivalent; ignored"), TierZeroConfigWarning, stacklevel=2)
 
 
 @dataclass(slots=True)
@@ -244,8 +244,10 @@ def _translate_precision(top: _Reader, out: Translation) -> int:
         out.set("precision.loss_scale", "dynamic" if loss_scale == 0 else loss_scale, origin="fp16.loss_scale")
     power = fp16.pop("initial_scale_power")
     if power is not None:
-        if isinstance(power, bool) or not isinstance(power, (int, float)):
-            raise ConfigError(f"DeepSpeed fp16.initial_scale_power: expected a number such as 16, got {show(power)}")
+        # 2 ** power must be a float32 (inf past 127), and Python overflows past 1023.
+        if isinstance(power, bool) or not isinstance(power, (int, float)) or not -126 <= power <= 127:
+            raise ConfigError(f"DeepSpeed fp16.initial_scale_power: expected a number from -126 to 127 such as 16 "
+                              f"(2 ** power must fit in float32), got {show(power)}", key="fp16.initial_scale_power")
         out.set("precision.initial_scale", 2.0**power, origin="fp16.initial_scale_power")
     for ds_name, tz_name in (("loss_scale_window", "scale_window"), ("min_loss_scale", "min_scale")):
         value = fp16.pop(ds_name)

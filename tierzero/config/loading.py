@@ -8,16 +8,14 @@ it names the DeepSpeed key as well as the tierzero key it became.
 from __future__ import annotations
 
 import copy
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from tierzero.config.deepspeed import Translation, translate_deepspeed
 from tierzero.config.errors import ConfigError
+from tierzero.config.reading import check_bounds, read_mapping_file
 from tierzero.config.schema import Config
 from tierzero.config.sections import TORCH_WEIGHT_DECAY
 from tierzero.config.tree import build, set_dotted
@@ -44,6 +42,7 @@ def load_config(
         translation = translate_deepspeed(raw, world_size=_env_world_size())
         raw = translation.config
     for key, value in (overrides or {}).items():
+        check_bounds(value, source=f"the override of {key}")
         set_dotted(Config, raw, key, value)
         if translation is not None:
             translation.forget(key)
@@ -59,7 +58,7 @@ def load_config(
 
 def _env_world_size() -> int:
     value = os.environ.get("WORLD_SIZE", "1")
-    if not value.isdigit() or int(value) < 1:
+    if not (value.isascii() and value.isdigit() and len(value) <= 9) or int(value) < 1:
         raise ConfigError(f"WORLD_SIZE: expected a positive integer, got {value!r}; unset it or fix the launcher", key="WORLD_SIZE")
     return int(value)
 
@@ -68,6 +67,7 @@ def _read_source(source: Any) -> dict[str, Any]:
     if isinstance(source, Config):
         return _raw_of(source)
     if isinstance(source, Mapping):
+        check_bounds(source, source="the config")  # before deepcopy, which recurses once per level
         return copy.deepcopy(dict(source))
     if isinstance(source, (str, os.PathLike)):
         return read_mapping_file(Path(source))
@@ -86,28 +86,3 @@ def _raw_of(cfg: Config) -> dict[str, Any]:
     if cfg.optimizer.weight_decay == TORCH_WEIGHT_DECAY[cfg.optimizer.type]:
         del raw["optimizer"]["weight_decay"]
     return raw
-
-
-def read_mapping_file(path: Path) -> dict[str, Any]:
-    """The top-level mapping of a .yaml/.yml/.json file; an empty file is an empty mapping."""
-    suffix = path.suffix.lower()
-    if suffix not in (".yaml", ".yml", ".json"):
-        raise ConfigError(f"config file {path}: expected a .yaml, .yml or .json file, got suffix {suffix or 'none'!r}")
-    if not path.is_file():
-        problem = "is a directory" if path.is_dir() else "does not exist"
-        raise ConfigError(f"config file {path} {problem}: pass the path of a config file")
-    text = path.read_text(encoding="utf-8")
-    try:
-        data = json.loads(text) if suffix == ".json" else yaml.safe_load(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"config file {path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or "cannot parse"
-        raise ConfigError(f"config file {path}: invalid YAML{where}: {problem}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: expected a mapping of keys at the top level, got {type(data).__name__}")
-    return data

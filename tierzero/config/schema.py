@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 from tierzero.config.checks import float_check, int_check
 from tierzero.config.errors import ConfigError
+from tierzero.config.model import ModelConfig
 from tierzero.config.sections import (
     CheckpointConfig,
     DataConfig,
     DistConfig,
-    ModelConfig,
     OffloadConfig,
     OptimizerConfig,
     PrecisionConfig,

@@ -18,14 +18,14 @@ from tierzero.config.checks import (
     BETAS,
     BOOL,
     DIRECTORY,
-    KEYWORDS,
+    FLOAT32_MAX,
     LOSS_SCALE,
     NAMES,
-    OPTIONAL_NAME,
     PATH_OR_GLOB,
     TIER,
     GiB,
     MiB,
+    TiB,
     choice_check,
     float_check,
     int_check,
@@ -47,6 +47,11 @@ STAGE = dataclasses.replace(
 TORCH_WEIGHT_DECAY = {"adamw": 0.01, "adam": 0.0, "sgd": 0.0}
 """The default weight decay of torch.optim.AdamW, Adam and SGD, keyed by `optimizer.type`."""
 
+MAX_CAPACITY = 1 << 50
+"""The limit of a tier capacity: 1 PiB."""
+MAX_HOST_BUFFERS = 64 * GiB
+"""The limit of host memory in a pool of equal buffers (NVMe bounce blocks, swapper staging)."""
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ZeroConfig(Section):
@@ -59,7 +64,7 @@ class ZeroConfig(Section):
     unit_classes: list[str] = setting([], NAMES)
     """Class names of the modules wrapped as units (gathered and offloaded as one flat buffer),
     e.g. [GPT2Block]; empty lets the engine choose."""
-    reduce_bucket_size: int = setting(25 * MiB, size_check())
+    reduce_bucket_size: int = setting(25 * MiB, size_check(limit=16 * GiB))
     """Bytes of ready gradients (and, in stages 1-2, of updated parameters) sent in one collective;
     a unit larger than this goes alone."""
     overlap_comm: bool = setting(True, BOOL)
@@ -80,11 +85,11 @@ class PrecisionConfig(Section):
     loss_scale: str | float = setting("dynamic", LOSS_SCALE)
     """fp16 only: 'dynamic' (halve on overflow, grow after scale_window clean steps) or a fixed
     positive scale."""
-    initial_scale: float = setting(2.0**16, float_check(lo=0.0, lo_open=True))
+    initial_scale: float = setting(2.0**16, float_check(lo=0.0, lo_open=True, limit=FLOAT32_MAX))
     """Starting dynamic loss scale."""
     scale_window: int = setting(1000, int_check(1))
     """Steps without overflow before the dynamic scale doubles."""
-    min_scale: float = setting(1.0, float_check(lo=0.0, lo_open=True))
+    min_scale: float = setting(1.0, float_check(lo=0.0, lo_open=True, limit=FLOAT32_MAX))
     """The dynamic scale never drops below this."""
 
     def _validate(self) -> None:
@@ -141,64 +146,16 @@ class TrainConfig(Section):
     """The training loop."""
 
     SECTION: ClassVar[str] = "train"
-    micro_batch_size: int = setting(1, int_check(1))
+    micro_batch_size: int = setting(1, int_check(1, limit=1 << 16))
     """Samples per rank per forward/backward."""
     seed: int = setting(0, int_check(0))
     """Seed for parameter init and data order (the same on every rank)."""
     steps: int = setting(100, int_check(1))
     """Optimizer steps `tierzero train` runs (`--steps` overrides it)."""
-    seq_len: int = setting(128, int_check(1))
+    seq_len: int = setting(128, int_check(1, limit=1 << 20))
     """Tokens (bytes) per training sequence; at most model.max_seq_len for the built-in models."""
     log_every: int = setting(10, int_check(1))
     """`tierzero train` writes a log line every this many steps (the progress bar updates every step)."""
-
-
-MODEL_TYPES = ("gpt", "llama", "transformers")
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class ModelConfig(Section):
-    """The model `tierzero train` builds, with fresh random weights: a built-in GPT or Llama, or a
-    transformers class by name. The size fields apply to the built-ins."""
-
-    SECTION: ClassVar[str] = "model"
-    type: str = setting("gpt", choice_check(MODEL_TYPES))
-    """gpt (pre-LN, learned positions, tied head), llama (RMSNorm, rotary, SwiGLU, untied head) or
-    transformers."""
-    vocab_size: int = setting(256, int_check(1))
-    """Vocabulary size; 256 for the byte-level data."""
-    n_layer: int = setting(2, int_check(1))
-    """Transformer blocks (one engine unit each)."""
-    n_head: int = setting(2, int_check(1))
-    """Attention heads; must divide model.d_model."""
-    d_model: int = setting(64, int_check(1))
-    """Hidden width."""
-    d_ff: int = setting(256, int_check(1))
-    """Width of the MLP's inner layer."""
-    max_seq_len: int = setting(128, int_check(1))
-    """Longest sequence the model takes (the GPT's learned positions, the Llama's rotary table)."""
-    dropout: float = setting(0.0, float_check(lo=0.0, hi=1.0))
-    """Dropout probability (0 keeps runs deterministic)."""
-    transformers_class: str | None = setting(None, OPTIONAL_NAME)
-    """type transformers: the model class, e.g. GPT2LMHeadModel or LlamaForCausalLM."""
-    transformers_config: dict[str, Any] = setting({}, KEYWORDS)
-    """type transformers: keyword arguments of the class's config (e.g. GPT2Config); nothing is
-    downloaded."""
-
-    def _validate(self) -> None:
-        if self.type == "transformers":
-            if self.transformers_class is None:
-                raise ConfigError(
-                    "model.type is transformers but model.transformers_class is not set: name a class such as "
-                    "GPT2LMHeadModel, or set model.type to gpt or llama",
-                    key="model.transformers_class",
-                )
-        elif self.d_model % self.n_head:
-            raise ConfigError(
-                f"model.d_model {self.d_model} is not a multiple of model.n_head {self.n_head}: "
-                "pick d_model = n_head x head size",
-                key="model.d_model",
-            )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -209,7 +166,7 @@ class DataConfig(Section):
     path: str | None = setting(None, PATH_OR_GLOB)
     """A text file, a directory (every file under it) or a glob (** for subdirectories); null: the
     Python standard library's *.py sources on this machine."""
-    max_bytes: int = setting(64 * MiB, size_check())
+    max_bytes: int = setting(64 * MiB, size_check(limit=TiB))
     """Most bytes of the corpus held in memory; files are taken in a seeded order until it is full."""
 
 
@@ -231,7 +188,7 @@ class DeviceTierConfig(Section):
     """Accelerator memory."""
 
     SECTION: ClassVar[str] = "tiers.device"
-    capacity: int | None = setting(None, size_check(optional=True))
+    capacity: int | None = setting(None, size_check(optional=True, limit=MAX_CAPACITY))
     """Bytes of model state the device tier may hold; null: what the device has."""
 
 
@@ -240,7 +197,7 @@ class CpuTierConfig(Section):
     """Host memory."""
 
     SECTION: ClassVar[str] = "tiers.cpu"
-    capacity: int | None = setting(None, size_check(optional=True))
+    capacity: int | None = setting(None, size_check(optional=True, limit=MAX_CAPACITY))
     """Bytes of model state the host tier may hold; null: what the host has."""
     pin_memory: bool = setting(True, BOOL)
     """Page-lock host buffers for fast device copies; only where CUDA is available."""
@@ -254,14 +211,14 @@ class NvmeTierConfig(Section):
     path: str | None = setting(None, DIRECTORY)
     """Existing, writable directory for the swap files (made absolute when loaded); required when
     anything lives on nvme."""
-    capacity: int | None = setting(None, size_check(optional=True))
+    capacity: int | None = setting(None, size_check(optional=True, limit=MAX_CAPACITY))
     """Bytes of swap file per rank; null: what the state needs (checked against free space at
     start-up)."""
-    block_size: int = setting(8 * MiB, size_check(multiple_of=IO_ALIGNMENT))
+    block_size: int = setting(8 * MiB, size_check(multiple_of=IO_ALIGNMENT, limit=GiB))
     """Bytes per I/O request; a multiple of 4096 for direct I/O."""
-    queue_depth: int = setting(16, int_check(1))
+    queue_depth: int = setting(16, int_check(1, limit=1024))
     """I/O requests in flight at once."""
-    threads: int = setting(8, int_check(1))
+    threads: int = setting(8, int_check(1, limit=256))
     """Worker threads issuing the I/O."""
     verify: bool = setting(False, BOOL)
     """Checksum every slice written and check it when read back."""
@@ -269,6 +226,13 @@ class NvmeTierConfig(Section):
     """pread: os.preadv/pwritev on a thread pool; aiofiles: asyncio file I/O."""
 
     def _validate(self) -> None:
+        if self.capacity is not None and self.block_size > self.capacity:
+            raise ConfigError(
+                f"tiers.nvme.block_size {format_size(self.block_size)} is above tiers.nvme.capacity "
+                f"{format_size(self.capacity)}: lower tiers.nvme.block_size or raise tiers.nvme.capacity",
+                key="tiers.nvme.block_size",
+            )
+        _check_product("tiers.nvme.queue_depth", self.queue_depth, "tiers.nvme.block_size", self.block_size, "bounce blocks")
         if self.path is not None:
             _check_swap_dir(self.path)
 
@@ -288,10 +252,13 @@ class SwapperConfig(Section):
     """The pool of aligned host staging buffers that bytes pass through between tiers."""
 
     SECTION: ClassVar[str] = "swapper"
-    buffer_size: int = setting(8 * MiB, size_check(multiple_of=IO_ALIGNMENT))
+    buffer_size: int = setting(8 * MiB, size_check(multiple_of=IO_ALIGNMENT, limit=4 * GiB))
     """Bytes per staging buffer; a multiple of 4096."""
-    buffer_count: int = setting(8, int_check(1))
+    buffer_count: int = setting(8, int_check(1, limit=1024))
     """Staging buffers in the pool."""
+
+    def _validate(self) -> None:
+        _check_product("swapper.buffer_count", self.buffer_count, "swapper.buffer_size", self.buffer_size, "staging buffers")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -299,9 +266,9 @@ class PrefetchConfig(Section):
     """How far ahead of compute the prefetcher brings slices up."""
 
     SECTION: ClassVar[str] = "prefetch"
-    bytes: int = setting(64 * MiB, size_check(allow_zero=True))
+    bytes: int = setting(64 * MiB, size_check(allow_zero=True, limit=TiB))
     """Bytes of upcoming units' slices kept in flight (0 turns prefetch off)."""
-    max_live_bytes: int = setting(1 * GiB, size_check())
+    max_live_bytes: int = setting(1 * GiB, size_check(limit=TiB))
     """Most bytes of parameter slices fetched to the device ahead of their gathers (issued, not
     yet used) together with those kept fetched for a unit's next use in the same step. Gathered
     units are bounded apart: stage 3 gathers at most two block units ahead."""
@@ -335,9 +302,18 @@ class DistConfig(Section):
     """The process group `tierzero.initialize` creates under torchrun."""
 
     SECTION: ClassVar[str] = "dist"
-    timeout: float = setting(600.0, float_check(lo=0.0, lo_open=True))
+    timeout: float = setting(600.0, float_check(lo=0.0, lo_open=True, limit=7 * 24 * 3600))
     """Seconds a collective may wait for another rank before the job stops with an error naming the
     lost rank; a dead rank is noticed at once, a hung one after this long."""
+
+
+def _check_product(count_key: str, count: int, size_key: str, size: int, what: str) -> None:
+    if count * size > MAX_HOST_BUFFERS:
+        raise ConfigError(
+            f"{count_key} x {size_key} = {count} x {format_size(size)} = {format_size(count * size)} of host "
+            f"{what}, above the limit of {format_size(MAX_HOST_BUFFERS)}: lower {count_key} or {size_key}",
+            key=count_key,
+        )
 
 
 def _check_swap_dir(path: str) -> None:

@@ -129,12 +129,14 @@ def unknown_key(root: type, key: str) -> ConfigError:
         else same_leaf[0] if same_leaf
         else next(iter(difflib.get_close_matches(key, list(keys), n=1)), None)
     )
+    # A key of control characters or thousands of them is shown quoted and cut short.
+    shown = key if key.isprintable() and len(key) <= 100 else show(key)
     if guess is not None:
-        return ConfigError(f"unknown key {key}; did you mean {guess}?", key=key)
+        return ConfigError(f"unknown key {shown}; did you mean {guess}?", key=key)
     known_parent = parent if parent in keys else ""
     where = f"under {parent}" if known_parent else "at the top level"
     valid = [k for k in keys if k.rpartition(".")[0] == known_parent]
-    return ConfigError(f"unknown key {key}; valid keys {where}: {', '.join(valid)}", key=key)
+    return ConfigError(f"unknown key {shown}; valid keys {where}: {', '.join(valid)}", key=key)
 
 
 def set_dotted(root: type, raw: dict[str, Any], key: str, value: Any) -> None:

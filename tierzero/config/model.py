@@ -1,0 +1,88 @@
+"""The `model` section: which model `tierzero train` builds, and the bounds that keep a built-in one buildable.
+
+Each size field has a limit well past any model trained today, and the parameter count of
+a built-in model (computed from the fields, exactly as tierzero.models builds it) is held
+under MAX_PARAMETERS, so a typo such as `n_layer: 1e7` is refused at once instead of
+spending minutes building modules that could never be trained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from tierzero.config.checks import KEYWORDS, OPTIONAL_NAME, choice_check, float_check, int_check
+from tierzero.config.errors import ConfigError
+from tierzero.config.tree import Section, setting
+
+MODEL_TYPES = ("gpt", "llama", "transformers")
+MAX_PARAMETERS = 10**13
+"""Parameters of a built-in model: 160 TB of fp32 training state at 16 bytes a parameter."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ModelConfig(Section):
+    """The model `tierzero train` builds, with fresh random weights: a built-in GPT or Llama, or a
+    transformers class by name. The size fields apply to the built-ins."""
+
+    SECTION: ClassVar[str] = "model"
+    type: str = setting("gpt", choice_check(MODEL_TYPES))
+    """gpt (pre-LN, learned positions, tied head), llama (RMSNorm, rotary, SwiGLU, untied head) or
+    transformers."""
+    vocab_size: int = setting(256, int_check(1, limit=1 << 24))
+    """Vocabulary size; 256 for the byte-level data."""
+    n_layer: int = setting(2, int_check(1, limit=1024))
+    """Transformer blocks (one engine unit each)."""
+    n_head: int = setting(2, int_check(1, limit=1024))
+    """Attention heads; must divide model.d_model."""
+    d_model: int = setting(64, int_check(1, limit=1 << 16))
+    """Hidden width."""
+    d_ff: int = setting(256, int_check(1, limit=1 << 18))
+    """Width of the MLP's inner layer."""
+    max_seq_len: int = setting(128, int_check(1, limit=1 << 20))
+    """Longest sequence the model takes (the GPT's learned positions, the Llama's rotary table)."""
+    dropout: float = setting(0.0, float_check(lo=0.0, hi=1.0))
+    """Dropout probability (0 keeps runs deterministic)."""
+    transformers_class: str | None = setting(None, OPTIONAL_NAME)
+    """type transformers: the model class, e.g. GPT2LMHeadModel or LlamaForCausalLM."""
+    transformers_config: dict[str, Any] = setting({}, KEYWORDS)
+    """type transformers: keyword arguments of the class's config (e.g. GPT2Config); nothing is
+    downloaded."""
+
+    def _validate(self) -> None:
+        if self.type == "transformers":
+            if self.transformers_class is None:
+                raise ConfigError(
+                    "model.type is transformers but model.transformers_class is not set: name a class such as "
+                    "GPT2LMHeadModel, or set model.type to gpt or llama",
+                    key="model.transformers_class",
+                )
+            return
+        if self.d_model % self.n_head:
+            raise ConfigError(
+                f"model.d_model {self.d_model} is not a multiple of model.n_head {self.n_head}: "
+                "pick d_model = n_head x head size",
+                key="model.d_model",
+            )
+        count = self.parameter_count()
+        if count > MAX_PARAMETERS:
+            raise ConfigError(
+                f"model.n_layer {self.n_layer}, d_model {self.d_model}, d_ff {self.d_ff} and vocab_size "
+                f"{self.vocab_size} make a {self.type} of {count:.2e} parameters, above the limit of "
+                f"{MAX_PARAMETERS:.0e}: lower model.n_layer, model.d_model or model.d_ff",
+                key="model.n_layer",
+            )
+
+    def parameter_count(self) -> int:
+        """Parameters of the built-in model (gpt or llama) these fields describe, tied weights once."""
+        d, f, layers = self.d_model, self.d_ff, self.n_layer
+        if self.type == "gpt":
+            # Token and position embeddings (the head is tied to the first); per block two LayerNorms,
+            # qkv and output projections, the MLP, all with biases; the final LayerNorm.
+            block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+            return self.vocab_size * d + self.max_seq_len * d + layers * block + 2 * d
+        if self.type == "llama":
+            # Embedding and untied head; per block two RMSNorms, four attention and three MLP matrices; the final norm.
+            block = 2 * d + 4 * d * d + 3 * d * f
+            return 2 * self.vocab_size * d + layers * block + d
+        raise ValueError(f"model.type {self.type}: only the built-in models have a parameter count here")
