@@ -93,6 +93,8 @@ class Engine:
                 extra = {
                     "param_prefetch": self.param_prefetch,
                     "persistence_threshold": int(cfg.zero.param_persistence_threshold),
+                    "gather_ahead": int(cfg.zero.gather_ahead),
+                    "gather_budget": int(cfg.prefetch.max_live_bytes),
                 }
             self.stage = stage_class(
                 units=self.units,
@@ -340,12 +342,14 @@ class Engine:
 def initialize(model: nn.Module, config: Any, *, pretrained: str | os.PathLike[str] | None = None) -> Engine:
     """Wrap `model` for ZeRO training; `config` is a path, a dict or a tierzero config object.
 
-    `pretrained` names a transformers model directory (config.json and safetensors files) whose
-    weights `model`, best built on the meta device (`tierzero.pretrained.build_meta_model`),
-    starts from: each unit is read from the files straight into its slices, one at a time.
+    `pretrained` (default: the config's `model.pretrained`) names a transformers model directory
+    (config.json and safetensors files) whose weights `model`, best built on the meta device
+    (`tierzero.pretrained.build_meta_model`), starts from: each unit is read from the files
+    straight into its slices, one at a time.
     """
     cfg = load_config(config)
     weights = None
+    pretrained = pretrained if pretrained is not None else cfg.model.pretrained
     if pretrained is not None:
         weights = PretrainedWeights.open(pretrained).for_model(model)
         weights.check(model)

@@ -69,6 +69,10 @@ class ZeroConfig(Section):
     a unit larger than this goes alone."""
     overlap_comm: bool = setting(True, BOOL)
     """Overlap collectives with compute instead of running them inline."""
+    gather_ahead: int = setting(1, int_check(1, limit=64))
+    """Stage 3: block units all-gathered ahead of the one computing, in the order of the last
+    forward (and reversed in backward); beyond the first, only while their gathered bytes fit in
+    prefetch.max_live_bytes."""
     param_persistence_threshold: int = setting(0, int_check(0))
     """Stage 3: units whose parameter count is below this threshold stay gathered on the device
     between forward and backward instead of being released after forward and gathered again for

@@ -41,6 +41,9 @@ from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.stages.step import StepScalars
 from tierzero.units import ROOT, Unit, UnitState
 
+#: `prefetch.max_live_bytes`'s default, for stages built without a config.
+DEFAULT_GATHER_BUDGET = 2**30
+
 
 @dataclass(frozen=True, slots=True)
 class SavedView:
@@ -59,11 +62,23 @@ class Stage3(Stage):
     shards_params = True
 
     def __init__(
-        self, *, param_prefetch: ParamPrefetch | None = None, persistence_threshold: int = 0, **kwargs: Any
+        self,
+        *,
+        param_prefetch: ParamPrefetch | None = None,
+        persistence_threshold: int = 0,
+        gather_ahead: int = 1,
+        gather_budget: int = DEFAULT_GATHER_BUDGET,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.persistence_threshold = persistence_threshold
         """Units with fewer parameters stay gathered from forward to backward (`zero.param_persistence_threshold`)."""
+        if gather_ahead < 1:
+            raise ValueError(f"zero.gather_ahead must be at least 1 unit, got {gather_ahead}")
+        self.gather_ahead = gather_ahead
+        """Block units gathered ahead of the one computing (`zero.gather_ahead`)."""
+        self.gather_budget = gather_budget
+        """Bytes the units gathered ahead may hold beyond the first (`prefetch.max_live_bytes`)."""
         # Storage address of each gathered buffer -> its unit, for the pack hook.
         self._by_storage: dict[int, Unit] = {}
         self._gathering: dict[str, C.Pending] = {}
@@ -115,25 +130,34 @@ class Stage3(Stage):
         mark_state(unit, UnitState.SHARDED)
 
     def _prefetch(self, unit: Unit, *, step: int) -> None:
-        """Start gathering the unit after (`step=1`) or before (-1) `unit` in the last forward's order.
+        """Start gathering the units after (`step=1`) or before (-1) `unit` in the last forward's order.
 
-        At most two block units are gathered or gathering at once (besides the root and the
-        units the persistence threshold keeps gathered), which is the peak-memory promise of
-        stage 3. The decision depends only on the
-        order and on unit states, never on timing, so every rank issues the same
-        collectives in the same order.
+        At most `gather_ahead` block units are gathered or gathering beyond the one that
+        computes (besides the root and the units the persistence threshold keeps), and
+        beyond the first, only while the gathered bytes ahead fit in `gather_budget`: the
+        peak-memory promise of stage 3. The decision depends only on the order, the unit
+        states and their sizes, never on timing, so every rank issues the same collectives
+        in the same order.
         """
         if unit not in self._order:
             return
         index = self._order.index(unit) + step
         if unit.name == ROOT and step < 0:
             index = len(self._order) - 1  # backward starts at the root, then the last block
-        if not 0 <= index < len(self._order):
-            return
-        target = self._order[index]
-        live = sum(1 for u in self.units if u.state is not UnitState.SHARDED and u.name != ROOT and not self._persists(u))
-        if target.name != ROOT and live <= 1:
+        while 0 <= index < len(self._order):
+            target = self._order[index]
+            index += step
+            ahead = [u for u in self.units if u is not unit and u.state is not UnitState.SHARDED and self._counts_ahead(u)]
+            if target.name == ROOT or len(ahead) >= self.gather_ahead:
+                return
+            nbytes = target.padded_numel * self.param_dtype.itemsize
+            if ahead and sum(u.padded_numel for u in ahead) * self.param_dtype.itemsize + nbytes > self.gather_budget:
+                return
             self.start_gather(target)
+
+    def _counts_ahead(self, unit: Unit) -> bool:
+        """Whether a gathered unit counts against the gather-ahead bounds (not the root, not a persistent one)."""
+        return unit.name != ROOT and not self._persists(unit)
 
     # ---- hooks --------------------------------------------------------------------
 
