@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierzero.pretrained import build_meta_model
+
 __all__ = [
     "GPT",
     "PRESETS",
@@ -302,8 +304,11 @@ def build_model(model_cfg: Any, *, device: str | torch.device | None = None) -> 
     `model_cfg.transformers_class` names a class of the transformers package (e.g.
     GPT2LMHeadModel) and `model_cfg.transformers_config` holds the keyword arguments of
     its config class. Nothing is downloaded. `device="meta"` allocates nothing: see
-    `materialize`.
+    `materialize`. With `model_cfg.pretrained` set, the model is the one that directory's
+    config.json describes, always on the meta device: its weights come from the files.
     """
+    if getattr(model_cfg, "pretrained", None) is not None:
+        return build_meta_model(model_cfg.pretrained)
     kind = model_cfg.type
     with torch.device(device) if device is not None else nullcontext():
         if kind in BUILT_IN:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from tierzero.config.checks import KEYWORDS, OPTIONAL_NAME, choice_check, float_check, int_check
+from tierzero.config.checks import DIRECTORY, KEYWORDS, OPTIONAL_NAME, choice_check, float_check, int_check
 from tierzero.config.errors import ConfigError
 from tierzero.config.tree import Section, setting
 
@@ -48,8 +48,15 @@ class ModelConfig(Section):
     transformers_config: dict[str, Any] = setting({}, KEYWORDS)
     """type transformers: keyword arguments of the class's config (e.g. GPT2Config); nothing is
     downloaded."""
+    pretrained: str | None = setting(None, DIRECTORY)
+    """A transformers model directory (config.json and model.safetensors, or sharded safetensors
+    with their index) to start from: the model is built from its config.json on the meta device
+    and each unit read from the files straight into its slices, each rank reading only what it
+    keeps. The other model keys are then unused."""
 
     def _validate(self) -> None:
+        if self.pretrained is not None:
+            return  # the directory's config.json says what the model is
         if self.type == "transformers":
             if self.transformers_class is None:
                 raise ConfigError(
@@ -72,6 +79,12 @@ class ModelConfig(Section):
                 f"{MAX_PARAMETERS:.0e}: lower model.n_layer, model.d_model or model.d_ff",
                 key="model.n_layer",
             )
+
+    @property
+    def is_transformers(self) -> bool:
+        """A transformers model (by class name, or from a pretrained directory): it takes
+        `input_ids` and returns an output with `.logits`, where the built-ins take (tokens, targets)."""
+        return self.type == "transformers" or self.pretrained is not None
 
     def parameter_count(self) -> int:
         """Parameters of the built-in model (gpt or llama) these fields describe, tied weights once."""

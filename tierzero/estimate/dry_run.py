@@ -87,7 +87,7 @@ def dry_run(cfg: Config, *, world_size: int) -> DryRun:
 def _step(engine: Engine, cfg: Config) -> None:
     """One optimizer step: a micro-step per accumulated micro-batch, of token ids on the meta device."""
     train = cfg.train
-    is_hf = cfg.model.type == "transformers"
+    is_hf = cfg.model.is_transformers
     for _ in range(cfg.gradient_accumulation_steps):
         x, y = (torch.empty(train.micro_batch_size, train.seq_len, dtype=torch.long, device="meta") for _ in range(2))
         micro_step(engine, x, y, is_hf=is_hf)
