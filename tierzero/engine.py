@@ -80,7 +80,11 @@ class Engine:
         offload = cfg.offload
         homes = Homes(params=offload.params, grads=offload.gradients, optimizer=offload.optimizer)
         self.plan = stage_class.plan_slices(
-            self.units, param_dtype=self._param_dtype, state_kinds=optimizer.state_kinds, homes=homes
+            self.units,
+            param_dtype=self._param_dtype,
+            grad_dtype=dtype_of(cfg.precision.reduce_dtype or cfg.precision.param_dtype),
+            state_kinds=optimizer.state_kinds,
+            homes=homes,
         )
         self.store = store if store is not None else self._make_store()
         self._hooks: list[Any] = []

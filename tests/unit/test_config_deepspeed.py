@@ -318,3 +318,14 @@ def test_overridden_keys_speak_tierzero(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config({"zero": {"stage": 0}})
     assert str(info.value) == f"zero.stage is 0, {STAGE_FIX}"
+
+
+def test_communication_data_type_is_the_reduce_dtype(tmp_path) -> None:
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**config, "communication_data_type": "fp32"}))
+    cfg = load_config(path)
+    assert (cfg.precision.param_dtype, cfg.precision.reduce_dtype) == ("bf16", "fp32")
+    path.write_text(json.dumps({**config, "communication_data_type": "int4"}))
+    with pytest.raises(ConfigError, match=r"^communication_data_type \(precision\.reduce_dtype in tierzero\): expected one of"):
+        load_config(path)

@@ -19,7 +19,7 @@ from tierzero.estimate.report import add_estimate_command, format_estimate, run_
 from tierzero.models import GPT, ModelSpec, count_parameters
 from tierzero.offload.base import TierCapacityError
 from tierzero.sizes import format_size
-from tierzero.slices import MODEL_STATE_KINDS, Tier
+from tierzero.slices import MODEL_STATE_KINDS, Kind, Tier
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -266,3 +266,19 @@ def test_a_disk_too_small_for_the_swap_file_marks_the_nvme_row(tmp_path: Path, m
     nvme_row = next(line for line in format_estimate(result).splitlines() if line.startswith("nvme "))
     assert nvme_row.split()[-1] == "NO"
     assert "DOES NOT FIT:" in format_estimate(result)
+
+
+def test_estimate_follows_the_reduce_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 compute with fp32 gradients: the GRAD slices and their NVMe traffic double, as a run measures."""
+    raw = _raw(tmp_path, stage=3, params="nvme", grads="nvme", optimizer="nvme", dtype="bf16")
+    bf16 = estimate(load_config(raw))
+    raw["precision"]["reduce_dtype"] = "fp32"
+    fp32 = estimate(load_config(raw))
+    grad = fp32.tiers[Tier.NVME].homes[Kind.GRAD]
+    assert grad == 2 * bf16.tiers[Tier.NVME].homes[Kind.GRAD]
+    assert fp32.nvme_written > bf16.nvme_written
+    summary, report = _train(raw, monkeypatch)
+    assert report["kinds"]["grad"] == grad
+    for tier, est in fp32.tiers.items():
+        measured = summary.peak_tier_bytes.get(tier.value, 0)
+        assert abs(est.peak - measured) <= 0.10 * measured, (tier, est.peak, measured, est.working)

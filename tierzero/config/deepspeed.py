@@ -253,6 +253,9 @@ def _translate_precision(top: _Reader, out: Translation) -> int:
         value = fp16.pop(ds_name)
         if value is not None:
             out.set(f"precision.{tz_name}", value, origin=fp16.key(ds_name))
+    reduce = top.data.pop("communication_data_type", None)
+    if reduce is not None:
+        out.set("precision.reduce_dtype", reduce, origin="communication_data_type")
     fp16.finish()
     bf16.finish()
     return 2 if dtype != "fp32" else 4

@@ -23,6 +23,7 @@ from tierzero.config.checks import (
     NAMES,
     PATH_OR_GLOB,
     TIER,
+    Check,
     GiB,
     MiB,
     TiB,
@@ -51,6 +52,14 @@ MAX_CAPACITY = 1 << 50
 """The limit of a tier capacity: 1 PiB."""
 MAX_HOST_BUFFERS = 64 * GiB
 """The limit of host memory in a pool of equal buffers (NVMe bounce blocks, swapper staging)."""
+
+
+OPTIONAL_DTYPE = Check(
+    f"one of {', '.join(DTYPE_BYTES)} (or null)",
+    " \\| ".join(DTYPE_BYTES) + " \\| null",
+    lambda value: None if value is None else choice_check(tuple(DTYPE_BYTES)).convert(value),
+)
+"""`precision.reduce_dtype`: a compute dtype, or null for the param_dtype."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -86,6 +95,11 @@ class PrecisionConfig(Section):
     SECTION: ClassVar[str] = "precision"
     param_dtype: str = setting("fp32", choice_check(tuple(DTYPE_BYTES)))
     """dtype of parameters and gradients in forward and backward."""
+    reduce_dtype: str | None = setting(None, OPTIONAL_DTYPE)
+    """dtype gradients are reduced across ranks, accumulated and kept in until the step (null: the
+    param_dtype). fp32 with bf16 parameters reduces bf16 gradients without bf16 rounding in the
+    sums, as FSDP's MixedPrecisionPolicy(reduce_dtype=torch.float32) does; the GRAD slices then
+    take 4 bytes a parameter."""
     loss_scale: str | float = setting("dynamic", LOSS_SCALE)
     """fp16 only: 'dynamic' (halve on overflow, grow after scale_window clean steps) or a fixed
     positive scale."""

@@ -106,7 +106,13 @@ class Stage(ABC):
 
     @classmethod
     def plan_slices(
-        cls, units: list[Unit], *, param_dtype: torch.dtype, state_kinds: tuple[Kind, ...], homes: Homes
+        cls,
+        units: list[Unit],
+        *,
+        param_dtype: torch.dtype,
+        grad_dtype: torch.dtype | None = None,
+        state_kinds: tuple[Kind, ...],
+        homes: Homes,
     ) -> SlicePlan:
         """The slices this stage keeps per unit (see stages/plan.py): what the stage is built with."""
         return plan_slices(
@@ -114,6 +120,7 @@ class Stage(ABC):
             shards_params=cls.shards_params,
             shards_grads=cls.shards_grads,
             param_dtype=param_dtype,
+            grad_dtype=grad_dtype,
             state_kinds=state_kinds,
             homes=homes,
         )
@@ -225,9 +232,9 @@ class Stage(ABC):
                     shard.narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1))
             self._grad_complete(unit, final=unit.pending_uses == 0)
             return
-        full = self.scratch(unit, unit.padded_numel, self.param_dtype, kind=Kind.GRAD)
+        full = self.scratch(unit, unit.padded_numel, self.plan.grad_dtype, kind=Kind.GRAD)
         unit.flatten(grads, out=full)
-        part = self.scratch(unit, unit.shard_numel, self.param_dtype, kind=Kind.GRAD)
+        part = self.scratch(unit, unit.shard_numel, self.plan.grad_dtype, kind=Kind.GRAD)
         self._unsent.append(_GradReduce(unit=unit, full=full, part=part, final=unit.pending_uses == 0))
         if sum(job.full.nbytes for job in self._unsent) >= self.bucket_bytes:
             self._send_reduces()

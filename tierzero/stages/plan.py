@@ -47,6 +47,8 @@ class SlicePlan:
     """Each unit's slices on this rank, by unit name, in unit order."""
 
     specs: dict[str, tuple[SliceSpec, ...]]
+    grad_dtype: torch.dtype
+    """The dtype gradients are reduced and kept in (`precision.reduce_dtype`)."""
 
     def of(self, unit: Unit) -> tuple[SliceSpec, ...]:
         return self.specs[unit.name]
@@ -71,21 +73,24 @@ def plan_slices(
     shards_params: bool,
     shards_grads: bool,
     param_dtype: torch.dtype,
+    grad_dtype: torch.dtype | None = None,
     state_kinds: tuple[Kind, ...],
     homes: Homes,
 ) -> SlicePlan:
-    """PARAM and GRAD in the compute dtype (sharded as the stage says), an fp32 MASTER in mixed
-    precision, and the optimizer's fp32 states, each sharded, each at its kind's home."""
+    """PARAM in the compute dtype and GRAD in the reduce dtype (the compute dtype unless given),
+    sharded as the stage says, an fp32 MASTER in mixed precision, and the optimizer's fp32
+    states, each sharded, each at its kind's home."""
+    grad_dtype = grad_dtype or param_dtype
     mixed = param_dtype != torch.float32
     specs = {}
     for unit in units:
         shard = unit.shard_numel
         unit_specs = [
             SliceSpec(Kind.PARAM, shard if shards_params else unit.padded_numel, param_dtype, homes.params),
-            SliceSpec(Kind.GRAD, shard if shards_grads else unit.padded_numel, param_dtype, homes.grads),
+            SliceSpec(Kind.GRAD, shard if shards_grads else unit.padded_numel, grad_dtype, homes.grads),
         ]
         if mixed:
             unit_specs.append(SliceSpec(Kind.MASTER, shard, torch.float32, homes.optimizer))
         unit_specs += [SliceSpec(kind, shard, torch.float32, homes.optimizer) for kind in state_kinds]
         specs[unit.name] = tuple(unit_specs)
-    return SlicePlan(specs=specs)
+    return SlicePlan(specs=specs, grad_dtype=grad_dtype)
