@@ -2,13 +2,16 @@
 
 The loop is the engine's public API and nothing more: `engine(x, y)`, `engine.backward`,
 `engine.step`, `engine.memory_report`. Under torchrun every rank trains its slice of each
-global batch (see tierzero.data) and rank 0 alone prints. Ctrl-C ends the step in flight,
-closes the engine (which removes its swap files), prints the summary so far and exits 130.
+global batch (see tierzero.data) and rank 0 alone prints. Before the first step the
+checkpoint directory is probed and locked for the run (tierzero/checkpoint/directory.py).
+Ctrl-C ends the step in flight, closes the engine (which removes its swap files) once,
+prints the summary so far and exits 130; pressing it again changes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import os
 import signal
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from tierzero.checkpoint import RootLock, claim_root, find_checkpoint, probe_root
 from tierzero.config import load_config
 from tierzero.config.cli import parse_overrides
 from tierzero.data import ByteBatches
@@ -43,7 +47,10 @@ def add_train_command(subparsers: Any) -> None:
     parser = subparsers.add_parser("train", help="train the configured model on byte-level text")
     parser.add_argument("--config", required=True, help="a tierzero .yaml/.yml/.json config (or a DeepSpeed .json)")
     _add_run_flags(parser)
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument(
+        "--resume", nargs="?", const=True, default=False, type=int, metavar="STEP",
+        help="continue from the newest complete checkpoint, or from the one of STEP",
+    )
     parser.set_defaults(func=run_train)
 
 
@@ -71,8 +78,12 @@ def run_train(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     if args.steps is not None:
         overrides["train.steps"] = args.steps
     cfg = load_config(args.config, overrides=overrides)
-    summary = train(cfg, resume=args.resume, progress=not args.no_progress, out=out or sys.stdout)
-    return 130 if summary.interrupted else 0
+    step = None if isinstance(args.resume, bool) else args.resume
+    summary = train(cfg, resume=args.resume is not False, resume_step=step, progress=not args.no_progress, out=out or sys.stdout)
+    if summary.interrupted:
+        print("tierzero: interrupted", file=sys.stderr)
+        return 130
+    return 0
 
 
 def run_demo(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
@@ -155,11 +166,19 @@ class RunSummary:
         return f" ({self.state_bytes / capacity:.1f}x the device capacity)" if capacity else ""
 
 
-def train(cfg: Any, *, resume: bool = False, progress: bool = True, out: TextIO | None = None) -> RunSummary:
-    """Train `cfg.model` on `cfg.data` for `cfg.train.steps` optimizer steps; rank 0 reports to `out`."""
-    out = out or sys.stdout
-    if resume and cfg.checkpoint.dir is None:
+def train(
+    cfg: Any, *, resume: bool = False, resume_step: int | None = None, progress: bool = True, out: TextIO | None = None
+) -> RunSummary:
+    """Train `cfg.model` on `cfg.data` for `cfg.train.steps` optimizer steps; rank 0 reports to `out`.
+
+    `resume`: continue from the newest complete checkpoint under checkpoint.dir, or the one of `resume_step`.
+    """
+    out, resume = out or sys.stdout, resume or resume_step is not None
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir is not None else None
+    if resume and root is None:
         raise ValueError("--resume needs checkpoint.dir, where the checkpoints are: set it in the config or with --set checkpoint.dir=PATH")
+    if root is not None:
+        probe_root(root)  # before the engine is built: a directory that cannot be written costs seconds, not the run
     torch.manual_seed(cfg.train.seed)
     # Built-ins are built on meta and materialised by the engine one unit at a time, so
     # host memory never holds the whole fp32 model. A transformers model stays on the CPU:
@@ -167,56 +186,71 @@ def train(cfg: Any, *, resume: bool = False, progress: bool = True, out: TextIO 
     device = None if cfg.model.type == "transformers" else "meta"
     model = build_model(cfg.model, device=device)
     summary = RunSummary(planned_steps=cfg.train.steps, parameters=count_parameters(model))
-    engine = initialize(model, cfg)
-    rank, world = _rank_and_world()
-    try:
-        if resume:
-            _resume(engine, cfg, show=rank == 0, out=out)
-        data = ByteBatches.from_config(cfg, rank=rank, world_size=world)
-        _loop(engine, cfg, data=data, summary=summary, show=rank == 0, progress=progress, out=out)
-    except BaseException as exc:
-        # The first error is the one to report; a close that fails after it would hide it.
-        with contextlib.suppress(Exception):
-            engine.close()
-        lost = _lost_rank(exc, rank=rank, world=world, step=engine.global_step + 1)
-        if lost is not None:
-            raise lost from exc
-        raise
-    engine.close()
-    if rank == 0:
-        out.write(summary.format())
-        out.flush()
+    with _CtrlC() as ctrl_c:
+        engine = initialize(model, cfg)
+        rank, world = _rank_and_world()
+        lock = None
+        try:
+            lock = claim_root(engine, root) if root is not None else None
+            if resume:
+                _resume(engine, root, resume_step, show=rank == 0, out=out)
+            data = ByteBatches.from_config(cfg, rank=rank, world_size=world)
+            _loop(engine, cfg, data=data, summary=summary, ctrl_c=ctrl_c, show=rank == 0, progress=progress, out=out)
+        except BaseException as exc:
+            # The first error is the one to report; a close that fails after it would hide it.
+            with contextlib.suppress(Exception):
+                _close(engine, lock, ctrl_c)
+            lost = _lost_rank(exc, rank=rank, world=world, step=engine.global_step + 1)
+            if lost is not None:
+                raise lost from exc
+            raise
+        _close(engine, lock, ctrl_c)
+        summary.interrupted = summary.interrupted or ctrl_c.count > 0
+        if rank == 0:
+            out.write(summary.format())
+            out.flush()
     return summary
 
 
-def _loop(engine: Any, cfg: Any, *, data: Any, summary: RunSummary, show: bool, progress: bool, out: TextIO) -> None:
+def _close(engine: Any, lock: RootLock | None, ctrl_c: _CtrlC) -> None:
+    """The engine's swap files, then the checkpoint directory's lock, whole: Ctrl-C from here on only counts."""
+    ctrl_c.closing = True
+    try:
+        engine.close()
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _loop(
+    engine: Any, cfg: Any, *, data: Any, summary: RunSummary, ctrl_c: _CtrlC, show: bool, progress: bool, out: TextIO
+) -> None:
     accumulation = cfg.gradient_accumulation_steps
     tokens_per_step = data.tokens_per_batch * data.world_size * accumulation
     device = _compute_device()
     # Loop steps, not optimizer steps: an fp16 step skipped on overflow still used its batches.
     start = engine.micro_steps // accumulation
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not (show and progress), unit="step", dynamic_ncols=True)
-    rss = _RssProbe()
+    process = psutil.Process(os.getpid())
     began = time.perf_counter()
     try:
-        with _CtrlC() as ctrl_c:
-            for step in range(start, cfg.train.steps):
-                t0 = time.perf_counter()
-                loss = _train_step(engine, data, step=step, accumulation=accumulation, device=device, is_hf=cfg.model.type == "transformers")
-                ctrl_c.check()
-                elapsed = time.perf_counter() - t0
-                summary.steps, summary.tokens = summary.steps + 1, summary.tokens + tokens_per_step
-                summary.losses.append(loss)
-                _note_memory(engine, summary, rss)
-                postfix = _postfix(loss, tokens_per_step / elapsed, summary, engine)
-                bar.set_postfix_str(postfix, refresh=False)
-                bar.update(1)
-                if show and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
-                    bar.write(f"step {step + 1}/{cfg.train.steps} {postfix}", file=out)
-                if _checkpoint_due(cfg, step + 1):
-                    saved = engine.save_checkpoint()
-                    if show:
-                        bar.write(f"saved checkpoint {saved}", file=out)
+        for step in range(start, cfg.train.steps):
+            t0 = time.perf_counter()
+            loss = _train_step(engine, data, step=step, accumulation=accumulation, device=device, is_hf=cfg.model.type == "transformers")
+            ctrl_c.check()
+            elapsed = time.perf_counter() - t0
+            summary.steps, summary.tokens = summary.steps + 1, summary.tokens + tokens_per_step
+            summary.losses.append(loss)
+            _note_memory(engine, summary, process)
+            postfix = _postfix(loss, tokens_per_step / elapsed, summary, engine)
+            bar.set_postfix_str(postfix, refresh=False)
+            bar.update(1)
+            if show and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
+                bar.write(f"step {step + 1}/{cfg.train.steps} {postfix}", file=out)
+            if _checkpoint_due(cfg, step + 1):
+                saved = engine.save_checkpoint()
+                if show:
+                    bar.write(f"saved checkpoint {saved}", file=out)
     except KeyboardInterrupt:
         summary.interrupted = True
         if show:
@@ -227,17 +261,18 @@ def _loop(engine: Any, cfg: Any, *, data: Any, summary: RunSummary, show: bool, 
 
 
 class _CtrlC:
-    """Ctrl-C during the loop, remembered: `check()` raises KeyboardInterrupt once it came.
+    """Ctrl-C during a run: the first one raises KeyboardInterrupt, later ones are only counted.
 
-    Python raises KeyboardInterrupt wherever the main thread is when the signal lands,
-    and one raised inside a finalizer or a callback that swallows errors is lost. The
-    handler also sets a flag, and the loop checks it after each step, so the run stops
-    at that step's end at the latest. Outside the main thread (no signals there), or when
-    SIGINT is ignored (a job started in the background by a shell), it does nothing.
+    A KeyboardInterrupt raised inside a finalizer or a callback that swallows errors is lost,
+    so the loop also checks the count after each step. A second one (pressed again while the
+    run winds down) would break the clean-up itself, leaving swap files and the checkpoint
+    lock behind, with tracebacks. Once `closing` (set by `_close`) even the first only counts.
+    It does nothing outside the main thread, or where SIGINT is ignored (a background job).
     """
 
     def __init__(self) -> None:
-        self._came = False
+        self.count = 0
+        self.closing = False
         self._previous: Any = None
 
     def __enter__(self) -> _CtrlC:
@@ -248,25 +283,32 @@ class _CtrlC:
     def __exit__(self, *exc: object) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+            if self.count:
+                # The user is still pressing it as the process ends: at exit torch's finalizers run,
+                # and a KeyboardInterrupt there prints a traceback after the run's last line.
+                atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
-        self._came = True
-        raise KeyboardInterrupt
+        self.count += 1
+        if self.count == 1 and not self.closing:
+            raise KeyboardInterrupt
 
     def check(self) -> None:
-        if self._came:
+        if self.count:
             raise KeyboardInterrupt
 
 
-def _resume(engine: Any, cfg: Any, *, show: bool, out: TextIO) -> None:
+def _resume(engine: Any, root: Path, step: int | None, *, show: bool, out: TextIO) -> None:
+    """Load the newest complete checkpoint under `root` (or step `step`'s), saying why newer ones were passed over."""
     try:
-        loaded = engine.load_checkpoint()
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"--resume found no complete checkpoint under {cfg.checkpoint.dir}: run without --resume to start from step 0"
-        ) from None
+        chosen = find_checkpoint(root, step=step, note=lambda line: out.write(f"{line}\n") if show else None)
+    except FileNotFoundError as exc:
+        if step is not None:
+            raise FileNotFoundError(f"--resume {step}: {exc}") from None
+        raise FileNotFoundError(f"--resume found no complete checkpoint under {root}: run without --resume to start from step 0") from None
+    loaded = engine.load_checkpoint(chosen)
     if show:
-        out.write(f"resumed from {loaded} at step {engine.micro_steps // cfg.gradient_accumulation_steps}\n")
+        out.write(f"resumed from {loaded} at step {engine.micro_steps // engine.cfg.gradient_accumulation_steps}\n")
 
 
 def _lost_rank(exc: BaseException, *, rank: int, world: int, step: int) -> ConnectionError | None:
@@ -324,37 +366,22 @@ def _postfix(loss: float, tokens_per_s: float, summary: RunSummary, engine: Any)
     # Peaks, not end-of-step values: a stage-3 device tier is empty between steps.
     tiers = " ".join(f"{tier}<={format_size(summary.peak_tier_bytes[tier])}" for tier in TIERS if tier in summary.peak_tier_bytes)
     parts = [f"loss={loss:.4f}", f"tok/s={tokens_per_s:,.0f}", tiers]
-    wait = _last_io_wait(engine)
-    if wait is not None:
-        summary.io_wait_s = (summary.io_wait_s or 0.0) + wait
-        parts.append(f"io_wait={wait:.2f}s")
+    # Seconds compute waited on I/O in the last step, where the engine reports its prefetcher.
+    report_fn = getattr(engine, "prefetch_report", None)
+    report = report_fn() if callable(report_fn) else None
+    if report is not None:
+        summary.io_wait_s = (summary.io_wait_s or 0.0) + float(report.waited_s)
+        parts.append(f"io_wait={float(report.waited_s):.2f}s")
     return " ".join(p for p in parts if p)
 
 
-def _last_io_wait(engine: Any) -> float | None:
-    """Seconds compute waited on I/O in the last step, where the engine reports its prefetcher."""
-    report_fn = getattr(engine, "prefetch_report", None)
-    report = report_fn() if callable(report_fn) else None
-    return float(report.waited_s) if report is not None else None
-
-
-def _note_memory(engine: Any, summary: RunSummary, rss: _RssProbe) -> None:
+def _note_memory(engine: Any, summary: RunSummary, process: psutil.Process) -> None:
     report = engine.memory_report()
     summary.state_bytes = sum(report["kinds"].values())
     for tier, usage in report["tiers"].items():
         summary.peak_tier_bytes[tier] = max(summary.peak_tier_bytes.get(tier, 0), int(usage["peak"]))
         summary.tier_capacity[tier] = usage["capacity"]
-    summary.peak_rss = max(summary.peak_rss, rss.sample())
-
-
-class _RssProbe:
-    """This process's resident set size, by psutil."""
-
-    def __init__(self) -> None:
-        self._process = psutil.Process(os.getpid())
-
-    def sample(self) -> int:
-        return int(self._process.memory_info().rss)
+    summary.peak_rss = max(summary.peak_rss, int(process.memory_info().rss))
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -88,3 +88,30 @@ def test_resume_needs_a_directory_and_a_checkpoint_in_it(tmp_path: Path) -> None
     empty = tmp_path / "empty"
     with pytest.raises(FileNotFoundError, match=rf"^--resume found no complete checkpoint under {empty}: run without --resume"):
         _run(_config(tmp_path, empty), "--resume")
+
+
+def test_resume_from_a_chosen_older_step_and_a_missing_one_lists_the_steps(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    full = _run(_config(tmp_path, ckpt))  # saves 2, 4 and 6
+    expected = _logical(ckpt / "6")
+    resumed = _run(_config(tmp_path, ckpt), "--resume", "2")
+    assert f"resumed from {ckpt / '2'} at step 2\n" in resumed
+    assert _losses(resumed) == {step: loss for step, loss in _losses(full).items() if step > 2}
+    actual = _logical(ckpt / "6")
+    assert all(torch.equal(expected[k], actual[k]) for k in expected)
+    with pytest.raises(FileNotFoundError) as caught:
+        _run(_config(tmp_path, ckpt), "--resume", "5")
+    assert str(caught.value) == (
+        f"--resume 5: no complete checkpoint of step 5 under {ckpt}; complete checkpoints under {ckpt}: steps 2, 4, 6"
+    )
+
+
+def test_resume_says_why_it_passed_over_the_newest_step(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _run(_config(tmp_path, ckpt), "--steps", "4")  # saves 2 and 4
+    (ckpt / "4" / "manifest.json").unlink()  # as a save killed before its manifest, or a manifest deleted
+    resumed = _run(_config(tmp_path, ckpt), "--resume")
+    assert resumed.startswith(
+        f"loading {ckpt / '2'}, not the newer {ckpt / '4'}: it holds no manifest.json: its save never finished, "
+        f"or the manifest was removed\nresumed from {ckpt / '2'} at step 2\n"
+    )

@@ -8,6 +8,7 @@ error messages) between live ranks of one job: pickled in memory, never on disk.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -17,13 +18,26 @@ from tierzero.comm import CommGroup
 T = TypeVar("T")
 
 
-def on_every_rank(comm: CommGroup, fn: Callable[[], T], *, fail: Callable[[str], Exception]) -> T:
-    """Run `fn` on this rank; if it failed on any rank, raise `fail(first message)` on every rank."""
+@dataclass(frozen=True, slots=True)
+class RankFailure:
+    """What failed on one rank: its message, and its errno when it was an OSError (to say what to do)."""
+
+    rank: int
+    message: str
+    errno: int | None = None
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.message}"
+
+
+def on_every_rank(comm: CommGroup, fn: Callable[[], T], *, fail: Callable[[RankFailure], Exception]) -> T:
+    """Run `fn` on this rank; if it failed on any rank, raise `fail(first failure)` on every rank."""
     value, local, error = None, None, None
     try:
         value = fn()
     except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
-        local, error = exc, f"rank {comm.rank}: {exc}"
+        code = exc.errno if isinstance(exc, OSError) else None
+        local, error = exc, RankFailure(rank=comm.rank, message=str(exc), errno=code)
     failed = [e for e in all_gather_objects(comm, error) if e is not None]
     if failed:
         raise fail(failed[0]) from local

@@ -53,6 +53,17 @@ def slice_for_reading(engine: Checkpointable, unit: Unit, spec: SliceSpec) -> It
         engine.store.release(key)
 
 
+#: A rank's JSON state file and its share of the manifest, generously.
+_JSON_BYTES = 1 << 20
+
+
+def checkpoint_nbytes(engine: Checkpointable) -> int:
+    """About how many bytes this rank's files of one checkpoint take."""
+    slices = sum(unit.shard_numel * spec.dtype.itemsize for unit in engine.units for spec in saved_specs(engine, unit))
+    module = sum(t.numel() * t.element_size() for t in engine.module.state_dict().values())
+    return slices + module + _JSON_BYTES
+
+
 def unit_layout(engine: Checkpointable, unit: Unit) -> UnitLayout:
     return UnitLayout(
         name=unit.name,

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
+import stat
 import struct
 import zlib
 from collections.abc import Callable
@@ -45,6 +47,14 @@ _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
 }
 _DTYPE_NAMES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in _SAFETENSORS_DTYPES}
+#: The safetensors dtype codes this reader knows, and their torch dtypes.
+SAFETENSORS_CODES: dict[str, torch.dtype] = {code: d for d, code in _SAFETENSORS_DTYPES.items()}
+DTYPE_NAMES = frozenset(_DTYPE_NAMES)
+CHECKSUM_ALGORITHMS = ("crc32c", "crc32")
+#: Checkpoint files are the run's own (as its swap files are): 0600, directories 0700.
+FILE_MODE, DIR_MODE = 0o600, 0o700
+#: A checkpoint's JSON files are small (the manifest grows with the units, a few KB each).
+MAX_JSON_BYTES = 256 << 20
 
 
 class CheckpointError(ValueError):
@@ -75,7 +85,7 @@ def _updater(algorithm: str) -> Callable[[bytes | memoryview, int], int]:
         return _crc32c
     if algorithm == "crc32":
         return zlib.crc32
-    raise CheckpointError(f"unknown checksum algorithm {algorithm!r} in the manifest, expected crc32c or crc32")
+    raise CheckpointError(f"unknown checksum algorithm {algorithm!r} in the manifest, expected one of {CHECKSUM_ALGORITHMS}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +104,12 @@ class FileRecord:
 class _HashingWriter:
     """A file opened for writing whose bytes are counted and checksummed as they pass."""
 
-    def __init__(self, path: Path, *, algorithm: str) -> None:
+    def __init__(self, path: Path, *, algorithm: str, mode: int = FILE_MODE) -> None:
         self.path = path
         self._update = _updater(algorithm)
         self._crc = 0
         self.nbytes = 0
-        self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed by finish/abort
+        self._file = create_file(path, mode=mode)
 
     def write(self, data: bytes | memoryview) -> None:
         self._crc = self._update(data, self._crc)
@@ -119,6 +129,26 @@ class _HashingWriter:
             self._file.close()
 
 
+def create_file(path: Path, *, mode: int = FILE_MODE) -> BinaryIO:
+    """A new file for writing: refused when anything (a planted symlink included) is already at `path`."""
+    return open(path, "xb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode))
+
+
+def open_for_reading(path: Path) -> BinaryIO:
+    """`path` opened to read, never through a symlink; CheckpointError naming it for anything but a missing file."""
+    try:
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            raise CheckpointError(f"checkpoint file {path} is a symbolic link: a checkpoint's files are never followed out of it")
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"checkpoint file {path} is not a regular file: the checkpoint was tampered with")
+        return open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW | os.O_CLOEXEC))
+    except (FileNotFoundError, CheckpointError):
+        raise
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint file {path} cannot be read ({exc.strerror})") from None
+
+
 def write_all(file: BinaryIO, data: bytes | memoryview) -> None:
     """One write of `data` (a module-level seam: the full-disk tests make it raise ENOSPC)."""
     file.write(data)
@@ -128,16 +158,17 @@ def verify_file(directory: Path, record: FileRecord, *, algorithm: str) -> None:
     """Check size and checksum of `directory/record.name`; CheckpointError naming the file otherwise."""
     path = directory / record.name
     try:
-        size = path.stat().st_size
+        f = open_for_reading(path)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete; load an earlier one") from None
-    if size != record.nbytes:
-        raise CheckpointError(
-            f"checkpoint file {path} has {size} bytes, the manifest recorded {record.nbytes}: "
-            "it is truncated or replaced; load an earlier checkpoint"
-        )
     update, crc = _updater(algorithm), 0
-    with open(path, "rb") as f:
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size != record.nbytes:
+            raise CheckpointError(
+                f"checkpoint file {path} has {size} bytes, the manifest recorded {record.nbytes}: "
+                "it is truncated or replaced; load an earlier checkpoint"
+            )
         while chunk := f.read(8 << 20):
             crc = update(chunk, crc)
     if f"{crc:08x}" != record.checksum:
@@ -167,13 +198,15 @@ def write_json(path: Path, value: Any, *, algorithm: str) -> FileRecord:
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from `path`; CheckpointError naming the file for anything else."""
+    """A JSON object from `path`; CheckpointError naming the file for anything else (FileNotFoundError when missing)."""
+    with open_for_reading(path) as f:
+        if os.fstat(f.fileno()).st_size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{path} is over {MAX_JSON_BYTES >> 20} MiB, no checkpoint JSON is this large: it was replaced")
+        raw = f.read()
     try:
-        text = path.read_bytes().decode("utf-8")
-        value = json.loads(text)
-    except FileNotFoundError:
-        raise
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # ValueError: malformed JSON, or an integer of more digits than Python converts
         raise CheckpointError(f"{path} is not a JSON file ({type(exc).__name__}): it is corrupt or was replaced") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, expected an object: it was replaced")
@@ -205,7 +238,9 @@ class SafetensorsStream:
     bytes can be written as soon as that slice is fetched, then the slice released.
     """
 
-    def __init__(self, path: Path, entries: list[TensorEntry], *, algorithm: str, metadata: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, path: Path, entries: list[TensorEntry], *, algorithm: str, metadata: dict[str, str] | None = None, mode: int = FILE_MODE
+    ) -> None:
         self._entries = entries
         self._next = 0
         header: dict[str, Any] = {"__metadata__": metadata or {}}
@@ -215,7 +250,7 @@ class SafetensorsStream:
             offset += e.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self._writer = _HashingWriter(path, algorithm=algorithm)
+        self._writer = _HashingWriter(path, algorithm=algorithm, mode=mode)
         try:
             self._writer.write(struct.pack("<Q", len(raw)) + raw)
         except BaseException:
@@ -275,13 +310,25 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def make_private_dir(path: Path) -> Path:
+    """A new directory only this user can enter; refused (FileExistsError) when anything is at `path`."""
+    os.mkdir(path, DIR_MODE)
+    return path
+
+
 def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` by `text` all at once: write a temp file beside it, fsync, rename, fsync the dir."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Replace `path` by `text` all at once: write a new temp file beside it, fsync, rename, fsync the dir."""
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    f = create_file(tmp)  # only what this call created is removed on failure
+    try:
+        with f:
+            f.write(text.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     fsync_dir(path.parent)
 

@@ -15,11 +15,22 @@ what resharding (and consolidation) does; padding is never read.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierzero.checkpoint.format import CheckpointError, FileRecord, json_checksum, read_json
+from tierzero.checkpoint.fields import Fields, shown
+from tierzero.checkpoint.format import (
+    CHECKSUM_ALGORITHMS,
+    DTYPE_NAMES,
+    CheckpointError,
+    FileRecord,
+    json_checksum,
+    read_json,
+)
+from tierzero.slices import Kind
 
 FORMAT = "tierzero-checkpoint"
 VERSION = 1
@@ -41,6 +52,14 @@ def tensor_name(unit: str, kind: str) -> str:
 #: Prefix of the module's own state_dict entries (buffers, frozen parameters) in a rank file.
 MODULE_PREFIX = "module/"
 
+#: The kinds a checkpoint stores (gradients are zero at a step boundary).
+SAVED_KINDS = frozenset({Kind.PARAM.value, Kind.MASTER.value, Kind.EXP_AVG.value, Kind.EXP_AVG_SQ.value})
+_RANK_FILE = re.compile(r"rank-\d+\.(safetensors|json)")
+_HEX8 = re.compile(r"[0-9a-f]{8}")
+#: Steps and micro-steps fit an int64 wherever they are used (a tensor, a seed).
+MAX_STEP = 2**62
+
+
 
 @dataclass(frozen=True, slots=True)
 class SlotLayout:
@@ -56,8 +75,11 @@ class SlotLayout:
         return {"names": list(self.names), "shape": list(self.shape), "offset": self.offset, "numel": self.numel}
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> SlotLayout:
-        return cls(names=tuple(raw["names"]), shape=tuple(int(d) for d in raw["shape"]), offset=int(raw["offset"]), numel=int(raw["numel"]))
+    def from_json(cls, f: Fields) -> SlotLayout:
+        slot = cls(names=f.texts("names"), shape=f.integers("shape"), offset=f.integer("offset"), numel=f.integer("numel"))
+        if math.prod(slot.shape) != slot.numel:
+            raise f.bad("numel", slot.numel, f"{math.prod(slot.shape)}, the size of its shape {list(slot.shape)}")
+        return slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,15 +109,22 @@ class UnitLayout:
         }
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> UnitLayout:
-        return cls(
-            name=str(raw["name"]),
-            numel=int(raw["numel"]),
-            padded_numel=int(raw["padded_numel"]),
-            world_size=int(raw["world_size"]),
-            slots=tuple(SlotLayout.from_json(s) for s in raw["slots"]),
-            kinds={str(k): str(v) for k, v in raw["kinds"].items()},
-        )
+    def from_json(cls, f: Fields, *, world_size: int) -> UnitLayout:
+        numel = f.integer("numel")
+        written_at = f.integer("world_size", lo=1)
+        if written_at != world_size:
+            raise f.bad("world_size", written_at, f"the manifest's world size {world_size}")
+        padded = f.integer("padded_numel", lo=numel)
+        if padded % world_size:
+            raise f.bad("padded_numel", padded, f"a multiple of the world size {world_size}")
+        slots = tuple(SlotLayout.from_json(s) for s in f.objs("slots"))
+        for i, slot in enumerate(slots):
+            if slot.offset + slot.numel > numel:
+                raise f.error(f"{f.where}slots[{i}] ends at {slot.offset + slot.numel}, past the unit's {numel} elements")
+        kinds = f.mapping("kinds")
+        if Kind.PARAM.value not in kinds or not all(k in SAVED_KINDS and isinstance(v, str) and v in DTYPE_NAMES for k, v in kinds.items()):
+            raise f.bad("kinds", kinds, f"param and others of {sorted(SAVED_KINDS)}, each a dtype of {sorted(DTYPE_NAMES)}")
+        return cls(name=f.text("name"), numel=numel, padded_numel=padded, world_size=world_size, slots=slots, kinds=dict(kinds))
 
     def same_parameters(self, other: UnitLayout) -> bool:
         """Same slots at the same offsets: the logical buffers line up element for element."""
@@ -117,12 +146,13 @@ class EngineScalars:
         return {"global_step": self.global_step, "micro_steps": self.micro_steps, "lr": self.lr, "loss_scaler": self.loss_scaler}
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> EngineScalars:
+    def from_json(cls, f: Fields) -> EngineScalars:
+        scaler = f.obj("loss_scaler")
         return cls(
-            global_step=int(raw["global_step"]),
-            micro_steps=int(raw["micro_steps"]),
-            lr=float(raw["lr"]),
-            loss_scaler=dict(raw["loss_scaler"]),
+            global_step=f.integer("global_step", hi=MAX_STEP),
+            micro_steps=f.integer("micro_steps", hi=MAX_STEP),
+            lr=f.number("lr", lo=0.0),
+            loss_scaler={key: scaler.number(key) for key in scaler.raw},
         )
 
 
@@ -172,37 +202,81 @@ class Manifest:
 
     @classmethod
     def read(cls, directory: Path) -> Manifest:
-        """The manifest of the checkpoint in `directory`; CheckpointError naming the file when unusable."""
+        """The manifest of the checkpoint in `directory`; CheckpointError naming the file when unusable.
+
+        Every number is checked against the others and against the files it describes
+        (their names and count) before anything is allocated or read by it; shards.py checks
+        each tensor file's header against it (dtypes, shapes, byte ranges) when it is opened.
+        """
         path = directory / MANIFEST
-        raw = read_json(path)
-        claimed = raw.pop("self_checksum", None)
-        if raw.get("format") != FORMAT:
-            raise CheckpointError(f"{path} is not a tierzero checkpoint manifest (format {raw.get('format')!r}, expected {FORMAT!r})")
-        if raw.get("version") != VERSION:
-            raise CheckpointError(f"{path} has version {raw.get('version')!r}, this tierzero reads version {VERSION}: upgrade tierzero")
-        try:
-            actual = json_checksum(raw, algorithm=str(raw["checksum"]))
-        except KeyError:
-            actual = None
-        if claimed is None or actual != claimed:
-            raise CheckpointError(
-                f"{path} fails its own checksum ({actual}, recorded {claimed}): it is corrupt or was edited; "
-                "load an earlier checkpoint"
-            )
-        try:
-            return cls(
-                step=int(raw["step"]),
-                world_size=int(raw["world_size"]),
-                stage=int(raw["stage"]),
-                param_dtype=str(raw["param_dtype"]),
-                checksum=str(raw["checksum"]),
-                scalars=EngineScalars.from_json(raw["engine"]),
-                units=tuple(UnitLayout.from_json(u) for u in raw["units"]),
-                files={
-                    str(name): FileRecord(name=str(name), nbytes=int(r["bytes"]), checksum=str(r["checksum"]))
-                    for name, r in raw["files"].items()
-                },
-                config=dict(raw.get("config", {})),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CheckpointError(f"{path} is malformed ({type(exc).__name__}: {exc}): it is corrupt or was edited") from None
+        f = Fields(read_json(path), path=path)
+        _check_identity(f)
+        step, world_size = f.integer("step", hi=MAX_STEP), f.integer("world_size", lo=1)
+        if directory.name.isdigit() and int(directory.name) != step:
+            raise f.bad("step", step, f"{int(directory.name)}, the step its directory is named by")
+        manifest = cls(
+            step=step,
+            world_size=world_size,
+            stage=f.integer("stage", lo=1, hi=3),
+            param_dtype=f.text("param_dtype", choices=set(DTYPE_NAMES)),
+            checksum=f.text("checksum", choices=set(CHECKSUM_ALGORITHMS)),
+            files=_file_records(f, world_size=world_size),  # first: it bounds the world size by the files
+            scalars=EngineScalars.from_json(f.obj("engine")),
+            units=tuple(UnitLayout.from_json(u, world_size=world_size) for u in f.objs("units")),
+            config=f.mapping("config") if "config" in f.raw else {},
+        )
+        if manifest.scalars.global_step != step:
+            raise f.bad("engine.global_step", manifest.scalars.global_step, f"the manifest's step {step}")
+        _check_names(f, manifest.units)
+        _check_no_other_rank_files(f, directory, manifest)
+        return manifest
+
+
+def _check_identity(f: Fields) -> None:
+    """Format, version and the manifest's checksum of itself, before any other field is believed."""
+    claimed = f.raw.pop("self_checksum", None)
+    if f.raw.get("format") != FORMAT:
+        raise CheckpointError(f"{f.path} is not a tierzero checkpoint manifest (format {shown(f.raw.get('format'))}, expected {FORMAT!r})")
+    if f.raw.get("version") != VERSION:
+        raise CheckpointError(f"{f.path} has version {shown(f.raw.get('version'))}, this tierzero reads version {VERSION}: upgrade tierzero")
+    algorithm = f.raw.get("checksum")
+    actual = json_checksum(f.raw, algorithm=algorithm) if algorithm in CHECKSUM_ALGORITHMS else None
+    if claimed is None or actual != claimed:
+        raise CheckpointError(
+            f"{f.path} fails its own checksum ({actual}, recorded {shown(claimed)}): it is corrupt or was edited; "
+            "load an earlier checkpoint"
+        )
+
+
+def _file_records(f: Fields, *, world_size: int) -> dict[str, FileRecord]:
+    """Exactly a tensor file and a state file per rank; counted before any name is built."""
+    raw = f.mapping("files")
+    if len(raw) != 2 * world_size:
+        raise f.error(f"files lists {len(raw)} files, a checkpoint written at world size {world_size} has {2 * world_size}")
+    expected = {name for rank in range(world_size) for name in (rank_tensor_file(rank), rank_state_file(rank))}
+    if set(raw) != expected:
+        raise f.bad("files", min(set(raw) - expected), f"the rank files of world size {world_size}")
+    records = {}
+    for name in sorted(raw):
+        record = f.obj("files").obj(name)
+        checksum = record.text("checksum")
+        if not _HEX8.fullmatch(checksum):
+            raise record.bad("checksum", checksum, "8 lowercase hex digits")
+        records[name] = FileRecord(name=name, nbytes=record.integer("bytes"), checksum=checksum)
+    return records
+
+
+def _check_names(f: Fields, units: tuple[UnitLayout, ...]) -> None:
+    """Unit names, and parameter names over all units, each once: a consolidated file has one key per name."""
+    for what, names in (("unit", [u.name for u in units]), ("parameter", [n for u in units for s in u.slots for n in s.names])):
+        seen: set[str] = set()
+        for name in names:
+            if name in seen or name == "__metadata__":  # safetensors' own key
+                raise f.error(f"{what} name {shown(name)} is listed twice or reserved")
+            seen.add(name)
+
+
+def _check_no_other_rank_files(f: Fields, directory: Path, manifest: Manifest) -> None:
+    for entry in directory.iterdir():
+        if _RANK_FILE.fullmatch(entry.name) and entry.name not in manifest.files:
+            raise f.error(f"{entry.name} is in the directory, but world size {manifest.world_size} writes no such file")

@@ -1,13 +1,21 @@
-"""Random-number generator states as JSON: torch (CPU and CUDA), numpy's global one, Python's `random`."""
+"""Random-number generator states as JSON: torch (CPU and CUDA), numpy's global one, Python's `random`.
+
+A loaded state is tried on scratch generators first (`parse_rng_state`), so a state file
+that does not hold one is refused before any generator of the process changes.
+"""
 
 from __future__ import annotations
 
 import base64
 import random
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from tierzero.checkpoint.format import CheckpointError
 
 
 def _encode(t: torch.Tensor) -> str:
@@ -31,23 +39,44 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `rng_state` saved (CUDA states only where CUDA is present and they were saved)."""
-    torch.set_rng_state(_decode(state["torch"]))
-    np_state = state["numpy"]
-    np.random.set_state(
-        (
-            np_state["kind"],
-            np.asarray(np_state["keys"], dtype=np.uint32),
-            np_state["pos"],
-            np_state["has_gauss"],
-            np_state["cached_gaussian"],
+@dataclass(frozen=True, slots=True)
+class RngState:
+    """A saved state, decoded and known to be accepted by each generator."""
+
+    torch: torch.Tensor
+    numpy: tuple[Any, ...]
+    python: tuple[Any, ...]
+    cuda: list[torch.Tensor] | None
+
+
+def parse_rng_state(state: Any, *, path: Path) -> RngState:
+    """What `rng_state` saved, tried on scratch generators; CheckpointError naming `path` otherwise."""
+    try:
+        np_state, py = state["numpy"], state["python"]
+        parsed = RngState(
+            torch=_decode(state["torch"]),
+            numpy=(np_state["kind"], np.asarray(np_state["keys"], dtype=np.uint32), np_state["pos"], np_state["has_gauss"], np_state["cached_gaussian"]),
+            python=(py["version"], tuple(py["internal"]), py["gauss_next"]),
+            cuda=[_decode(s) for s in state["cuda"]] if "cuda" in state else None,
         )
-    )
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
-    if torch.cuda.is_available() and "cuda" in state:
-        saved = [_decode(s) for s in state["cuda"]]
+        keys, pos = np_state["keys"], np_state["pos"]
+        # numpy takes any position and casts floats to keys silently: checked here
+        if len(keys) != 624 or not all(type(k) is int for k in keys) or type(pos) is not int or not 0 <= pos <= 624:
+            raise ValueError("numpy keys or position out of range")
+        torch.Generator().set_state(parsed.torch)
+        np.random.RandomState().set_state(parsed.numpy)
+        random.Random().setstate(parsed.python)
+    except (KeyError, TypeError, ValueError, OverflowError, RuntimeError, IndexError) as exc:
+        raise CheckpointError(f"{path} holds no usable RNG state ({type(exc).__name__}): it is corrupt or was edited") from None
+    return parsed
+
+
+def set_rng_state(state: RngState) -> None:
+    """Restore a parsed state (CUDA states only where CUDA is present and they were saved)."""
+    torch.set_rng_state(state.torch)
+    np.random.set_state(state.numpy)
+    random.setstate(state.python)
+    if torch.cuda.is_available() and state.cuda is not None:
         # A job resumed on fewer GPUs per node restores the devices it has.
-        for index, value in enumerate(saved[: torch.cuda.device_count()]):
+        for index, value in enumerate(state.cuda[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(value, device=index)

@@ -1,10 +1,11 @@
 """Atomic, sharded checkpoints of an engine: save at one world size, load at any.
 
 Saving step S under `root`:
-1. rank 0 creates `root/.tmp-S-<random>`; every rank streams its own slices into
-   `rank-<r>.safetensors` one slice at a time (fetched from its tier to host memory,
-   written, released: the whole state is never staged), and its RNG states into
-   `rank-<r>.json`; each file is checksummed as written and fsynced;
+1. rank 0 creates `root/.tmp-S-<random>` (0700, refused if it exists); every rank
+   streams its own slices into `rank-<r>.safetensors` one slice at a time (fetched from
+   its tier to host memory, written, released: the whole state is never staged), and its
+   RNG states into `rank-<r>.json`; each file is created new (0600, never through a
+   symlink), checksummed as written and fsynced;
 2. rank 0 writes `manifest.json` (layouts, dtypes, world size, config, scalars, every
    file's size and checksum), fsyncs the directory, renames it to `root/S`, fsyncs
    `root`, then replaces `root/latest` (temp file + rename) and prunes to the last K.
@@ -15,24 +16,33 @@ directories are never loaded (the next successful save deletes them). Every outc
 is agreed by all ranks, so an error on one rank (a full disk) is raised on all of them
 rather than leaving the others waiting in a collective (agree.py).
 
-Loading reads the manifest, verifies the size and checksum of every file it will read
-before using a byte of it, and writes each slice home through the store. The layout
+Loading reads the manifest, checks every number in it against the others and against
+the files (fields.py, manifest.py, shards.py), verifies the size, checksum and header of
+every file it will read before using a byte of it, and writes each slice home through
+the store. Which checkpoint a root holds is find.py's business. The layout
 (see [Note: checkpoint layout] in checkpoint/manifest.py) lets a checkpoint written
 at N ranks load at M.
 """
 
 from __future__ import annotations
 
+import copy
+import os
 import secrets
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from tierzero.checkpoint.agree import all_gather_objects, from_rank0, on_every_rank
+from tierzero.checkpoint.agree import (
+    RankFailure,
+    all_gather_objects,
+    from_rank0,
+    on_every_rank,
+)
+from tierzero.checkpoint.directory import failure_fix
 from tierzero.checkpoint.engine_state import (
     own_range,
     read_scalars,
@@ -43,7 +53,14 @@ from tierzero.checkpoint.engine_state import (
     unit_layout,
     wanted_range,
 )
+from tierzero.checkpoint.find import (
+    LATEST,
+    TMP_PREFIX,
+    find_checkpoint,
+    list_checkpoints,
+)
 from tierzero.checkpoint.format import (
+    DIR_MODE,
     CheckpointError,
     FileRecord,
     SafetensorsStream,
@@ -52,6 +69,7 @@ from tierzero.checkpoint.format import (
     dtype_from_name,
     dtype_name,
     fsync_dir,
+    make_private_dir,
     read_json,
     verify_file,
     write_json,
@@ -67,7 +85,7 @@ from tierzero.checkpoint.manifest import (
     tensor_name,
 )
 from tierzero.checkpoint.protocol import Checkpointable
-from tierzero.checkpoint.rng import rng_state, set_rng_state
+from tierzero.checkpoint.rng import RngState, parse_rng_state, rng_state, set_rng_state
 from tierzero.checkpoint.shards import ShardReader
 from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.plan import SliceSpec
@@ -82,45 +100,9 @@ __all__ = [
     "save_checkpoint",
 ]
 
-LATEST = "latest"
-TMP_PREFIX = ".tmp-"
-
 
 class CheckpointWriteError(OSError):
     """A save failed on some rank; the half-written directory is gone and earlier checkpoints are untouched."""
-
-
-# ---- finding checkpoints -----------------------------------------------------------
-
-
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under `root` (step-named directories with a manifest), oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.name.isdigit() and p.is_dir() and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: int(p.name))
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """`path` itself when it is a checkpoint, else the newest complete checkpoint under it.
-
-    The directories decide, not `latest` (which is for people and tools): a save killed
-    between its rename and the pointer's update has still written a complete, newer
-    checkpoint. Raises FileNotFoundError when there is none; a `.tmp-*` directory is refused.
-    """
-    path = Path(path)
-    if path.name.startswith(TMP_PREFIX):
-        raise CheckpointError(f"{path} is a half-written checkpoint (a save that never finished): load a step directory instead")
-    if (path / MANIFEST).is_file():
-        return path
-    complete = list_checkpoints(path)
-    if not complete:
-        raise FileNotFoundError(
-            f"no complete checkpoint under {path} (a step directory holding {MANIFEST}): "
-            "save one first, or pass the directory of an existing checkpoint"
-        )
-    return complete[-1]
 
 
 # ---- saving ------------------------------------------------------------------------
@@ -155,22 +137,23 @@ def save_checkpoint(engine: Checkpointable, root: str | Path, *, keep: int | Non
 
 
 def _make_tmp_dir(root: Path, step: int) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f"{TMP_PREFIX}{step}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    return tmp
+    root.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+    return make_private_dir(root / f"{TMP_PREFIX}{step}-{secrets.token_hex(4)}")
 
 
-def _save_failure(step: int, root: Path) -> Callable[[str], Exception]:
-    def make(error: str) -> Exception:
+def _save_failure(step: int, root: Path) -> Callable[[RankFailure], Exception]:
+    def make(failure: RankFailure) -> Exception:
         previous = list_checkpoints(root)
         kept = f"the previous checkpoint {previous[-1]} is intact and still loads" if previous else "no earlier checkpoint exists"
         return CheckpointWriteError(
-            f"checkpoint of step {step} under {root} was not written ({error}); {kept}: "
-            "free space or pick another checkpoint.dir"
+            f"checkpoint of step {step} under {root} was not written ({failure}); {kept}: {failure_fix(failure.errno)}"
         )
 
     return make
+
+
+def _load_failure(failure: RankFailure) -> CheckpointError:
+    return CheckpointError(str(failure))
 
 
 def _write_rank_files(engine: Checkpointable, tmp: Path, *, algorithm: str) -> list[FileRecord]:
@@ -214,7 +197,7 @@ def _publish(engine: Checkpointable, root: Path, tmp: Path, per_rank: list[list[
     write_json(tmp / MANIFEST, manifest.to_json(), algorithm=algorithm)
     fsync_dir(tmp)
     replaced = None
-    if final.exists():
+    if os.path.lexists(final):
         # The same step saved twice (e.g. right after a resume): the new copy replaces it.
         replaced = root / f"{TMP_PREFIX}old-{final.name}-{secrets.token_hex(4)}"
         final.rename(replaced)
@@ -232,6 +215,8 @@ def _prune(root: Path, *, keep: int | None, current: Path) -> None:
     for stale in root.glob(f"{TMP_PREFIX}*"):
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(f".{LATEST}.tmp-*"):  # a pointer's temp file left by a killed save (never followed)
+        stale.unlink(missing_ok=True)
     if keep is None:
         return
     complete = list_checkpoints(root)
@@ -250,11 +235,11 @@ def load_checkpoint(engine: Checkpointable, path: str | Path) -> Path:
     CheckpointError (a ValueError) naming the file on every rank. Returns the directory loaded.
     """
     require_step_boundary(engine, action="load a checkpoint")
-    directory = find_checkpoint(path)
+    directory = find_checkpoint(path, note=None if engine.comm.rank == 0 else lambda _: None)
     engine.stage.finish()
-    loaded = on_every_rank(engine.comm, lambda: _prepare_load(engine, directory), fail=CheckpointError)
-    on_every_rank(engine.comm, lambda: _write_slices(engine, loaded.reader, loaded.plan), fail=CheckpointError)
-    on_every_rank(engine.comm, lambda: _load_module_state(engine, loaded.reader), fail=CheckpointError)
+    loaded = on_every_rank(engine.comm, lambda: _prepare_load(engine, directory), fail=_load_failure)
+    on_every_rank(engine.comm, lambda: _write_slices(engine, loaded.reader, loaded.plan), fail=_load_failure)
+    on_every_rank(engine.comm, lambda: _load_module_state(engine, loaded.reader), fail=_load_failure)
     restore_scalars(engine, loaded.reader.manifest.scalars)
     set_rng_state(loaded.rng)
     return directory
@@ -278,7 +263,7 @@ class _Load:
 
     reader: ShardReader
     plan: list[_SliceLoad]
-    rng: dict[str, Any]
+    rng: RngState
 
 
 def _prepare_load(engine: Checkpointable, directory: Path) -> _Load:
@@ -301,7 +286,38 @@ def _prepare_load(engine: Checkpointable, directory: Path) -> _Load:
     # The files of the ranges this rank reads, and the one it takes buffers and frozen parameters from.
     needed = {rank for s in plan for rank in reader.files_for(s.layout, s.start, s.end)}
     reader.verify(needed | {engine.comm.rank % manifest.world_size})
+    _check_module_state(engine, reader)
+    _check_loss_scaler(engine, directory, manifest)
     return _Load(reader=reader, plan=plan, rng=_read_rng(engine, directory, manifest))
+
+
+def _check_module_state(engine: Checkpointable, reader: ShardReader) -> None:
+    """Buffers and frozen parameters of this model's names and sizes, before any state changes."""
+    expected = engine.module.state_dict()
+    if not expected:
+        return
+    source = engine.comm.rank % reader.manifest.world_size
+    stored, path = reader.module_entries(source), reader.directory / rank_tensor_file(source)
+    missing = sorted(set(expected) - set(stored))
+    if missing:
+        raise CheckpointError(
+            f"{path} has no {missing[0]} (of {len(missing)} missing module "
+            "buffers or frozen parameters): load a checkpoint of the same model"
+        )
+    for name, tensor in expected.items():
+        if stored[name].shape != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{path}: {MODULE_PREFIX}{name} has shape {list(stored[name].shape)}, this model's {list(tensor.shape)}: "
+                "load a checkpoint of the same model"
+            )
+
+
+def _check_loss_scaler(engine: Checkpointable, directory: Path, manifest: Manifest) -> None:
+    """The saved scaler state, tried on a copy of the engine's scaler: refused here, not halfway through the load."""
+    try:
+        copy.deepcopy(engine.loss_scaler).load_state_dict(manifest.scalars.loss_scaler)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"{directory / MANIFEST}: engine.loss_scaler does not fit this run ({exc})") from None
 
 
 def _write_slices(engine: Checkpointable, reader: ShardReader, plan: list[_SliceLoad]) -> None:
@@ -315,31 +331,24 @@ def _write_slices(engine: Checkpointable, reader: ShardReader, plan: list[_Slice
 
 
 def _load_module_state(engine: Checkpointable, reader: ShardReader) -> None:
-    """Buffers and frozen parameters, from this rank's file (or, at a larger world size, rank r % N's)."""
+    """Buffers and frozen parameters, from this rank's file (or, at a larger world size, rank r % N's); checked before."""
     expected = engine.module.state_dict()
     if not expected:
         return
-    source = engine.comm.rank % reader.manifest.world_size
-    values = reader.whole_tensors(source, prefix=MODULE_PREFIX)
-    missing = sorted(set(expected) - set(values))
-    if missing:
-        raise CheckpointError(
-            f"{reader.directory / rank_tensor_file(source)} has no {missing[0]} (of {len(missing)} missing module "
-            "buffers or frozen parameters): load a checkpoint of the same model"
-        )
+    values = reader.whole_tensors(engine.comm.rank % reader.manifest.world_size, prefix=MODULE_PREFIX)
     with torch.no_grad():
         for name, tensor in expected.items():
             tensor.copy_(values[name])
 
 
-def _read_rng(engine: Checkpointable, directory: Path, manifest: Manifest) -> dict[str, Any]:
+def _read_rng(engine: Checkpointable, directory: Path, manifest: Manifest) -> RngState:
     # At another world size the ranks beyond the writer's reuse its ranks' generators.
     name = rank_state_file(engine.comm.rank % manifest.world_size)
     verify_file(directory, manifest.file(name, directory=directory), algorithm=manifest.checksum)
     rng = read_json(directory / name).get("rng")
     if not isinstance(rng, dict) or not {"torch", "numpy", "python"} <= set(rng):
         raise CheckpointError(f"{directory / name} holds no RNG state: it is corrupt or was edited")
-    return rng
+    return parse_rng_state(rng, path=directory / name)
 
 
 def _source_kind(kind: Kind, layout: UnitLayout, *, directory: Path) -> str:
