@@ -236,7 +236,7 @@ def _loop(
     try:
         for step in range(start, cfg.train.steps):
             t0 = time.perf_counter()
-            loss = _train_step(engine, data, step=step, accumulation=accumulation, device=device, is_hf=cfg.model.type == "transformers")
+            loss = _train_step(engine, data, step=step, accumulation=accumulation, device=device, is_hf=cfg.model.is_transformers)
             ctrl_c.check()
             elapsed = time.perf_counter() - t0
             summary.steps, summary.tokens = summary.steps + 1, summary.tokens + tokens_per_step

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import tierzero
+import tierzero.train as T
+from tierzero.config import load_config
+from tierzero.data import ByteBatches
 from tierzero.pretrained import PretrainedError, build_meta_model
 
 transformers = pytest.importorskip("transformers")
@@ -94,3 +99,28 @@ def test_a_meta_built_transformers_model_without_files_is_initialised_by_its_own
     # transformers' own init: norms at one, the rotary frequencies computed, weights random.
     assert torch.equal(state["model.norm.weight"], torch.ones(32))
     assert state["model.layers.0.mlp.up_proj.weight"].std() > 0
+
+
+def test_tierzero_train_starts_from_model_pretrained(tmp_path: Path) -> None:
+    """`model.pretrained` in a config: the loop's first loss is the saved model's loss on the first batch."""
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path / "llama", safe_serialization=True)
+    cfg = load_config(
+        {
+            "zero": {"stage": 3, "unit_classes": ["LlamaDecoderLayer"]},
+            "model": {"pretrained": str(tmp_path / "llama")},
+            "train": {"steps": 2, "micro_batch_size": 2, "seq_len": 16, "log_every": 1},
+            "data": {"max_bytes": "64KiB"},
+            "offload": {"params": "cpu", "gradients": "cpu", "optimizer": "cpu"},
+        }
+    )
+    summary = T.train(cfg, progress=False, out=io.StringIO())
+    x, y = ByteBatches.from_config(cfg, rank=0, world_size=1).batch(0)
+    with torch.no_grad():
+        expected = F.cross_entropy(reference(input_ids=x).logits.float().flatten(0, 1), y.flatten()).item()
+    assert summary.steps == 2 and summary.losses[0] == pytest.approx(expected, rel=1e-6)
