@@ -18,6 +18,7 @@ from torch.nn import functional as F
 import tierzero
 from tierzero.checkpoint import (
     CheckpointError,
+    CheckpointFallbackWarning,
     find_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -178,11 +179,14 @@ def test_half_written_checkpoints_are_never_loaded_and_are_cleaned_up(tmp_path: 
         dead.mkdir()
         (dead / "rank-00000.safetensors").write_bytes(b"\0" * 64)
         (tmp_path / "9").mkdir()
-        assert find_checkpoint(tmp_path) == good
+        fallback = r"loading .*/1, not the newer .*/9: it holds no manifest\.json"
+        with pytest.warns(CheckpointFallbackWarning, match=fallback):
+            assert find_checkpoint(tmp_path) == good
         with pytest.raises(CheckpointError, match=r"\.tmp-7-deadbeef is a half-written checkpoint"):
             find_checkpoint(dead)
         train(engine, 1, 2)
-        assert load_checkpoint(engine, tmp_path) == good
+        with pytest.warns(CheckpointFallbackWarning, match=fallback):
+            assert load_checkpoint(engine, tmp_path) == good
         assert engine.global_step == 1
         assert_same_params(engine.full_state_dict(), before)
         save_checkpoint(engine, tmp_path)  # step 1 again: replaces the old copy and clears the dead save
