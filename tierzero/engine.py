@@ -19,7 +19,7 @@ from torch import nn
 
 from tierzero import comm as C
 from tierzero import dist as D
-from tierzero.checkpoint import load_checkpoint, save_checkpoint
+from tierzero.checkpoint import RootLock, claim_root, load_checkpoint, probe_root, save_checkpoint
 from tierzero.config import Config, load_config
 from tierzero.materialize import flat_fp32, has_meta, materialize_rest, materialize_unit, unit_on_meta
 from tierzero.optim import make_optimizer
@@ -89,6 +89,8 @@ class Engine:
         self.store = store if store is not None else self._make_store()
         self._hooks: list[Any] = []
         self._closed = False
+        self._root_locks: dict[Path, RootLock] = {}
+        """Checkpoint roots this engine saves into, each locked against other runs until close."""
         try:
             self.param_prefetch: ParamPrefetch | None = None
             extra: dict[str, Any] = {}
@@ -257,7 +259,22 @@ class Engine:
         Collective: every rank calls it after the same `step()`. See tierzero/checkpoint/save_load.py.
         """
         self._require_open("save_checkpoint()")
-        return save_checkpoint(self, self._checkpoint_root(root), keep=self.cfg.checkpoint.keep if keep is None else keep)
+        path = self.claim_checkpoint_root(root)
+        return save_checkpoint(self, path, keep=self.cfg.checkpoint.keep if keep is None else keep)
+
+    def claim_checkpoint_root(self, root: str | os.PathLike[str] | None = None) -> Path:
+        """Lock the checkpoint root (default checkpoint.dir) for this engine's life, and check one
+        checkpoint fits in it; idempotent. Collective.
+
+        Another run that saves into the same root is then refused in one line naming this one,
+        so neither prunes the other's saves. `save_checkpoint` claims its root on first use;
+        `tierzero train` claims before the first step, so that a second run stops at once.
+        """
+        path = Path(os.path.abspath(self._checkpoint_root(root)))
+        if path not in self._root_locks:
+            probe_root(path)  # made 0700 if new, and a probe written: what fails says why
+            self._root_locks[path] = claim_root(self, path)
+        return path
 
     def load_checkpoint(self, root: str | os.PathLike[str] | None = None) -> Path:
         """Load the checkpoint `root` names, or the newest complete one under it (default checkpoint.dir).
@@ -334,6 +351,9 @@ class Engine:
         if stage is not None:
             stage.finish()
         self.store.close()
+        for lock in self._root_locks.values():
+            lock.release()
+        self._root_locks.clear()
         D.teardown(self._ctx)
 
     def __enter__(self) -> Engine:

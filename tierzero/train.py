@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from tierzero.checkpoint import RootLock, claim_root, find_checkpoint, probe_root
+from tierzero.checkpoint import find_checkpoint, probe_root
 from tierzero.config import load_config
 from tierzero.config.cli import parse_overrides
 from tierzero.data import ByteBatches
@@ -189,9 +189,9 @@ def train(
     with _CtrlC() as ctrl_c:
         engine = initialize(model, cfg)
         rank, world = _rank_and_world()
-        lock = None
         try:
-            lock = claim_root(engine, root) if root is not None else None
+            if root is not None:
+                engine.claim_checkpoint_root(root)
             if resume:
                 _resume(engine, root, resume_step, show=rank == 0, out=out)
             data = ByteBatches.from_config(cfg, rank=rank, world_size=world)
@@ -199,12 +199,12 @@ def train(
         except BaseException as exc:
             # The first error is the one to report; a close that fails after it would hide it.
             with contextlib.suppress(Exception):
-                _close(engine, lock, ctrl_c)
+                _close(engine, ctrl_c)
             lost = _lost_rank(exc, rank=rank, world=world, step=engine.global_step + 1)
             if lost is not None:
                 raise lost from exc
             raise
-        _close(engine, lock, ctrl_c)
+        _close(engine, ctrl_c)
         summary.interrupted = summary.interrupted or ctrl_c.count > 0
         if rank == 0:
             out.write(summary.format())
@@ -212,14 +212,10 @@ def train(
     return summary
 
 
-def _close(engine: Any, lock: RootLock | None, ctrl_c: _CtrlC) -> None:
-    """The engine's swap files, then the checkpoint directory's lock, whole: Ctrl-C from here on only counts."""
+def _close(engine: Any, ctrl_c: _CtrlC) -> None:
+    """The engine's swap files and its checkpoint directory's lock, whole: Ctrl-C from here on only counts."""
     ctrl_c.closing = True
-    try:
-        engine.close()
-    finally:
-        if lock is not None:
-            lock.release()
+    engine.close()
 
 
 def _loop(

@@ -81,3 +81,20 @@ def test_a_released_lock_leaves_nothing_behind(tmp_path: Path) -> None:
         assert lock.held and (tmp_path / LOCK_FILE).exists()
         lock.release()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_engines_saving_through_the_api_hold_their_root_until_closed(tmp_path: Path) -> None:
+    """`engine.save_checkpoint` claims its root on first use: a script without `tierzero train` is protected too."""
+    root = tmp_path / "ckpt"
+    first = tierzero.initialize(make_model(), config(3))
+    with tierzero.initialize(make_model(), config(3)) as second:
+        train(first, 0, 1)
+        saved = first.save_checkpoint(root)
+        first.save_checkpoint(root)  # the same engine again: it holds the lock already
+        train(second, 0, 1)
+        with pytest.raises(CheckpointDirError, match=rf"^checkpoint\.dir {root} is in use by another run \(pid {os.getpid()} "):
+            second.save_checkpoint(root)
+        assert list_checkpoints(root) == [saved]
+        first.close()
+        assert not (root / LOCK_FILE).exists()
+        assert second.save_checkpoint(root) == saved  # free once the first engine is closed: step 1 again
