@@ -13,11 +13,13 @@ import socket
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import yaml
 from torch import nn
 from torch.nn import functional as F
 
@@ -326,3 +328,17 @@ def check_parity(run: RankRun, ref: Reference, *, tolerance: float) -> None:
     assert run.params["head.weight"].equal(run.params["embed.weight"])
     diffs = [abs(a - b) for a, b in zip(run.losses, ref.losses, strict=True)]
     assert max(diffs) <= 1e-4, f"loss differs by {max(diffs):.2e} at step {diffs.index(max(diffs))}"
+
+
+def tiny_train_config(directory: Path, *, steps: int, **sections: Any) -> Path:
+    """A `tierzero train` config for a 2-layer GPT on a little of the standard library's text, written to `directory`."""
+    config = directory / "tiny.yaml"
+    config.write_text(yaml.safe_dump({
+        "zero": {"stage": 3},
+        "optimizer": {"type": "adamw", "lr": 1e-3},
+        "model": {"type": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 32},
+        "data": {"max_bytes": "256KiB"},
+        "train": {"steps": steps, "micro_batch_size": 2, "seq_len": 32},
+        **sections,
+    }))  # fmt: skip
+    return config

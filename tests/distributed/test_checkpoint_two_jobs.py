@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
+from harness import tiny_train_config
 from test_checkpoint_resume import _free_port, launch
 
 WAIT_S = 90.0
@@ -69,15 +69,7 @@ def _snapshot(root: Path) -> dict[str, bytes]:
 
 def test_a_second_job_on_the_same_directory_is_refused_and_the_first_finishes(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
-    config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump({
-        "zero": {"stage": 3},
-        "optimizer": {"type": "adamw", "lr": 1e-3},
-        "model": {"type": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 32},
-        "data": {"max_bytes": "256KiB"},
-        "train": {"steps": 4, "micro_batch_size": 2, "seq_len": 32},
-        "checkpoint": {"dir": str(root), "every": 1, "keep": 2},
-    }))
+    config = tiny_train_config(tmp_path, steps=4, checkpoint={"dir": str(root), "every": 1, "keep": 2})
     env = {"TZ_DIR": str(tmp_path), "TZ_CONFIG": str(config)}
     first = _start(2, env | {"TZ_JOB": "a", "TZ_PAUSE": "1"})
     try:

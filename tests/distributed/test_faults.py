@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import tiny_train_config
 from test_checkpoint_resume import launch
 
 TIMEOUT_S = 4.0
@@ -102,16 +103,7 @@ def _train_rank(env: dict[str, str]) -> None:
 
 
 def test_tierzero_train_survivor_says_which_rank_it_lost_and_how_to_resume(tmp_path: Path) -> None:
-    import yaml
-
-    config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump({
-        "zero": {"stage": 3},
-        "optimizer": {"type": "adamw", "lr": 1e-3},
-        "model": {"type": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 32},
-        "data": {"max_bytes": "256KiB"},
-        "train": {"steps": 6, "micro_batch_size": 2, "seq_len": 32},
-    }))
+    config = tiny_train_config(tmp_path, steps=6)
     env = {"TZ_DIR": str(tmp_path), "TZ_CONFIG": str(config)}
     codes = launch(2, env, target=_train_rank, wait_for=0, timeout=SLACK_S + 10)
     assert codes == [2, -signal.SIGKILL]
