@@ -26,6 +26,8 @@ from tierzero.optim import make_optimizer
 from tierzero.precision import dtype_of, make_loss_scaler
 from tierzero.prefetch import Prefetcher
 from tierzero.pretrained import PretrainedWeights
+from tierzero.schedule import Schedule
+from tierzero.schedule import lr_lambda as schedule_lambda
 from tierzero.slices import IO_ALIGNMENT, MODEL_STATE_KINDS, Tier
 from tierzero.stages import STAGES, Homes, Stage3, StepScalars
 from tierzero.stages.base import clip_coefficient
@@ -54,11 +56,14 @@ class Engine:
         store: SliceStore | None = None,
         comm: C.CommGroup | None = None,
         weights: PretrainedWeights | None = None,
+        lr_lambda: Callable[[int], float] | None = None,
     ) -> None:
         """`store` and `comm` default to a `TieredStore` built from `cfg` and the default process
         group's collectives; `tierzero estimate` passes a counting store and a dry-run group.
         `weights` (checked against `model`) gives every parameter and persistent buffer its
-        pretrained value, streamed unit by unit; without it a meta-built model is initialised."""
+        pretrained value, streamed unit by unit; without it a meta-built model is initialised.
+        `lr_lambda(k)` multiplies `optimizer.lr` for optimizer step k (0 first), as
+        `torch.optim.lr_scheduler.LambdaLR` does; default: the config's `scheduler`."""
         self.cfg, self._ctx, self._weights = cfg, ctx, weights
         # The model reaches the device unit by unit in _install, never whole: a meta-built one is
         # materialised a unit at a time (see [Note: meta init] in materialize.py), a materialised
@@ -67,7 +72,16 @@ class Engine:
         self.module = model
         self.comm = comm or C.CommGroup(rank=ctx.rank, world_size=ctx.world_size, counter=C.CommCounter())
         self.global_step = 0
-        self.lr = float(cfg.optimizer.lr)
+        self._lr_lambda = lr_lambda or schedule_lambda(
+            Schedule(
+                type=cfg.scheduler.type,
+                warmup_steps=cfg.scheduler.warmup_steps,
+                total_steps=cfg.scheduler.total_steps or cfg.train.steps,
+                min_lr_ratio=cfg.scheduler.min_lr_ratio,
+            )
+        )
+        self.lr = self._scheduled_lr()
+        """The learning rate of the next optimizer step (a checkpoint saves and restores it)."""
         self._micro_steps = 0
         self._param_names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
         self._param_dtype = dtype_of(cfg.precision.param_dtype)
@@ -222,6 +236,10 @@ class Engine:
         scalars = StepScalars(grad_scale=grad_scale, step=self.global_step + 1, lr=self.lr)
         self.stage.step(scalars, clip_coef=clip_coefficient(norm, clip))
         self.global_step += 1
+        self.lr = self._scheduled_lr()
+
+    def _scheduled_lr(self) -> float:
+        return float(self.cfg.optimizer.lr) * float(self._lr_lambda(self.global_step))
 
     def _steps_in_backward(self) -> bool:
         """Stage 3 without clipping or fp16 overflow checks: no step-wide decision needs every gradient."""
@@ -363,13 +381,20 @@ class Engine:
         self.close()
 
 
-def initialize(model: nn.Module, config: Any, *, pretrained: str | os.PathLike[str] | None = None) -> Engine:
+def initialize(
+    model: nn.Module,
+    config: Any,
+    *,
+    pretrained: str | os.PathLike[str] | None = None,
+    lr_lambda: Callable[[int], float] | None = None,
+) -> Engine:
     """Wrap `model` for ZeRO training; `config` is a path, a dict or a tierzero config object.
 
     `pretrained` (default: the config's `model.pretrained`) names a transformers model directory
     (config.json and safetensors files) whose weights `model`, best built on the meta device
     (`tierzero.pretrained.build_meta_model`), starts from: each unit is read from the files
-    straight into its slices, one at a time.
+    straight into its slices, one at a time. `lr_lambda` replaces the config's `scheduler`
+    with a `LambdaLR`-style multiplier of `optimizer.lr` per optimizer step.
     """
     cfg = load_config(config)
     weights = None
@@ -377,7 +402,7 @@ def initialize(model: nn.Module, config: Any, *, pretrained: str | os.PathLike[s
     if pretrained is not None:
         weights = PretrainedWeights.open(pretrained).for_model(model)
         weights.check(model)
-    return Engine(model, cfg, ctx=D.setup(timeout_s=cfg.dist.timeout), weights=weights)
+    return Engine(model, cfg, ctx=D.setup(timeout_s=cfg.dist.timeout), weights=weights, lr_lambda=lr_lambda)
 
 
 __all__ = ["Engine", "initialize"]

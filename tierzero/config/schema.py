@@ -20,6 +20,7 @@ from tierzero.config.sections import (
     OptimizerConfig,
     PrecisionConfig,
     PrefetchConfig,
+    SchedulerConfig,
     SwapperConfig,
     TiersConfig,
     TrainConfig,
@@ -37,6 +38,7 @@ class Config(Section):
     zero: ZeroConfig = section(ZeroConfig)
     precision: PrecisionConfig = section(PrecisionConfig)
     optimizer: OptimizerConfig = section(OptimizerConfig)
+    scheduler: SchedulerConfig = section(SchedulerConfig)
     gradient_clipping: float = setting(0.0, float_check(lo=0.0))
     """Clip the global gradient norm to this (0: no clipping)."""
     gradient_accumulation_steps: int = setting(1, int_check(1))

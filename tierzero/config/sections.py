@@ -159,6 +159,35 @@ class OptimizerConfig(Section):
             object.__setattr__(self, "weight_decay", TORCH_WEIGHT_DECAY[self.type])
 
 
+SCHEDULE_TYPES = ("constant", "linear", "cosine")
+_STEPS = int_check(1, limit=1 << 40)
+OPTIONAL_STEPS = dataclasses.replace(
+    _STEPS,
+    expected=f"{_STEPS.expected} (or null)",
+    type_name=f"{_STEPS.type_name} \\| null",
+    convert=lambda value: None if value is None else _STEPS.convert(value),
+)
+"""`scheduler.total_steps`: a step count, or null for train.steps."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SchedulerConfig(Section):
+    """The learning rate of each optimizer step: optimizer.lr times a warm-up and decay shape.
+
+    The shapes are transformers' constant, linear and cosine schedules with warm-up, stepped
+    once per optimizer step; `engine.lr` is the rate of the next step."""
+
+    SECTION: ClassVar[str] = "scheduler"
+    type: str = setting("constant", choice_check(SCHEDULE_TYPES))
+    """constant, linear (to zero at total_steps) or cosine (half a cosine to zero at total_steps)."""
+    warmup_steps: int = setting(0, int_check(0, limit=1 << 40))
+    """Optimizer steps over which the rate climbs linearly from 0 to optimizer.lr."""
+    min_lr_ratio: float = setting(0.0, float_check(lo=0.0, hi=1.0))
+    """linear and cosine: the rate decays to this fraction of optimizer.lr instead of to 0."""
+    total_steps: int | None = setting(None, OPTIONAL_STEPS)
+    """Optimizer steps the decay spans (null: train.steps)."""
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TrainConfig(Section):
     """The training loop."""
