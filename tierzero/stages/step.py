@@ -17,7 +17,7 @@ import torch
 
 from tierzero.comm import CommGroup
 from tierzero.offload.step_pipeline import PendingWrite, PipelineReport, SliceGroup, StepPipeline, step_tier
-from tierzero.optim import FlatOptimizer
+from tierzero.optim import FlatOptimizer, SliceLayout
 from tierzero.slices import Kind, Tier
 from tierzero.stages.plan import Homes
 from tierzero.store.protocol import SliceStore
@@ -161,7 +161,10 @@ def _step_unit(
         if scalars.grad_scale * clip_coef != 1.0:
             g.mul_(scalars.grad_scale * clip_coef)
         states = {kind: fetched[kind] for kind in stage.optimizer.state_kinds}
-        stage.optimizer.step(param=master, grad=g, states=states, step=scalars.step, lr=scalars.lr)
+        # Cut at the unit's original tensors, so that each element takes the vector lane or the
+        # scalar tail torch.optim's per-tensor kernel would give it: the same bits as torch.
+        layout = SliceLayout.of([slot.numel for slot in unit.slots], offset=unit.shard_range(stage.comm.rank)[0])
+        stage.optimizer.step(param=master, grad=g, states=states, step=scalars.step, lr=scalars.lr, layout=layout)
         writes = stage.publish(unit, master)
         grads.zero_()
     finally:
