@@ -25,9 +25,9 @@ def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def _llama() -> nn.Module:
+def _llama(*, vocab: int = 64) -> nn.Module:
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config)
@@ -103,12 +103,8 @@ def test_a_meta_built_transformers_model_without_files_is_initialised_by_its_own
 
 def test_tierzero_train_starts_from_model_pretrained(tmp_path: Path) -> None:
     """`model.pretrained` in a config: the loop's first loss is the saved model's loss on the first batch."""
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-    )  # fmt: skip
     torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(config).eval()
+    reference = _llama(vocab=256).eval()  # the byte-level data's vocabulary
     reference.save_pretrained(tmp_path / "llama", safe_serialization=True)
     cfg = load_config(
         {
