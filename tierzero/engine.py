@@ -22,6 +22,7 @@ from tierzero import dist as D
 from tierzero.checkpoint import RootLock, claim_root, load_checkpoint, probe_root, save_checkpoint
 from tierzero.config import Config, load_config
 from tierzero.materialize import flat_fp32, has_meta, materialize_rest, materialize_unit, unit_on_meta
+from tierzero.groups import GroupRules
 from tierzero.optim import make_optimizer
 from tierzero.precision import dtype_of, make_loss_scaler
 from tierzero.prefetch import Prefetcher
@@ -41,10 +42,10 @@ from tierzero.units import Unit, plan_units
 class Engine:
     """A model trained with ZeRO over tiered storage.
 
-    While the engine lives, the trained parameters of `module` are not nn.Parameters:
-    each unit's slots are plain tensor attributes bound by the stage (views of the
-    gathered buffer during compute, empty between), so `module.parameters()` lists only
-    frozen ones. `full_state_dict()` is the way to read the weights.
+    While the engine lives, the parameters of `module`, trained and frozen, are not
+    nn.Parameters: each unit's slots are plain tensor attributes bound by the stage (views
+    of the gathered buffer during compute, empty between), so `module.parameters()` is
+    empty. `full_state_dict()` is the way to read the weights.
     """
 
     def __init__(
@@ -88,9 +89,12 @@ class Engine:
         self._scaler = make_loss_scaler(cfg.precision)
         # Only fp16 can overflow where fp32 would not; bf16 shares fp32's exponent range.
         self._skips_overflow = self._param_dtype == torch.float16
-        self.units = plan_units(model, world_size=ctx.world_size, unit_classes=list(cfg.zero.unit_classes))
+        rules = GroupRules.from_config(cfg.optimizer)
+        self.units = plan_units(
+            model, world_size=ctx.world_size, unit_classes=list(cfg.zero.unit_classes), group_of=rules.group_of
+        )
         stage_class = STAGES[cfg.zero.stage]
-        optimizer = make_optimizer(cfg.optimizer)
+        optimizer = make_optimizer(cfg.optimizer, rules.groups)
         offload = cfg.offload
         homes = Homes(params=offload.params, grads=offload.gradients, optimizer=offload.optimizer)
         self.plan = stage_class.plan_slices(
@@ -164,7 +168,7 @@ class Engine:
             del values
             unregister_params(unit)
             bind(unit, [empty] * len(unit.slots))
-            self._hooks.append(unit.module.register_forward_pre_hook(self._pre_hook(unit)))
+            self._hooks.append(unit.module.register_forward_pre_hook(self._pre_hook(unit), with_kwargs=True))
             self._hooks.append(unit.module.register_forward_hook(self._post_hook(unit)))
         if self._meta and self._ctx.device.type != "meta":
             materialize_rest(self.module, seed=int(self.cfg.train.seed) + len(self.units))
@@ -192,7 +196,7 @@ class Engine:
         return full, 0
 
     def _pre_hook(self, unit: Unit) -> Callable[..., None]:
-        return lambda _module, _args: self.stage.pre_forward(unit)
+        return lambda _module, args, kwargs: self.stage.pre_forward(unit, (args, kwargs))
 
     def _post_hook(self, unit: Unit) -> Callable[..., None]:
         return lambda _module, _args, output: self.stage.post_forward(unit, output)
@@ -212,7 +216,7 @@ class Engine:
             # Nothing of the step waits for all gradients: each unit steps as soon as its own
             # gradient is complete, overlapping the rest of backward; step() then only counts.
             grad_scale = 1.0 / (self.comm.world_size * self.cfg.gradient_accumulation_steps * scale)
-            self.stage.begin_backward_step(StepScalars(grad_scale=grad_scale, step=self.global_step + 1, lr=self.lr))
+            self.stage.begin_backward_step(self._scalars(grad_scale))
         (loss * scale if scale != 1.0 else loss).backward()
         self.stage.after_backward()
 
@@ -233,13 +237,16 @@ class Engine:
             if overflow:
                 self.stage.zero_grads()
                 return
-        scalars = StepScalars(grad_scale=grad_scale, step=self.global_step + 1, lr=self.lr)
-        self.stage.step(scalars, clip_coef=clip_coefficient(norm, clip))
+        self.stage.step(self._scalars(grad_scale), clip_coef=clip_coefficient(norm, clip))
         self.global_step += 1
         self.lr = self._scheduled_lr()
 
     def _scheduled_lr(self) -> float:
         return float(self.cfg.optimizer.lr) * float(self._lr_lambda(self.global_step))
+
+    def _scalars(self, grad_scale: float) -> StepScalars:
+        factor = float(self._lr_lambda(self.global_step))
+        return StepScalars(grad_scale=grad_scale, step=self.global_step + 1, lr_factor=factor)
 
     def _steps_in_backward(self) -> bool:
         """Stage 3 without clipping or fp16 overflow checks: no step-wide decision needs every gradient."""
@@ -322,9 +329,6 @@ class Engine:
                         out[b.name] = value
         if self.comm.rank != 0:
             return None
-        # Frozen parameters belong to no unit: they are still the module's own, whole.
-        for name, param in self.module.named_parameters(remove_duplicate=False):
-            out[name] = param.detach().to("cpu", dtype=torch.float32, copy=True)
         return {name: out[name] for name in self._param_names}
 
     def memory_report(self) -> dict[str, Any]:

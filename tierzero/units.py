@@ -11,13 +11,19 @@ multiple of `world_size x align_numel`, so rank r owns the contiguous slice
 
 A parameter reachable from two units (tied weights across units) belongs to the root;
 a parameter reachable twice from the same unit (GPT-2's embedding and LM head, both in
-the root) occupies one slot with two bindings. Frozen parameters (`requires_grad=False`)
-belong to no unit: they stay on their modules, whole on every rank, and are not trained.
+the root) occupies one slot with two bindings.
+
+Frozen parameters (`requires_grad=False`) are sharded and placed like trained ones, in units
+of their own: each wrapped module's (and the root's) frozen parameters form the unit
+`<name>:frozen`, which keeps only its parameters (no gradient, no optimizer state), is
+gathered with its module's trained unit and released after its backward. Frozen units come
+after all trained ones, so a model's trained units are numbered the same with or without them.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +32,8 @@ from torch import nn
 from tierzero.slices import IO_ALIGNMENT, align_up
 
 ROOT = "root"
+#: Appended to a module's unit name to name the unit of its frozen parameters.
+FROZEN_SUFFIX = ":frozen"
 #: Elements per alignment step: a 2-byte slice of this many elements is one I/O block.
 DEFAULT_ALIGN_NUMEL = IO_ALIGNMENT // 2
 
@@ -56,6 +64,8 @@ class ParamSlot:
     offset: int
     numel: int
     bindings: tuple[Binding, ...]
+    group: int = 0
+    """The optimizer parameter group it is stepped with (`tierzero.groups`); 0 is optimizer.*'s own."""
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.narrow(0, self.offset, self.numel).view(self.shape)
@@ -71,6 +81,8 @@ class Unit:
     numel: int
     padded_numel: int
     world_size: int
+    trainable: bool = True
+    """False for a unit of frozen parameters: it has no gradient and no optimizer state."""
     state: UnitState = UnitState.SHARDED
     gathered: torch.Tensor | None = field(default=None, repr=False)
     """The full parameter buffer while GATHERED (stage 3) or from forward to step (stages 1, 2)."""
@@ -106,10 +118,12 @@ def plan_units(
     world_size: int,
     unit_classes: list[str] | tuple[str, ...] = (),
     align_numel: int = DEFAULT_ALIGN_NUMEL,
+    group_of: Callable[[Binding], int] | None = None,
 ) -> list[Unit]:
-    """The model's units, wrapped blocks first in module order, the root unit last.
+    """The model's units: wrapped blocks in module order, the root, then the frozen units in the same order.
 
-    Raises ValueError when `unit_classes` names a class the model does not contain.
+    `group_of(binding)` gives each trained parameter its optimizer group (default 0), from
+    its first binding. Raises ValueError when `unit_classes` names a class the model does not contain.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -117,17 +131,28 @@ def plan_units(
     unit_of_module = _owner_names(model, wrapped)
     bindings = _bindings_by_param(model)
 
-    grouped: dict[str, list[tuple[nn.Parameter, list[Binding]]]] = {name: [] for name in [*wrapped, ROOT]}
+    owners = [*wrapped, ROOT]
+    trained: dict[str, list[tuple[nn.Parameter, list[Binding]]]] = {name: [] for name in owners}
+    frozen: dict[str, list[tuple[nn.Parameter, list[Binding]]]] = {name: [] for name in owners}
     for param, binds in bindings:
-        owners = {unit_of_module[b.name.rpartition(".")[0]] for b in binds}
-        owner = owners.pop() if len(owners) == 1 else ROOT
-        grouped[owner].append((param, binds))
+        found = {unit_of_module[b.name.rpartition(".")[0]] for b in binds}
+        owner = found.pop() if len(found) == 1 else ROOT
+        (trained if param.requires_grad else frozen)[owner].append((param, binds))
 
     modules = {**wrapped, ROOT: model}
     units = []
-    for name, params in grouped.items():
+    for name, params in trained.items():
         if params:
-            units.append(_make_unit(name, modules[name], params, world_size=world_size, align_numel=align_numel))
+            groups = [0 if group_of is None else group_of(binds[0]) for _, binds in params]
+            units.append(_make_unit(name, modules[name], params, groups, world_size=world_size, align_numel=align_numel))
+    for name, params in frozen.items():
+        if params:
+            units.append(
+                _make_unit(
+                    name + FROZEN_SUFFIX, modules[name], params, [0] * len(params),
+                    world_size=world_size, align_numel=align_numel, trainable=False,
+                )
+            )  # fmt: skip
     return units
 
 
@@ -172,7 +197,7 @@ def _bindings_by_param(model: nn.Module) -> list[tuple[nn.Parameter, list[Bindin
     by_id: dict[int, tuple[nn.Parameter, list[Binding]]] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for attr, param in module._parameters.items():
-            if param is None or not param.requires_grad:
+            if param is None:
                 continue
             name = f"{mod_name}.{attr}" if mod_name else attr
             entry = by_id.setdefault(id(param), (param, []))
@@ -185,15 +210,27 @@ def _make_unit(
     name: str,
     module: nn.Module,
     params: list[tuple[nn.Parameter, list[Binding]]],
+    groups: list[int],
     *,
     world_size: int,
     align_numel: int,
+    trainable: bool = True,
 ) -> Unit:
     slots, offset = [], 0
-    for param, binds in params:
+    for (param, binds), group in zip(params, groups, strict=True):
         slots.append(
-            ParamSlot(name=binds[0].name, shape=param.shape, offset=offset, numel=param.numel(), bindings=tuple(binds))
+            ParamSlot(
+                name=binds[0].name, shape=param.shape, offset=offset, numel=param.numel(), bindings=tuple(binds), group=group
+            )
         )
         offset += param.numel()
     padded = align_up(max(offset, 1), world_size * align_numel)
-    return Unit(name=name, module=module, slots=tuple(slots), numel=offset, padded_numel=padded, world_size=world_size)
+    return Unit(
+        name=name,
+        module=module,
+        slots=tuple(slots),
+        numel=offset,
+        padded_numel=padded,
+        world_size=world_size,
+        trainable=trainable,
+    )

@@ -149,12 +149,16 @@ class Case:
     overlap: bool = True
     """zero.overlap_comm: asynchronous collectives overlapped with compute."""
     """transformers models: "reentrant" or "non_reentrant" activation checkpointing (engine side only)."""
+    frozen: tuple[str, ...] = ()
+    """Name prefixes of the parameters to freeze (requires_grad=False)."""
 
     def model(self) -> nn.Module:
         torch.manual_seed(self.seed)
-        if self.model_name == "tiny":
-            return TinyLM(reuse=self.reuse, unused=self.unused)
-        return hf_model(self.model_name)
+        model = TinyLM(reuse=self.reuse, unused=self.unused) if self.model_name == "tiny" else hf_model(self.model_name)
+        for name, param in model.named_parameters():
+            if name.startswith(self.frozen):
+                param.requires_grad_(False)
+        return model
 
     def loss(self, model: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.model_name == "tiny":
@@ -205,11 +209,22 @@ def hf_model(name: str) -> nn.Module:
     return LlamaForCausalLM(config).train()
 
 
-def torch_optimizer(case: Case, params: Any) -> torch.optim.Optimizer:
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The engine's default groups, as a torch user writes them: no weight decay on biases and
+    the parameters of normalisation modules (the transformers Trainer's rule)."""
+    norms = {id(p) for m in model.modules() if "Norm" in type(m).__name__ for p in m.parameters()}
+    decay, exempt = [], []
+    for name, p in model.named_parameters():
+        (exempt if name.endswith("bias") or id(p) in norms else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]
+
+
+def torch_optimizer(case: Case, model: nn.Module) -> torch.optim.Optimizer:
     cfg = case.config()["optimizer"]
+    groups = decay_groups(model, cfg["weight_decay"])
     if cfg["type"] == "sgd":
-        return torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
-    return torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+        return torch.optim.SGD(groups, lr=cfg["lr"], momentum=cfg["momentum"])
+    return torch.optim.AdamW(groups, lr=cfg["lr"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +240,7 @@ def reference_run(case: Case, *, first_step: int = 0) -> Reference:
     `first_step` > 0 starts at that step's batch, as a run whose first steps were skipped.
     """
     model = case.model()
-    opt = torch_optimizer(case, model.parameters())
+    opt = torch_optimizer(case, model)
     losses, norms = [], []
     for step in range(first_step, case.steps):
         loss = case.loss(model, *case.batch(step))

@@ -113,7 +113,9 @@ def test_frozen_parameters_are_not_trained_and_stay_in_the_state_dict() -> None:
     model.norm.weight.requires_grad_(False)
     frozen = model.norm.weight.detach().clone()
     with tierzero.initialize(model, case.config()) as engine:
-        assert [name for name, _ in engine.module.named_parameters()] == ["norm.weight"]
+        # the frozen weight is sharded in a unit of its own, like the trained ones: no module holds it
+        assert [name for name, _ in engine.module.named_parameters()] == []
+        assert [s.name for u in engine.units if not u.trainable for s in u.slots] == ["norm.weight"]
         for step in range(2):
             engine.backward(case.loss(engine, *case.batch(step)))
             engine.step()

@@ -238,7 +238,7 @@ def test_nvme_slices_are_streamed_one_at_a_time_and_released(tmp_path: Path) -> 
             assert cpu.peak_by_kind[kind] == largest < total
 
 
-def test_buffers_and_frozen_parameters_are_saved_whole(tmp_path: Path) -> None:
+def test_buffers_and_frozen_parameters_are_saved_and_restored(tmp_path: Path) -> None:
     def model(fill: float) -> TinyLM:
         m = make_model()
         m.register_buffer("seen", torch.full((3,), fill))
@@ -250,11 +250,15 @@ def test_buffers_and_frozen_parameters_are_saved_whole(tmp_path: Path) -> None:
     with tierzero.initialize(model(7.0), config(2)) as engine:
         train(engine, 0, 1)
         save_checkpoint(engine, tmp_path)
-        expected = {k: v.clone() for k, v in engine.module.state_dict().items()}
-        assert set(expected) == {"seen", "blocks.0.up.bias"}
+        # the frozen bias is its own unit's slice; the buffer stays the module's
+        assert set(engine.module.state_dict()) == {"seen"}
+        assert [u.name for u in engine.units if not u.trainable] == ["blocks.0:frozen"]
+        expected = engine.full_state_dict()
+        assert torch.equal(expected["blocks.0.up.bias"], torch.full_like(expected["blocks.0.up.bias"], 7.0))
     with tierzero.initialize(model(-1.0), config(2)) as engine:
         load_checkpoint(engine, tmp_path)
-        assert_same_params(engine.module.state_dict(), expected)
+        assert torch.equal(engine.module.state_dict()["seen"], torch.full((3,), 7.0))
+        assert_same_params(engine.full_state_dict(), expected)
     with tierzero.initialize(make_model(), config(2)) as engine, pytest.raises(
         CheckpointError, match="unit blocks.0 holds other parameters than this model's: load a checkpoint of the same model"
     ):

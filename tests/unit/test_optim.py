@@ -14,10 +14,9 @@ from tierzero.optim import (
     OptimizerType,
     OptimSlice,
     SliceLayout,
-    _adam_pieces,
-    cpu_vector_width,
     make_optimizer,
 )
+from tierzero.slice_layout import adam_pieces, cpu_vector_width
 from tierzero.slices import Kind
 
 # Sizes chosen so that tensor starts and slice boundaries fall at many offsets modulo
@@ -61,7 +60,7 @@ def run_torch(cls: type[torch.optim.Optimizer], **kwargs) -> tuple[torch.Tensor,
 
 
 def run_flat(
-    opt, *, cuts: list[int], in_one_launch: bool = False, with_layout: bool = True
+    opt, *, cuts: list[int], with_layout: bool = True
 ) -> tuple[torch.Tensor, dict[Kind, torch.Tensor]]:
     """Steps the flattened parameters as slices [cuts[i], cuts[i+1]) of larger padded buffers."""
     pad = 5  # slices are views into a larger buffer, not whole tensors
@@ -83,11 +82,8 @@ def run_flat(
             )
             for a, b in zip(bounds, bounds[1:], strict=False)
         ]
-        if in_one_launch:
-            opt._apply(slices, step=step, lr=lr_at(step))  # several slices in one kernel launch
-        else:
-            for s in slices:
-                opt.step(param=s.param, grad=s.grad, states=s.states, step=step, lr=lr_at(step), layout=s.layout)
+        for s in slices:
+            opt.step(param=s.param, grad=s.grad, states=s.states, step=step, lr=lr_at(step), layout=s.layout)
     assert torch.isnan(master[:pad]).sum() == 0 and master[:pad].eq(0).all() and master[-pad:].eq(0).all()
     return master[pad : pad + numel], {k: v[pad : pad + numel] for k, v in states.items()}
 
@@ -105,13 +101,12 @@ ADAM_CASES = [
 
 
 @pytest.mark.parametrize(("kind", "cls", "kw"), ADAM_CASES)
-@pytest.mark.parametrize("in_one_launch", [False, True])
-def test_adam_bitwise_equal_to_torch_fused(kind, cls, kw, in_one_launch) -> None:
+def test_adam_bitwise_equal_to_torch_fused(kind, cls, kw) -> None:
     ref_param, ref_states = run_torch(cls, fused=True, **kw)
     total = ref_param.numel()
     # Cut at offsets unrelated to the tensor boundaries: a rank's shard of a unit.
     cuts = [3, 50, 51, 1500, total // 2, total - 17]
-    param, states = run_flat(FlatAdam(spec(kind, **kw)), cuts=cuts, in_one_launch=in_one_launch)
+    param, states = run_flat(FlatAdam(spec(kind, **kw)), cuts=cuts)
     assert torch.equal(param, ref_param)
     assert torch.equal(states[Kind.EXP_AVG], ref_states[0])
     assert torch.equal(states[Kind.EXP_AVG_SQ], ref_states[1])
@@ -133,15 +128,22 @@ def test_adam_without_layout_matches_one_flat_torch_param(kind, cls) -> None:
 
 
 @pytest.mark.parametrize("lanes", [8, 16])
-def test_adam_pieces_cover_the_slice_once(lanes) -> None:
+def test_adam_pieces_cover_the_slice_once_each_in_its_group(lanes) -> None:
     numels = [37, 65, 1029, 7, 192, 1, 1023, 16, 255]
+    groups = [0, 1, 1, 0, 2, 2, 1, 1, 0]
     layout_end = sum(numels)
+    starts = [sum(numels[:i]) for i in range(len(numels))]
     for offset, numel in [(0, layout_end), (3, 100), (40, 1100), (1330, 1), (1000, layout_end - 1000 + 9)]:
-        direct, scratch = _adam_pieces(numel, SliceLayout.of(numels, offset=offset), lanes)
+        layout = SliceLayout.of(numels, offset=offset, groups=groups)
+        direct, scratch = adam_pieces(numel, layout, lanes)
         covered = sorted(direct + scratch)
         assert covered[0][0] == 0 and covered[-1][1] == numel
-        assert all(a < b and b == c for (a, b), (c, _) in zip(covered, covered[1:] + [(numel, 0)], strict=True))
-        assert all(b - a < lanes for a, b in scratch)
+        assert all(a < b and b == c for (a, b, _), (c, _, _) in zip(covered, covered[1:] + [(numel, 0, 0)], strict=True))
+        assert all(b - a < lanes for a, b, _ in scratch)
+        for a, b, group in covered:
+            # every element of a piece is in the piece's group (padding past the tensors: group 0)
+            owners = {groups[max(i for i, s0 in enumerate(starts) if s0 <= e)] if e < layout_end else 0 for e in range(offset + a, offset + b)}
+            assert owners == {group}
 
 
 @pytest.mark.parametrize(("kind", "cls", "kw"), ADAM_CASES)

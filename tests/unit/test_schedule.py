@@ -89,7 +89,8 @@ def test_the_engine_steps_as_adamw_with_lambdalr_bit_for_bit_and_resumes_the_rat
     base, steps = 1e-2, 7
     cfg = {
         "zero": {"stage": 1},
-        "optimizer": {"type": "adamw", "lr": base, "weight_decay": 0.01},
+        # one group, as the reference's: every parameter decays (tests/unit/test_groups.py has groups)
+        "optimizer": {"type": "adamw", "lr": base, "weight_decay": 0.01, "no_decay": []},
         "scheduler": {"type": "cosine", "warmup_steps": 3, "total_steps": steps},
         "train": {"steps": steps},
     }

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tierzero.units import ROOT, UnitState, plan_units
+from tierzero.units import DEFAULT_ALIGN_NUMEL, ROOT, UnitState, plan_units
 
 
 class Block(nn.Module):
@@ -116,8 +116,18 @@ def test_world_size_must_be_positive() -> None:
         plan_units(TinyLM(), world_size=0)
 
 
-def test_frozen_parameters_stay_out_of_units() -> None:
+def test_frozen_parameters_form_units_of_their_own_after_the_trained_ones() -> None:
     model = TinyLM(tie=False)
     model.embed.weight.requires_grad_(False)
-    root = plan_units(model, world_size=1)[-1]
-    assert [s.name for s in root.slots] == ["heads.0.weight", "heads.0.bias", "lm_head.weight"]
+    model.blocks[1].fc.bias.requires_grad_(False)
+    units = plan_units(model, world_size=2)
+    names = [u.name for u in units]
+    trained = [u.name for u in plan_units(TinyLM(tie=False), world_size=2)]
+    assert names == trained + ["blocks.1:frozen", "root:frozen"]
+    by_name = {u.name: u for u in units}
+    assert [s.name for s in by_name["root"].slots] == ["heads.0.weight", "heads.0.bias", "lm_head.weight"]
+    assert [s.name for s in by_name["root:frozen"].slots] == ["embed.weight"]
+    assert [s.name for s in by_name["blocks.1:frozen"].slots] == ["blocks.1.fc.bias"]
+    assert not by_name["root:frozen"].trainable and by_name["root"].trainable
+    assert by_name["blocks.1:frozen"].module is by_name["blocks.1"].module
+    assert by_name["blocks.1:frozen"].padded_numel % (2 * DEFAULT_ALIGN_NUMEL) == 0

@@ -129,6 +129,27 @@ class PrecisionConfig(Section):
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.param_dtype]
 
 
+def _patterns(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) and p.strip() for p in value):
+        raise ValueError(value)
+    return tuple(value)
+
+
+def _lr_multipliers(value: Any) -> dict[str, float]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k.strip() for k in value):
+        raise ValueError(value)
+    factors = {k: float(v) for k, v in value.items() if not isinstance(v, bool)}
+    if len(factors) != len(value) or not all(0.0 <= f < float("inf") for f in factors.values()):
+        raise ValueError(value)
+    return factors
+
+
+PATTERNS = Check("a list of patterns such as ['*bias']", "list[str]", _patterns)
+LR_MULTIPLIERS = Check(
+    "a mapping of name patterns to non-negative factors such as {'*embed*': 0.1}", "mapping", _lr_multipliers
+)
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class OptimizerConfig(Section):
     """The optimizer that steps each fp32 master slice where its states live."""
@@ -153,6 +174,16 @@ class OptimizerConfig(Section):
     for the type, as the default column says."""
     momentum: float = setting(0.0, float_check(lo=0.0, hi=1.0))
     """sgd: momentum (0 keeps no momentum buffer)."""
+
+    no_decay: tuple[str, ...] = setting(("*bias",), PATTERNS)
+    """Parameters that get no weight decay: glob patterns on their dotted names (e.g. `*bias`,
+    `*embed_tokens*`); [] decays every parameter."""
+    no_decay_modules: tuple[str, ...] = setting(("Norm",), PATTERNS)
+    """Parameters of modules whose class name contains one of these get no weight decay: the
+    default, Norm, covers LayerNorm, RMSNorm and the like (as the transformers Trainer does)."""
+    lr_multipliers: dict[str, float] = setting({}, LR_MULTIPLIERS)
+    """Glob pattern on parameter names -> factor on the learning rate of the parameters it matches
+    (the first pattern that matches wins), e.g. {'*embed*': 0.1}."""
 
     def _resolve_defaults(self) -> None:
         if self.weight_decay is None:

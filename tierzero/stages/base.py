@@ -172,7 +172,13 @@ class Stage(ABC):
 
     # ---- forward and backward -----------------------------------------------------
 
-    def pre_forward(self, unit: Unit) -> None:
+    @property
+    def trained(self) -> list[Unit]:
+        """The units the optimizer steps: all but the frozen ones."""
+        return [unit for unit in self.units if unit.trainable]
+
+    def pre_forward(self, unit: Unit, inputs: Any = ()) -> None:
+        """Before the unit's module runs on `inputs` (its positional and keyword arguments)."""
         self.unshard(unit)
         if torch.is_grad_enabled():
             self.bind_params(unit, counts_as_use=True)
@@ -180,12 +186,16 @@ class Stage(ABC):
             bind(unit, [slot.view(unit.gathered).detach() for slot in unit.slots])
 
     def bind_params(self, unit: Unit, *, counts_as_use: bool) -> None:
-        """Bind views of the gathered buffer whose gradients reach `post_backward`.
+        """Bind views of the gathered buffer whose gradients reach `post_backward` (plain views for a frozen unit).
 
         `counts_as_use` is False for bindings whose backward may never run (stage 3's
         re-binding for activation checkpointing), so they do not hold back stage 1's
         reduce-scatter, which waits for the last use of a unit.
         """
+        if not unit.trainable:
+            assert unit.gathered is not None
+            bind(unit, [slot.view(unit.gathered).detach() for slot in unit.slots])
+            return
         if counts_as_use:
             unit.pending_uses += 1
         bind(unit, UnitParams.apply(self._anchor, self, unit))
@@ -287,7 +297,7 @@ class Stage(ABC):
     def grad_sq_sum(self, scale: float) -> torch.Tensor:
         """Sum of squares of this rank's scaled gradient slices, in fp32 (one 0-d tensor)."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for unit in self.units:
+        for unit in self.trained:
             with self.slice(unit, Kind.GRAD, write=False) as grads:
                 g = self.grad_slice(grads, unit).float()
                 total += g.dot(g) * (scale * scale) if scale != 1.0 else g.dot(g)
@@ -295,7 +305,7 @@ class Stage(ABC):
 
     def zero_grads(self) -> None:
         """Drop this step's gradients (an fp16 overflow skips the step)."""
-        for unit in self.units:
+        for unit in self.trained:
             unit.has_grads = False
             with self.slice(unit, Kind.GRAD, write=True) as grads:
                 grads.zero_()
@@ -353,8 +363,18 @@ class Stage(ABC):
         """
 
     def gather_fp32(self, unit: Unit) -> torch.Tensor:
-        """The unit's full fp32 parameters (a collective: every rank must call it)."""
+        """The unit's full parameters in fp32 (a collective: every rank must call it).
+
+        A frozen unit has no fp32 copy: its compute-dtype parameters, widened.
+        """
         full = torch.empty(unit.padded_numel, dtype=torch.float32, device=self.device)
+        if not unit.trainable:
+            with self.slice(unit, Kind.PARAM, write=False) as param:
+                if not self.shards_params:
+                    return full.copy_(param)
+                gathered = torch.empty(unit.padded_numel, dtype=param.dtype, device=self.device)
+                C.all_gather(gathered, param.clone(), comm=self.comm)
+            return full.copy_(gathered)
         with self._master(unit, write=False) as (master, _):
             C.all_gather(full, master.clone(), comm=self.comm)
         return full

@@ -79,16 +79,18 @@ def plan_slices(
 ) -> SlicePlan:
     """PARAM in the compute dtype and GRAD in the reduce dtype (the compute dtype unless given),
     sharded as the stage says, an fp32 MASTER in mixed precision, and the optimizer's fp32
-    states, each sharded, each at its kind's home."""
+    states, each sharded, each at its kind's home. A frozen unit keeps its PARAM slice only:
+    in the compute dtype, with no fp32 copy, since nothing steps it."""
     grad_dtype = grad_dtype or param_dtype
     mixed = param_dtype != torch.float32
     specs = {}
     for unit in units:
         shard = unit.shard_numel
-        unit_specs = [
-            SliceSpec(Kind.PARAM, shard if shards_params else unit.padded_numel, param_dtype, homes.params),
-            SliceSpec(Kind.GRAD, shard if shards_grads else unit.padded_numel, grad_dtype, homes.grads),
-        ]
+        unit_specs = [SliceSpec(Kind.PARAM, shard if shards_params else unit.padded_numel, param_dtype, homes.params)]
+        if not unit.trainable:
+            specs[unit.name] = tuple(unit_specs)
+            continue
+        unit_specs.append(SliceSpec(Kind.GRAD, shard if shards_grads else unit.padded_numel, grad_dtype, homes.grads))
         if mixed:
             unit_specs.append(SliceSpec(Kind.MASTER, shard, torch.float32, homes.optimizer))
         unit_specs += [SliceSpec(kind, shard, torch.float32, homes.optimizer) for kind in state_kinds]

@@ -152,9 +152,9 @@ class Stage1(ReplicatedParamsStage):
             return  # one rank's reduce-scatter is the identity: its slice is the whole buffer
         # Units whose backward did not queue a reduce-scatter (no use reached the loss)
         # join the last bucket, in unit order, the same on every rank.
-        self._ready += [u for u in self.units if u.name not in self._scatters and u not in self._ready]
+        self._ready += [u for u in self.trained if u.name not in self._scatters and u not in self._ready]
         self._send_scatters()
-        for unit in self.units:
+        for unit in self.trained:
             scatter = self._scatters.pop(unit.name)
             scatter.pending.wait()
             with self.slice(unit, Kind.GRAD, write=True) as full:

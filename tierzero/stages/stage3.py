@@ -39,7 +39,7 @@ from tierzero.stages.base import Stage, mark_state
 from tierzero.stages.binding import bind
 from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.stages.step import StepScalars
-from tierzero.units import ROOT, Unit, UnitState
+from tierzero.units import FROZEN_SUFFIX, ROOT, Unit, UnitState
 
 #: `prefetch.max_live_bytes`'s default, for stages built without a config.
 DEFAULT_GATHER_BUDGET = 2**30
@@ -142,13 +142,20 @@ class Stage3(Stage):
         if unit not in self._order:
             return
         index = self._order.index(unit) + step
-        if unit.name == ROOT and step < 0:
+        if _is_root(unit) and step < 0:
             index = len(self._order) - 1  # backward starts at the root, then the last block
         while 0 <= index < len(self._order):
             target = self._order[index]
             index += step
-            ahead = [u for u in self.units if u is not unit and u.state is not UnitState.SHARDED and self._counts_ahead(u)]
-            if target.name == ROOT or len(ahead) >= self.gather_ahead:
+            if target.module is unit.module:
+                continue  # the unit's frozen or trained companion: its own hook gathers it now
+            ahead = [
+                u for u in self.units
+                if u.module is not unit.module and u.state is not UnitState.SHARDED and self._counts_ahead(u)
+            ]  # fmt: skip
+            # A module's trained and frozen units are gathered together: they take one place ahead.
+            modules = {id(u.module) for u in ahead}
+            if _is_root(target) or (id(target.module) not in modules and len(modules) >= self.gather_ahead):
                 return
             nbytes = target.padded_numel * self.param_dtype.itemsize
             if ahead and sum(u.padded_numel for u in ahead) * self.param_dtype.itemsize + nbytes > self.gather_budget:
@@ -157,17 +164,28 @@ class Stage3(Stage):
 
     def _counts_ahead(self, unit: Unit) -> bool:
         """Whether a gathered unit counts against the gather-ahead bounds (not the root, not a persistent one)."""
-        return unit.name != ROOT and not self._persists(unit)
+        return not _is_root(unit) and not self._persists(unit)
 
     # ---- hooks --------------------------------------------------------------------
 
-    def pre_forward(self, unit: Unit) -> None:
+    def pre_forward(self, unit: Unit, inputs: Any = ()) -> None:
         self._phase = Phase.FORWARD
-        super().pre_forward(unit)
+        super().pre_forward(unit, inputs)
         if torch.is_grad_enabled():
             if unit not in self._order_now:
                 self._order_now.append(unit)
+            if not unit.trainable:
+                self._release_after_backward(unit, inputs)
             self._prefetch(unit, step=1)
+
+    def _release_after_backward(self, unit: Unit, inputs: Any) -> None:
+        """A frozen unit has no gradients, hence no post-backward: it is released once the
+        gradients of its inputs are complete, which needs every op of its backward done.
+        One whose inputs need no gradient (the first layers of a LoRA model) is released
+        by `after_backward`, right after its backward, the last."""
+        needing = [t for t in _tensors(inputs) if t.requires_grad]
+        if needing:
+            torch.autograd.graph.register_multi_grad_hook(needing, lambda _: self.reshard(unit), mode="all")
 
     def post_forward(self, unit: Unit, output: Any) -> None:
         outputs = [t for t in _tensors(output) if t.requires_grad]
@@ -182,7 +200,7 @@ class Stage3(Stage):
     def pre_backward(self, unit: Unit) -> None:
         self._phase = Phase.BACKWARD
         self.unshard(unit)
-        if self._backward_step is not None and self.last_micro_step and unit.pending_uses == 1 and unit.name != ROOT:
+        if self._backward_step is not None and self.last_micro_step and unit.pending_uses == 1 and not _is_root(unit):
             # The unit's last use: it steps once this backward ends, so its states (and, now
             # that the gather has read it, its PARAM slice) can come up already. Not the
             # root, whose backward starts first and ends last: it would hold a group all along.
@@ -281,6 +299,11 @@ class Stage3(Stage):
         # Straight to the home tier in the compute dtype, without reading the old slice first.
         value = master.to(self.param_dtype)
         return [PendingWrite(self.store.write_back(SliceKey(unit.name, Kind.PARAM), value), value)]
+
+
+def _is_root(unit: Unit) -> bool:
+    """The root unit or its frozen companion: gathered all through forward and backward."""
+    return unit.name.removesuffix(FROZEN_SUFFIX) == ROOT
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

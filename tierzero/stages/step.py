@@ -33,7 +33,8 @@ class StepScalars:
     grad_scale: float
     """Multiplies the summed gradient slices: 1 / (world size x accumulation x loss scale)."""
     step: int
-    lr: float
+    lr_factor: float
+    """The schedule's multiplier this step: each parameter group steps at its base lr times it."""
 
 
 class Steppable(Protocol):
@@ -163,8 +164,13 @@ def _step_unit(
         states = {kind: fetched[kind] for kind in stage.optimizer.state_kinds}
         # Cut at the unit's original tensors, so that each element takes the vector lane or the
         # scalar tail torch.optim's per-tensor kernel would give it: the same bits as torch.
-        layout = SliceLayout.of([slot.numel for slot in unit.slots], offset=unit.shard_range(stage.comm.rank)[0])
-        stage.optimizer.step(param=master, grad=g, states=states, step=scalars.step, lr=scalars.lr, layout=layout)
+        layout = SliceLayout.of(
+            [slot.numel for slot in unit.slots],
+            offset=unit.shard_range(stage.comm.rank)[0],
+            groups=[slot.group for slot in unit.slots],
+        )
+        lrs = stage.optimizer.group_lrs(scalars.lr_factor)
+        stage.optimizer.step(param=master, grad=g, states=states, step=scalars.step, lr=lrs, layout=layout)
         writes = stage.publish(unit, master)
         grads.zero_()
     finally:
