@@ -67,9 +67,12 @@ def test_hf_zero3_nvme_config(tmp_path: Path) -> None:
     assert (cfg.precision.loss_scale, cfg.precision.initial_scale, cfg.precision.scale_window, cfg.precision.min_scale) == (
         "dynamic", 2.0**16, 1000, 1.0,
     )
+    # WarmupLR with every param "auto": the optimizer's lr from the first step (no warm-up steps).
+    s = cfg.scheduler
+    assert (s.type, s.convention, s.warmup_steps, s.warmup_start_ratio) == ("constant", "deepspeed", 0, 0.0)
+    assert s.warmup_type == "log"  # left out: DeepSpeed's default
     assert warned == _ignored(
         "fp16.hysteresis",
-        "scheduler",
         "zero_optimization.offload_optimizer.fast_init",
         "zero_optimization.offload_param.max_in_cpu",
         "zero_optimization.contiguous_gradients",
@@ -89,9 +92,11 @@ def test_hf_zero2_cpu_config() -> None:
     assert (cfg.offload.params, cfg.offload.gradients, cfg.offload.optimizer) == (Tier.DEVICE, Tier.CPU, Tier.CPU)
     assert cfg.zero.reduce_bucket_size == 200_000_000 * 4 and cfg.zero.overlap_comm is True
     assert not cfg.uses_nvme and cfg.tiers.nvme.path is None
+    # WarmupDecayLR, total_num_steps "auto": decays to 0 over train.steps
+    s = cfg.scheduler
+    assert (s.type, s.convention, s.warmup_steps, s.min_lr_ratio, s.total_steps) == ("linear", "deepspeed", 0, 0.0, None)
     assert warned == _ignored(
         "fp16.hysteresis",
-        "scheduler",
         "zero_optimization.allgather_partitions",
         "zero_optimization.allgather_bucket_size",
         "zero_optimization.reduce_scatter",
@@ -245,7 +250,7 @@ def test_config_check_prints_deepspeed_warnings(tmp_path: Path) -> None:
     assert run_check(Args(), out=out, err=err) == 0  # type: ignore[arg-type]
     lines = err.getvalue().splitlines()
     assert "tierzero: warning: DeepSpeed key zero_optimization.reduce_scatter has no tierzero equivalent; ignored" in lines
-    assert len(lines) == 8 and all(line.startswith("tierzero: warning: DeepSpeed key ") for line in lines)
+    assert len(lines) == 7 and all(line.startswith("tierzero: warning: DeepSpeed key ") for line in lines)
     assert "overlap_comm: false" in out.getvalue() and "optimizer: cpu" in out.getvalue()
 
 

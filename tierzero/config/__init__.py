@@ -1,29 +1,29 @@
 """The typed config.
 
-The sections (sections.py; the model's in model.py) under one root with its cross-section
+The sections (sections.py; the model's in model.py, the optimizer's and scheduler's in
+optim.py, the data's in data.py) under one root with its cross-section
 rules (schema.py), built from files, dicts and DeepSpeed configs by `load_config`
 (loading.py, deepspeed.py), the files read within bounds (reading.py); field checks
 (checks.py) and the tree machinery (tree.py) beneath them; docs/config.md rendered by
 markdown.py; the `config` command in cli.py.
 """
 
+from tierzero.config.data import DataConfig
 from tierzero.config.errors import ConfigError, TierZeroConfigWarning
 from tierzero.config.loading import load_config
 from tierzero.config.markdown import config_markdown
 from tierzero.config.model import ModelConfig
+from tierzero.config.optim import OptimizerConfig, SchedulerConfig
 from tierzero.config.schema import Config
 from tierzero.config.sections import (
     CheckpointConfig,
     CpuTierConfig,
-    DataConfig,
     DeviceTierConfig,
     DistConfig,
     NvmeTierConfig,
     OffloadConfig,
-    OptimizerConfig,
     PrecisionConfig,
     PrefetchConfig,
-    SchedulerConfig,
     SwapperConfig,
     TiersConfig,
     TrainConfig,

@@ -233,3 +233,11 @@ KEYWORDS = Check(
     _keywords,
 )
 PATH_OR_GLOB = Check("a file, directory or glob such as 'corpus/*.txt' (or null)", "path \\| glob \\| null", _path_or_glob)
+
+
+def _ratio(value: Any) -> float:
+    return _require(0.0 <= _as_float(value) <= 1.0, _as_float(value))
+
+
+RATIO = Check("a number from 0 to 1 such as 0.1", "float 0..1", _ratio)
+"""A fraction of a rate, both ends included (e.g. the learning-rate multipliers of `scheduler`)."""

@@ -15,9 +15,9 @@ from typing import Any
 
 from tierzero.config.deepspeed import Translation, translate_deepspeed
 from tierzero.config.errors import ConfigError
+from tierzero.config.optim import TORCH_WEIGHT_DECAY
 from tierzero.config.reading import check_bounds, read_mapping_file
 from tierzero.config.schema import Config
-from tierzero.config.sections import TORCH_WEIGHT_DECAY
 from tierzero.config.tree import build, set_dotted
 
 DEEPSPEED_MARKER = "zero_optimization"

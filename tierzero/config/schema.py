@@ -10,17 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tierzero.config.checks import float_check, int_check
+from tierzero.config.data import DataConfig
 from tierzero.config.errors import ConfigError
 from tierzero.config.model import ModelConfig
+from tierzero.config.optim import OptimizerConfig, SchedulerConfig
 from tierzero.config.sections import (
     CheckpointConfig,
-    DataConfig,
     DistConfig,
     OffloadConfig,
-    OptimizerConfig,
     PrecisionConfig,
     PrefetchConfig,
-    SchedulerConfig,
     SwapperConfig,
     TiersConfig,
     TrainConfig,

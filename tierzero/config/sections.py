@@ -15,13 +15,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from tierzero.config.checks import (
-    BETAS,
     BOOL,
     DIRECTORY,
     FLOAT32_MAX,
     LOSS_SCALE,
     NAMES,
-    PATH_OR_GLOB,
     TIER,
     Check,
     GiB,
@@ -44,9 +42,6 @@ STAGE = dataclasses.replace(
     int_check(1, 3), refusal="{key} is {got}, this engine runs stages 1, 2 and 3: set {key} to 1, 2 or 3"
 )
 """`zero.stage`: only the stages the engine runs, so a config never promises one it cannot."""
-
-TORCH_WEIGHT_DECAY = {"adamw": 0.01, "adam": 0.0, "sgd": 0.0}
-"""The default weight decay of torch.optim.AdamW, Adam and SGD, keyed by `optimizer.type`."""
 
 MAX_CAPACITY = 1 << 50
 """The limit of a tier capacity: 1 PiB."""
@@ -129,96 +124,6 @@ class PrecisionConfig(Section):
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.param_dtype]
 
 
-def _patterns(value: Any) -> tuple[str, ...]:
-    if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) and p.strip() for p in value):
-        raise ValueError(value)
-    return tuple(value)
-
-
-def _lr_multipliers(value: Any) -> dict[str, float]:
-    if not isinstance(value, dict) or not all(isinstance(k, str) and k.strip() for k in value):
-        raise ValueError(value)
-    factors = {k: float(v) for k, v in value.items() if not isinstance(v, bool)}
-    if len(factors) != len(value) or not all(0.0 <= f < float("inf") for f in factors.values()):
-        raise ValueError(value)
-    return factors
-
-
-PATTERNS = Check("a list of patterns such as ['*bias']", "list[str]", _patterns)
-LR_MULTIPLIERS = Check(
-    "a mapping of name patterns to non-negative factors such as {'*embed*': 0.1}", "mapping", _lr_multipliers
-)
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class OptimizerConfig(Section):
-    """The optimizer that steps each fp32 master slice where its states live."""
-
-    SECTION: ClassVar[str] = "optimizer"
-    type: str = setting("adamw", choice_check(tuple(TORCH_WEIGHT_DECAY)))
-    """adamw (decoupled weight decay), adam (L2 added to the gradient) or sgd. Each default below is
-    torch.optim's for the type."""
-    lr: float = setting(1e-3, float_check(lo=0.0, lo_open=True))
-    """Learning rate."""
-    betas: tuple[float, float] = setting((0.9, 0.999), BETAS)
-    """adam and adamw: coefficients for the running averages of the gradient and its square."""
-    eps: float = setting(1e-8, float_check(lo=0.0, lo_open=True))
-    """adam and adamw: term added to the denominator."""
-    # None only until _resolve_defaults puts in the type's default; a built section always holds a float.
-    weight_decay: float | None = setting(
-        None,
-        float_check(lo=0.0, optional=True),
-        shown_default=", ".join(f"{name}: {decay:g}" for name, decay in TORCH_WEIGHT_DECAY.items()),
-    )
-    """Weight decay (decoupled for adamw, L2 for adam and sgd); absent or null: torch.optim's default
-    for the type, as the default column says."""
-    momentum: float = setting(0.0, float_check(lo=0.0, hi=1.0))
-    """sgd: momentum (0 keeps no momentum buffer)."""
-
-    no_decay: tuple[str, ...] = setting(("*bias",), PATTERNS)
-    """Parameters that get no weight decay: glob patterns on their dotted names (e.g. `*bias`,
-    `*embed_tokens*`); [] decays every parameter."""
-    no_decay_modules: tuple[str, ...] = setting(("Norm",), PATTERNS)
-    """Parameters of modules whose class name contains one of these get no weight decay: the
-    default, Norm, covers LayerNorm, RMSNorm and the like (as the transformers Trainer does)."""
-    lr_multipliers: dict[str, float] = setting({}, LR_MULTIPLIERS)
-    """Glob pattern on parameter names -> factor on the learning rate of the parameters it matches
-    (the first pattern that matches wins), e.g. {'*embed*': 0.1}."""
-
-    def _resolve_defaults(self) -> None:
-        if self.weight_decay is None:
-            object.__setattr__(self, "weight_decay", TORCH_WEIGHT_DECAY[self.type])
-
-
-SCHEDULE_TYPES = ("constant", "linear", "cosine")
-_STEPS = int_check(1, limit=1 << 40)
-OPTIONAL_STEPS = dataclasses.replace(
-    _STEPS,
-    expected=f"{_STEPS.expected} (or null)",
-    type_name=f"{_STEPS.type_name} \\| null",
-    convert=lambda value: None if value is None else _STEPS.convert(value),
-)
-"""`scheduler.total_steps`: a step count, or null for train.steps."""
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class SchedulerConfig(Section):
-    """The learning rate of each optimizer step: optimizer.lr times a warm-up and decay shape.
-
-    The shapes are transformers' constant, linear and cosine schedules with warm-up, stepped
-    once per optimizer step; `engine.lr` is the rate of the next step."""
-
-    SECTION: ClassVar[str] = "scheduler"
-    type: str = setting("constant", choice_check(SCHEDULE_TYPES))
-    """constant, linear (to zero at total_steps) or cosine (half a cosine to zero at total_steps)."""
-    warmup_steps: int = setting(0, int_check(0, limit=1 << 40))
-    """Optimizer steps over which the rate climbs linearly from 0 to optimizer.lr."""
-    min_lr_ratio: float = setting(0.0, float_check(lo=0.0, hi=1.0))
-    """linear and cosine: the rate decays to this fraction of optimizer.lr instead of to 0."""
-    total_steps: int | None = setting(None, OPTIONAL_STEPS)
-    """Optimizer steps the decay spans (null: train.steps)."""
-
-
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TrainConfig(Section):
     """The training loop."""
@@ -234,18 +139,6 @@ class TrainConfig(Section):
     """Tokens (bytes) per training sequence; at most model.max_seq_len for the built-in models."""
     log_every: int = setting(10, int_check(1))
     """`tierzero train` writes a log line every this many steps (the progress bar updates every step)."""
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class DataConfig(Section):
-    """The byte-level training text `tierzero train` reads."""
-
-    SECTION: ClassVar[str] = "data"
-    path: str | None = setting(None, PATH_OR_GLOB)
-    """A text file, a directory (every file under it) or a glob (** for subdirectories); null: the
-    Python standard library's *.py sources on this machine."""
-    max_bytes: int = setting(64 * MiB, size_check(limit=TiB))
-    """Most bytes of the corpus held in memory; files are taken in a seeded order until it is full."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
