@@ -1,4 +1,4 @@
-"""Byte-level language-model data: a bounded sample of a local text corpus, batched by step.
+"""Byte-level language-model data (data.tokenizer null): a bounded sample of a local text corpus, batched by step.
 
 The corpus is the files `data.path` names (a file, a directory, or a glob); with none
 given, the Python standard library's own source files, real text found on every machine
@@ -16,9 +16,7 @@ sees, and any batch can be produced again without replaying the ones before it.
 
 from __future__ import annotations
 
-import glob
 import os
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,41 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierzero.data.sources import find_files
 from tierzero.sizes import format_size
 
-__all__ = ["ByteBatches", "ByteCorpus", "find_files", "load_corpus", "stdlib_dir"]
-
-GLOB_CHARS = frozenset("*?[")
-
-
-def stdlib_dir() -> Path:
-    """Where this Python's standard library sources live."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def find_files(path: str | os.PathLike[str] | None) -> list[Path]:
-    """The corpus files, sorted: one file, every file under a directory, a glob's matches, or the stdlib's *.py."""
-    if path is None:
-        root = stdlib_dir()
-        files = sorted(p for p in root.rglob("*.py") if p.is_file())
-        if not files:
-            raise ValueError(f"data.path is not set and no *.py files were found under {root}: set data.path to a text corpus")
-        return files
-    text = os.path.expanduser(os.fspath(path))
-    if GLOB_CHARS & set(text):
-        files = sorted(Path(p) for p in glob.glob(text, recursive=True) if os.path.isfile(p))
-        if not files:
-            raise ValueError(f"data.path {text!r} matches no files: fix the pattern (use ** for subdirectories) or point it at a file or directory")
-        return files
-    target = Path(text)
-    if target.is_file():
-        return [target]
-    if target.is_dir():
-        files = sorted(p for p in target.rglob("*") if p.is_file())
-        if not files:
-            raise ValueError(f"data.path {target} is an empty directory: put text files in it or point data.path elsewhere")
-        return files
-    raise ValueError(f"data.path {target} does not exist: point it at a text file, a directory or a glob such as 'corpus/*.txt'")
+__all__ = ["ByteBatches", "ByteCorpus", "load_corpus"]
 
 
 @dataclass(slots=True, kw_only=True)

@@ -1,0 +1,202 @@
+"""Where training text comes from: the files `data.path` names, their formats, and their documents.
+
+A source is one file (plain text: the whole file is one document; JSON Lines: one
+document per line, in the `data.text_field` field) or one directory written by
+`datasets.Dataset.save_to_disk` (one document per row). `data.format: auto` decides by
+name: *.jsonl and *.ndjson are JSON Lines, a directory holding `state.json` and
+`dataset_info.json` is a saved dataset, anything else is text. Documents come in a fixed
+order (files sorted, lines and rows in file order), so the same files always give the same
+token stream. `source_digest` hashes what a source's documents depend on: its bytes, not
+its path or times.
+"""
+
+from __future__ import annotations
+
+import enum
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DATASET_MARKERS",
+    "Format",
+    "Source",
+    "find_files",
+    "find_sources",
+    "read_documents",
+    "source_digest",
+    "stdlib_dir",
+]
+
+GLOB_CHARS = frozenset("*?[")
+JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
+DATASET_MARKERS = ("state.json", "dataset_info.json")
+"""The files `Dataset.save_to_disk` writes beside its Arrow files; both mark a saved dataset."""
+DATASET_BATCH = 1024
+"""Rows read from a saved dataset at a time."""
+HASH_CHUNK = 8 << 20
+
+
+class Format(enum.Enum):
+    """How a source's bytes become documents."""
+
+    TEXT = "text"
+    JSONL = "jsonl"
+    DATASETS = "datasets"
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """One file or saved-dataset directory, and how to read it."""
+
+    path: Path
+    format: Format
+
+
+def stdlib_dir() -> Path:
+    """Where this Python's standard library sources live."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def find_files(path: str | os.PathLike[str] | None) -> list[Path]:
+    """The corpus files, sorted: one file, every file under a directory, a glob's matches, or the stdlib's *.py."""
+    if path is None:
+        root = stdlib_dir()
+        files = sorted(p for p in root.rglob("*.py") if p.is_file())
+        if not files:
+            raise ValueError(f"data.path is not set and no *.py files were found under {root}: set data.path to a text corpus")
+        return files
+    text = os.path.expanduser(os.fspath(path))
+    if GLOB_CHARS & set(text):
+        files = sorted(Path(p) for p in glob.glob(text, recursive=True) if os.path.isfile(p))
+        if not files:
+            raise ValueError(f"data.path {text!r} matches no files: fix the pattern (use ** for subdirectories) or point it at a file or directory")
+        return files
+    target = Path(text)
+    if target.is_file():
+        return [target]
+    if target.is_dir():
+        files = sorted(p for p in target.rglob("*") if p.is_file())
+        if not files:
+            raise ValueError(f"data.path {target} is an empty directory: put text files in it or point data.path elsewhere")
+        return files
+    raise ValueError(f"data.path {target} does not exist: point it at a text file, a directory or a glob such as 'corpus/*.txt'")
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """Whether `path` is a directory `Dataset.save_to_disk` (or `DatasetDict.save_to_disk`) wrote."""
+    return path.is_dir() and (all((path / m).is_file() for m in DATASET_MARKERS) or (path / "dataset_dict.json").is_file())
+
+
+def find_sources(path: str | os.PathLike[str], *, format: str = "auto") -> list[Source]:
+    """The sources `data.path` names, in reading order; `format` is auto, text, jsonl or datasets."""
+    target = Path(os.path.expanduser(os.fspath(path)))
+    if format == "datasets" or (format == "auto" and is_saved_dataset(target)):
+        if not is_saved_dataset(target):
+            raise ValueError(
+                f"data.format is datasets but data.path {target} is not a directory written by Dataset.save_to_disk "
+                f"(no {' and '.join(DATASET_MARKERS)}): point data.path at one, or set data.format to auto"
+            )
+        return [Source(target, Format.DATASETS)]
+    if format not in ("auto", "text", "jsonl"):
+        raise ValueError(f"data.format is {format!r}, expected one of auto, text, jsonl, datasets")
+    files = find_files(path)
+    if format != "auto":
+        return [Source(f, Format(format)) for f in files]
+    return [Source(f, Format.JSONL if f.suffix.lower() in JSONL_SUFFIXES else Format.TEXT) for f in files]
+
+
+def read_documents(source: Source, *, text_field: str = "text") -> Iterator[str]:
+    """The documents of one source, in order."""
+    if source.format is Format.TEXT:
+        yield _read_text(source.path)
+    elif source.format is Format.JSONL:
+        yield from _read_jsonl(source.path, text_field)
+    else:
+        yield from _read_dataset(source.path, text_field)
+
+
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"data.path file {path} is not UTF-8 text ({exc.reason} at byte {exc.start}): convert it to UTF-8 "
+            "or leave it out of data.path"
+        ) from None
+
+
+def _read_jsonl(path: Path, field: str) -> Iterator[str]:
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue  # blank lines (a trailing newline, spacing) hold no document
+            where = f"data.path file {path} line {number}"
+            try:
+                record = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                detail = exc.reason if isinstance(exc, UnicodeDecodeError) else exc.msg
+                raise ValueError(f"{where} is not a JSON object ({detail}): fix or remove the line") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{where} is a JSON {type(record).__name__}, expected an object with a {field!r} field: fix or remove the line")
+            if field not in record:
+                keys = ", ".join(map(repr, list(record)[:8])) or "none"
+                raise ValueError(
+                    f"{where} has no {field!r} field (its keys: {keys}): set data.text_field to the field holding the text"
+                )
+            text = record[field]
+            if not isinstance(text, str):
+                raise ValueError(f"{where}: field {field!r} is {_kind(text)}, expected a string: fix the line")
+            yield text
+
+
+def _read_dataset(path: Path, field: str) -> Iterator[str]:
+    try:
+        import datasets  # an optional extra, and slow to import: only for a saved dataset
+    except ImportError:
+        raise ValueError(
+            f"data.path {path} is a saved dataset, which needs the datasets package: pip install 'tierzero[data]'"
+        ) from None
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = ", ".join(loaded)
+        raise ValueError(
+            f"data.path {path} holds a DatasetDict with splits {splits}: point data.path at one split's directory, "
+            f"e.g. {path / next(iter(loaded), 'train')}"
+        )
+    if field not in loaded.column_names:
+        raise ValueError(
+            f"data.path {path}: the dataset has no column {field!r} (its columns: {', '.join(loaded.column_names)}): "
+            "set data.text_field to the column holding the text"
+        )
+    row = 0
+    for batch in loaded.select_columns([field]).iter(batch_size=DATASET_BATCH):
+        for text in batch[field]:
+            if not isinstance(text, str):
+                raise ValueError(f"data.path {path} row {row}: column {field!r} is {_kind(text)}, expected a string")
+            row += 1
+            yield text
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else f"a {type(value).__name__}"
+
+
+def source_digest(source: Source) -> str:
+    """A SHA-256 of what the source's documents depend on: the file's bytes, or a dataset directory's files."""
+    digest = hashlib.sha256(source.format.value.encode())
+    files = [source.path] if source.path.is_file() else sorted(p for p in source.path.rglob("*") if p.is_file())
+    for file in files:
+        if source.path.is_dir():
+            digest.update(f"\0{file.relative_to(source.path).as_posix()}\0".encode())
+        with open(file, "rb") as f:
+            while chunk := f.read(HASH_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()

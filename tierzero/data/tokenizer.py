@@ -1,0 +1,119 @@
+"""The tokenizer `data.tokenizer` names, and the check that the model can embed every id it gives.
+
+A local directory (tokenizer.json with tokenizer_config.json, as `save_pretrained` writes
+it) loaded by `transformers.AutoTokenizer`: nothing is downloaded and no code from the
+directory runs. Documents are encoded without the tokenizer's own special tokens; the
+token stream puts its EOS id after each one (tierzero.data.tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+__all__ = ["BYTE_VOCAB", "TextTokenizer", "check_vocab", "load_tokenizer", "model_vocab_size"]
+
+BYTE_VOCAB = 256
+"""Ids of the byte-level data (data.tokenizer null)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TextTokenizer:
+    """A loaded tokenizer: what the token stream needs of it."""
+
+    directory: str
+    backend: Any
+    """The `tokenizers.Tokenizer` doing the work (batched, in Rust threads)."""
+    eos_id: int
+    vocab_size: int
+    """Ids it can give: its vocabulary with the added tokens."""
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The narrowest unsigned dtype holding every id."""
+        return np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
+
+    @property
+    def digest(self) -> str:
+        """A SHA-256 of everything that decides its ids: the whole tokenizer as JSON, and the EOS id."""
+        return hashlib.sha256(f"{self.backend.to_str()}\0{self.eos_id}".encode()).hexdigest()
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Each text's ids, without special tokens."""
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+
+def load_tokenizer(directory: str | os.PathLike[str]) -> TextTokenizer:
+    """The tokenizer in `directory`, or a ValueError naming data.tokenizer and the fix."""
+    directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
+    if not os.path.isdir(directory):
+        raise ValueError(f"data.tokenizer {directory} is not a directory: point it at a tokenizer directory (tokenizer.json, tokenizer_config.json)")
+    try:
+        import transformers  # heavy: only for tokenized data
+    except ImportError:
+        raise ValueError(f"data.tokenizer {directory} needs the transformers package: pip install 'tierzero[data]'") from None
+    try:
+        loaded = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
+        detail = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise ValueError(
+            f"data.tokenizer {directory} cannot be loaded ({detail}): it needs tokenizer.json and tokenizer_config.json, "
+            "as save_pretrained writes them"
+        ) from None
+    backend = getattr(loaded, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(
+            f"data.tokenizer {directory} loads as {type(loaded).__name__}, not a fast tokenizer: add its tokenizer.json "
+            "(AutoTokenizer.from_pretrained(...).save_pretrained(DIR) writes one)"
+        )
+    if loaded.eos_token_id is None:
+        raise ValueError(
+            f"data.tokenizer {directory} has no EOS token, which marks where each document ends: set eos_token in "
+            "its tokenizer_config.json"
+        )
+    # The token stream is one long sequence: a truncation or padding set in tokenizer.json must not cut documents.
+    backend.no_truncation()
+    backend.no_padding()
+    vocab = max(len(loaded), backend.get_vocab_size(with_added_tokens=True))
+    return TextTokenizer(directory=directory, backend=backend, eos_id=int(loaded.eos_token_id), vocab_size=vocab)
+
+
+def model_vocab_size(model: nn.Module) -> int:
+    """Ids a transformers model can take and predict: its input embedding's rows (its head's outputs, if fewer)."""
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if isinstance(head, nn.Linear):
+        return min(embedding.num_embeddings, head.out_features)
+    return embedding.num_embeddings
+
+
+def check_vocab(cfg: Any, model: nn.Module) -> None:
+    """Refuse a model whose vocabulary does not cover the data's ids (`cfg.data`, `cfg.model`), before any training.
+
+    A built-in model embeds model.vocab_size ids; a transformers model is asked (its
+    embedding can differ from config.json's vocab_size after a resize).
+    """
+    if cfg.data.tokenizer is None:
+        need, what = BYTE_VOCAB, "byte-level data (data.tokenizer null) has 256 ids"
+    else:
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        need, what = tokenizer.vocab_size, f"data.tokenizer {tokenizer.directory} has {tokenizer.vocab_size:,} ids"
+    have = model_vocab_size(model) if cfg.model.is_transformers else cfg.model.vocab_size
+    if have >= need:
+        return
+    if cfg.model.is_transformers:
+        where = f"model.pretrained {cfg.model.pretrained}" if cfg.model.pretrained else "model.transformers_config"
+        raise ValueError(
+            f"{what} but the model ({where}) has vocab_size {have:,}: use the tokenizer that came with the model, "
+            f"or a model with vocab_size >= {need}"
+        )
+    raise ValueError(
+        f"{what} but model.vocab_size is {have:,}: set model.vocab_size to at least {need} "
+        f"(a multiple of 64 such as {-(-need // 64) * 64} runs faster)"
+    )
