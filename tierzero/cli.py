@@ -1,4 +1,4 @@
-"""The `tierzero` command: `train`, `demo`, `estimate`, `consolidate`, `config`, `bench` and `clean`.
+"""The `tierzero` command: `train`, `demo`, `estimate`, `consolidate`, `make-checkpoint`, `config`, `bench` and `clean`.
 
 User errors (a bad config, a full disk) print one line to stderr and exit 2,
 without a traceback; anything else is a bug and keeps its traceback.
@@ -16,6 +16,7 @@ from tierzero.config.cli import add_config_commands
 from tierzero.estimate.report import add_estimate_command
 from tierzero.offload.base import TierCapacityError
 from tierzero.offload.clean import add_clean_command
+from tierzero.pretrained.make import add_make_checkpoint_command
 from tierzero.train import add_demo_command, add_train_command
 
 
@@ -29,6 +30,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_demo_command(commands)
     add_estimate_command(commands)
     add_consolidate_command(commands)
+    add_make_checkpoint_command(commands)
     add_clean_command(commands)
     return parser
 

@@ -2,7 +2,10 @@
 
 Given a directory instead (`tierzero consolidate CKPT out/`), it writes `out/model.safetensors`
 and, for a `model.type: transformers` run, the model's `config.json` beside it, so that the
-class's `from_pretrained(out)` loads the trained weights.
+class's `from_pretrained(out)` loads the trained weights. With `--hf` (`consolidate_hf`) it writes
+the directory save_pretrained would, through tierzero/pretrained/export.py: sharded safetensors
+and their index in the training dtype (or `--dtype`), config.json, generation_config.json and the
+run's tokenizer, for `AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)`.
 
 The output is an ordinary safetensors file of the model's full fp32 parameters by the
 model's own names, plus its buffers and frozen parameters, for `model.load_state_dict`
@@ -11,7 +14,8 @@ stored once, under its first name, as `save_pretrained` does; the file's metadat
 its other names, which `load_consolidated` fills in.
 
 It streams: one unit's full buffer is rebuilt from the rank files at a time, so memory
-is bounded by the largest unit, never the model. The checkpoint's files are verified
+is bounded by the largest unit (in fp32), never the model; `--hf` adds one tensor cast to the
+written dtype, and writes each tensor to its shard as it comes. The checkpoint's files are verified
 first, every number of its manifest against them; the output is written beside its final
 name and renamed when complete, never inside the checkpoint's root (it would replace the
 checkpoint's own files, or be pruned with them).
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+from torch import nn
 
 from tierzero.checkpoint.find import find_checkpoint
 from tierzero.checkpoint.format import (
@@ -42,13 +47,31 @@ from tierzero.checkpoint.format import (
 )
 from tierzero.checkpoint.manifest import MANIFEST, MODULE_PREFIX, Manifest, UnitLayout
 from tierzero.checkpoint.shards import ShardReader
+from tierzero.pretrained import PretrainedError, build_meta_model
+from tierzero.pretrained.export import (
+    DEFAULT_MAX_SHARD_SIZE,
+    EXPORT_DTYPES,
+    OUTPUT_MODE,
+    PretrainedWriter,
+    check_export,
+    copy_tokenizer,
+    saved_name,
+    tied_targets,
+    write_model_files,
+    written_dtype,
+)
 from tierzero.sizes import format_size
 
-__all__ = ["Consolidated", "add_consolidate_command", "consolidate", "consolidate_pretrained", "load_consolidated"]
+__all__ = [
+    "Consolidated",
+    "add_consolidate_command",
+    "consolidate",
+    "consolidate_hf",
+    "consolidate_pretrained",
+    "load_consolidated",
+]
 
 ALIASES_KEY = "tierzero.aliases"
-#: An exported model is an ordinary file (the umask applies), unlike the checkpoint's own 0600 files.
-OUTPUT_MODE = 0o644
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +92,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, *, note: Callable[[str]
     out = Path(out)
     refuse_inside_root(directory, out)
     manifest = Manifest.read(directory)
-    reader = ShardReader(directory, manifest)
-    reader.verify(set(range(manifest.world_size)))
-    module = reader.whole_tensors(0, prefix=MODULE_PREFIX)
-    named = {name for unit in manifest.units for slot in unit.slots for name in slot.names}
-    clash = sorted(named & set(module))
-    if clash:
-        raise CheckpointError(f"{directory / MANIFEST}: {clash[0]} is both a parameter and a module buffer: it was edited")
+    reader, module = _open(directory, manifest)
     entries = [
         TensorEntry(slot.names[0], slot.numel, torch.float32, slot.shape) for unit in manifest.units for slot in unit.slots
     ]
@@ -103,6 +120,18 @@ def consolidate(checkpoint: str | Path, out: str | Path, *, note: Callable[[str]
     return Consolidated(path=out, step=manifest.step, tensors=len(entries), nbytes=record.nbytes, largest_unit_bytes=largest)
 
 
+def _open(directory: Path, manifest: Manifest) -> tuple[ShardReader, dict[str, torch.Tensor]]:
+    """The verified rank files, and the module's buffers and frozen parameters (from rank 0's file)."""
+    reader = ShardReader(directory, manifest)
+    reader.verify(set(range(manifest.world_size)))
+    module = reader.whole_tensors(0, prefix=MODULE_PREFIX)
+    named = {name for unit in manifest.units for slot in unit.slots for name in slot.names}
+    clash = sorted(named & set(module))
+    if clash:
+        raise CheckpointError(f"{directory / MANIFEST}: {clash[0]} is both a parameter and a module buffer: it was edited")
+    return reader, module
+
+
 def refuse_inside_root(directory: Path, out: Path) -> None:
     """ValueError when `out` lies in the root that holds the checkpoint `directory` (or in it)."""
     root = directory.parent if directory.name.isdigit() else directory
@@ -128,20 +157,94 @@ def consolidate_pretrained(checkpoint: str | Path, out_dir: str | Path, *, note:
     refuse_inside_root(directory, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     done = consolidate(directory, out_dir / "model.safetensors")
-    model = Manifest.read(directory).config.get("model", {})
-    if not isinstance(model, dict) or not isinstance(model.get("transformers_config") or {}, dict):
-        raise CheckpointError(f"{directory / MANIFEST}: config.model is not a model section: it was edited")
+    model = _model_section(Manifest.read(directory), directory)
     if model.get("type") == "transformers":
-        import transformers
-
-        model_class = getattr(transformers, str(model.get("transformers_class")), None)
-        if model_class is None:
-            raise ValueError(
-                f"the checkpoint's model.transformers_class {model.get('transformers_class')!r} is not in this "
-                "transformers: install the version it was trained with"
-            )
+        model_class = _model_class(model)
         model_class.config_class(**dict(model.get("transformers_config") or {})).save_pretrained(out_dir)
     return done
+
+
+def consolidate_hf(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    tokenizer: str | Path | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    note: Callable[[str], None] | None = None,
+) -> Consolidated:
+    """`out_dir` as save_pretrained writes it, from a transformers run's checkpoint, unit by unit.
+
+    `dtype` defaults to the run's training dtype (its PARAM slices'); `tokenizer` to the run's
+    own (see `check_export`). Tied weights are stored under the name save_pretrained keeps.
+    """
+    out_dir, directory = Path(out_dir), find_checkpoint(checkpoint, note=note)
+    refuse_inside_root(directory, out_dir)
+    manifest = Manifest.read(directory)
+    source = check_export(manifest.config, out_dir, what="--hf", tokenizer=None if tokenizer is None else Path(tokenizer))
+    model = _run_model(_model_section(manifest, directory))
+    dtype = dtype or dtype_from_name(manifest.param_dtype, where=str(directory / MANIFEST))
+    reader, module = _open(directory, manifest)
+    targets = tied_targets(model)
+    names = {(unit.name, slot.offset): saved_name(slot.names, targets) for unit in manifest.units for slot in unit.slots}
+    entries = [
+        TensorEntry(names[unit.name, slot.offset], slot.numel, dtype, slot.shape) for unit in manifest.units for slot in unit.slots
+    ]
+    entries += [TensorEntry(name, t.numel(), written_dtype(t, dtype), tuple(t.shape)) for name, t in module.items()]
+    expected = set(model.state_dict())
+    stray = [e.name for e in entries if e.name not in expected]
+    if stray:
+        raise CheckpointError(
+            f"{directory / MANIFEST}: tensor {stray[0]} is not in {type(model).__name__}'s state dict: "
+            "the checkpoint was not written by this model's run"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    largest = 0
+    with PretrainedWriter(out_dir, entries, max_shard_size=max_shard_size) as writer:
+        for unit in manifest.units:
+            full = _full_fp32(reader, unit)
+            largest = max(largest, full.numel() * full.element_size())
+            for slot in unit.slots:
+                writer.write(names[unit.name, slot.offset], full[slot.offset : slot.offset + slot.numel])
+            del full
+        for name, tensor in module.items():
+            writer.write(name, tensor)
+        done = writer.finish()
+    write_model_files(out_dir, model, dtype=dtype)
+    if source is not None:
+        copy_tokenizer(source, out_dir)
+    return Consolidated(path=out_dir, step=manifest.step, tensors=done.tensors, nbytes=done.nbytes, largest_unit_bytes=largest)
+
+
+def _model_section(manifest: Manifest, directory: Path) -> dict[str, Any]:
+    model = manifest.config.get("model", {})
+    if not isinstance(model, dict) or not isinstance(model.get("transformers_config") or {}, dict):
+        raise CheckpointError(f"{directory / MANIFEST}: config.model is not a model section: it was edited")
+    return model
+
+
+def _model_class(model: dict[str, Any]) -> Any:
+    import transformers
+
+    model_class = getattr(transformers, str(model.get("transformers_class")), None)
+    if model_class is None or getattr(model_class, "config_class", None) is None:
+        raise ValueError(
+            f"the checkpoint's model.transformers_class {model.get('transformers_class')!r} is not in this "
+            "transformers: install the version it was trained with"
+        )
+    return model_class
+
+
+def _run_model(model: dict[str, Any]) -> nn.Module:
+    """The run's transformers model on the meta device: its class, config and state-dict names, nothing allocated."""
+    if model.get("pretrained") is not None:
+        try:
+            return build_meta_model(model["pretrained"])
+        except PretrainedError as exc:
+            raise ValueError(f"the run started from model.pretrained {model['pretrained']}, which describes its model: {exc}") from None
+    model_class = _model_class(model)
+    with torch.device("meta"):
+        return model_class(model_class.config_class(**dict(model.get("transformers_config") or {})))
 
 
 def load_consolidated(path: str | Path) -> dict[str, torch.Tensor]:
@@ -158,18 +261,35 @@ def load_consolidated(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def add_consolidate_command(subparsers: Any) -> None:
-    """Register `tierzero consolidate CKPT OUT` on the `tierzero` command's sub-parsers."""
-    parser = subparsers.add_parser("consolidate", help="write a sharded checkpoint's full fp32 model to one safetensors file")
+    """Register `tierzero consolidate CKPT OUT [--hf ...]` on the `tierzero` command's sub-parsers."""
+    parser = subparsers.add_parser("consolidate", help="write a sharded checkpoint's full model to safetensors (--hf: a transformers directory)")
     parser.add_argument("checkpoint", help="a checkpoint directory, or a checkpoint root (its newest complete checkpoint)")
     parser.add_argument(
         "out", help="the .safetensors file to write, or a directory for model.safetensors (and a transformers config.json)"
     )
+    parser.add_argument(
+        "--hf", action="store_true",
+        help="write OUT as save_pretrained does: sharded safetensors, index, config.json and the tokenizer",
+    )  # fmt: skip
+    parser.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default=None, help="--hf: dtype written (default: the training dtype)")
+    parser.add_argument(
+        "--max-shard-size", default=None, metavar="SIZE", help=f"--hf: largest weight file (default {DEFAULT_MAX_SHARD_SIZE})"
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, metavar="DIR",
+        help="--hf: tokenizer directory to copy (default: the run's data.tokenizer, or its model.pretrained's tokenizer)",
+    )  # fmt: skip
     parser.set_defaults(func=run_consolidate)
 
 
 def run_consolidate(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     target = Path(args.out)
-    if target.suffix and target.suffix != ".safetensors":
+    hf_only = [flag for flag, value in (("--dtype", args.dtype), ("--max-shard-size", args.max_shard_size), ("--tokenizer", args.tokenizer)) if value]
+    if hf_only and not args.hf:
+        raise ValueError(f"{hf_only[0]} shapes a transformers directory: add --hf")
+    if args.hf and target.suffix == ".safetensors":
+        raise ValueError(f"--hf writes a directory, got output {args.out}: name a directory, or drop --hf for one file")
+    if not args.hf and target.suffix and target.suffix != ".safetensors":
         raise ValueError(
             f"consolidate writes safetensors, got output {args.out}: name it <something>.safetensors, or give a directory"
         )
@@ -178,7 +298,12 @@ def run_consolidate(args: argparse.Namespace, *, out: TextIO | None = None) -> i
     def note(line: str) -> None:
         stream.write(f"{line}\n")
 
-    if target.suffix:
+    if args.hf:
+        done = consolidate_hf(
+            args.checkpoint, target, dtype=EXPORT_DTYPES[args.dtype] if args.dtype else None, tokenizer=args.tokenizer,
+            max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, note=note,
+        )  # fmt: skip
+    elif target.suffix:
         done = consolidate(args.checkpoint, target, note=note)
     else:
         done = consolidate_pretrained(args.checkpoint, target, note=note)

@@ -318,11 +318,16 @@ def make_private_dir(path: Path) -> Path:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace `path` by `text` all at once: write a new temp file beside it, fsync, rename, fsync the dir."""
+    write_bytes_atomic(path, text.encode())
+
+
+def write_bytes_atomic(path: Path, data: bytes, *, mode: int = FILE_MODE) -> None:
+    """Replace `path` by `data` all at once (a new temp file beside it, fsync, rename, fsync the dir)."""
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    f = create_file(tmp)  # only what this call created is removed on failure
+    f = create_file(tmp, mode=mode)  # only what this call created is removed on failure
     try:
         with f:
-            f.write(text.encode())
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
