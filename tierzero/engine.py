@@ -21,8 +21,9 @@ from tierzero import comm as C
 from tierzero import dist as D
 from tierzero.checkpoint import RootLock, claim_root, load_checkpoint, probe_root, save_checkpoint
 from tierzero.config import Config, load_config
-from tierzero.materialize import flat_fp32, has_meta, materialize_rest, materialize_unit, unit_on_meta
 from tierzero.groups import GroupRules
+from tierzero.lora import is_peft_model, materialize_adapters
+from tierzero.materialize import flat_fp32, has_meta, materialize_rest, materialize_unit, unit_on_meta
 from tierzero.optim import make_optimizer
 from tierzero.precision import dtype_of, make_loss_scaler
 from tierzero.prefetch import Prefetcher
@@ -73,14 +74,7 @@ class Engine:
         self.module = model
         self.comm = comm or C.CommGroup(rank=ctx.rank, world_size=ctx.world_size, counter=C.CommCounter())
         self.global_step = 0
-        self._lr_lambda = lr_lambda or schedule_lambda(
-            Schedule(
-                type=cfg.scheduler.type,
-                warmup_steps=cfg.scheduler.warmup_steps,
-                total_steps=cfg.scheduler.total_steps or cfg.train.steps,
-                min_lr_ratio=cfg.scheduler.min_lr_ratio,
-            )
-        )
+        self._lr_lambda = lr_lambda or schedule_lambda(Schedule.of(cfg.scheduler, train_steps=cfg.train.steps))
         self.lr = self._scheduled_lr()
         """The learning rate of the next optimizer step (a checkpoint saves and restores it)."""
         self._micro_steps = 0
@@ -401,6 +395,8 @@ def initialize(
     with a `LambdaLR`-style multiplier of `optimizer.lr` per optimizer step.
     """
     cfg = load_config(config)
+    if is_peft_model(model):
+        materialize_adapters(model, seed=int(cfg.train.seed))  # peft leaves them on meta on a meta base
     weights = None
     pretrained = pretrained if pretrained is not None else cfg.model.pretrained
     if pretrained is not None:

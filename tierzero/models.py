@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierzero.lora import apply_lora
 from tierzero.pretrained import build_meta_model
 
 __all__ = [
@@ -297,7 +298,7 @@ def spec_from_config(model_cfg: Any) -> ModelSpec:
     )
 
 
-def build_model(model_cfg: Any, *, device: str | torch.device | None = None) -> nn.Module:
+def build_model(model_cfg: Any, *, device: str | torch.device | None = None, seed: int = 0) -> nn.Module:
     """The model a `model` config section describes, with fresh random weights.
 
     `model_cfg.type` is gpt, llama or transformers; for transformers,
@@ -306,7 +307,19 @@ def build_model(model_cfg: Any, *, device: str | torch.device | None = None) -> 
     its config class. Nothing is downloaded. `device="meta"` allocates nothing: see
     `materialize`. With `model_cfg.pretrained` set, the model is the one that directory's
     config.json describes, always on the meta device: its weights come from the files.
+    With `model_cfg.lora.r` > 0, peft wraps it with LoRA adapters initialised from `seed`
+    (tierzero.lora), the base frozen.
     """
+    model = _base_model(model_cfg, device=device)
+    lora = getattr(model_cfg, "lora", None)
+    if lora is None or lora.r == 0:
+        return model
+    return apply_lora(
+        model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules, seed=seed
+    )
+
+
+def _base_model(model_cfg: Any, *, device: str | torch.device | None) -> nn.Module:
     if getattr(model_cfg, "pretrained", None) is not None:
         return build_meta_model(model_cfg.pretrained)
     kind = model_cfg.type

@@ -30,9 +30,11 @@ from tqdm import tqdm
 from tierzero.checkpoint import find_checkpoint, probe_root
 from tierzero.config import load_config
 from tierzero.config.cli import parse_overrides
-from tierzero.data import ByteBatches
+from tierzero.data import batches_from_config, check_vocab
 from tierzero.engine import initialize
+from tierzero.lora import is_peft_model, save_adapters
 from tierzero.models import build_model, count_parameters
+from tierzero.pretrained.export import check_export, export_engine
 from tierzero.sizes import format_size
 
 __all__ = ["RunSummary", "add_demo_command", "add_train_command", "run_demo", "run_train", "train"]
@@ -70,6 +72,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         help="override one dotted config key, e.g. --set optimizer.lr=3e-4 (the value is read as YAML)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar; log lines only")
+    parser.add_argument("--export", default=None, metavar="DIR", help="after the last step, write DIR for transformers' from_pretrained")
 
 
 def run_train(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
@@ -79,7 +82,9 @@ def run_train(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
         overrides["train.steps"] = args.steps
     cfg = load_config(args.config, overrides=overrides)
     step = None if isinstance(args.resume, bool) else args.resume
-    summary = train(cfg, resume=args.resume is not False, resume_step=step, progress=not args.no_progress, out=out or sys.stdout)
+    summary = train(
+        cfg, resume=args.resume is not False, resume_step=step, progress=not args.no_progress, out=out or sys.stdout, export=args.export
+    )
     if summary.interrupted:
         print("tierzero: interrupted", file=sys.stderr)
         return 130
@@ -167,11 +172,14 @@ class RunSummary:
 
 
 def train(
-    cfg: Any, *, resume: bool = False, resume_step: int | None = None, progress: bool = True, out: TextIO | None = None
-) -> RunSummary:
+    cfg: Any, *, resume: bool = False, resume_step: int | None = None, progress: bool = True, out: TextIO | None = None,
+    export: str | os.PathLike[str] | None = None,
+) -> RunSummary:  # fmt: skip
     """Train `cfg.model` on `cfg.data` for `cfg.train.steps` optimizer steps; rank 0 reports to `out`.
 
     `resume`: continue from the newest complete checkpoint under checkpoint.dir, or the one of `resume_step`.
+    `export`: after the last step, write that directory for transformers' `from_pretrained`
+    (tierzero/pretrained/export.py); refused before training when the run cannot make it.
     """
     out, resume = out or sys.stdout, resume or resume_step is not None
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir is not None else None
@@ -179,12 +187,14 @@ def train(
         raise ValueError("--resume needs checkpoint.dir, where the checkpoints are: set it in the config or with --set checkpoint.dir=PATH")
     if root is not None:
         probe_root(root)  # before the engine is built: a directory that cannot be written costs seconds, not the run
+    tokenizer = check_export(cfg.to_dict(), Path(export), what="--export") if export is not None else None
     torch.manual_seed(cfg.train.seed)
     # Built-ins are built on meta and materialised by the engine one unit at a time, so
     # host memory never holds the whole fp32 model. A transformers model stays on the CPU:
     # its buffers (position ids, rotary tables) are computed in __init__, not by a per-module init.
     device = None if cfg.model.type == "transformers" else "meta"
-    model = build_model(cfg.model, device=device)
+    model = build_model(cfg.model, device=device, seed=cfg.train.seed)
+    check_vocab(cfg, model)  # before the engine: a model that cannot embed the data's ids is refused in seconds
     summary = RunSummary(planned_steps=cfg.train.steps, parameters=count_parameters(model))
     with _CtrlC() as ctrl_c:
         engine = initialize(model, cfg)
@@ -194,8 +204,10 @@ def train(
                 engine.claim_checkpoint_root(root)
             if resume:
                 _resume(engine, root, resume_step, show=rank == 0, out=out)
-            data = ByteBatches.from_config(cfg, rank=rank, world_size=world)
+            data = batches_from_config(cfg, rank=rank, world_size=world)
             _loop(engine, cfg, data=data, summary=summary, ctrl_c=ctrl_c, show=rank == 0, progress=progress, out=out)
+            if export is not None and not summary.interrupted:
+                _export(engine, Path(export), tokenizer=tokenizer, out=out)
         except BaseException as exc:
             # The first error is the one to report; a close that fails after it would hide it.
             with contextlib.suppress(Exception):
@@ -210,6 +222,18 @@ def train(
             out.write(summary.format())
             out.flush()
     return summary
+
+
+def _export(engine: Any, directory: Path, *, tokenizer: Path | None, out: TextIO) -> None:
+    """A LoRA run's adapters in peft's format; any other run's model for transformers' from_pretrained."""
+    if is_peft_model(engine.module):
+        written = save_adapters(engine, directory)
+        if written is not None:
+            out.write(f"exported the LoRA adapters to {written} (peft's format)\n")
+        return
+    exported = export_engine(engine, directory, tokenizer=tokenizer)
+    if exported is not None:
+        out.write(f"exported {exported.describe()}\n")
 
 
 def _close(engine: Any, ctrl_c: _CtrlC) -> None:

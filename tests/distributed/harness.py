@@ -151,6 +151,8 @@ class Case:
     """transformers models: "reentrant" or "non_reentrant" activation checkpointing (engine side only)."""
     frozen: tuple[str, ...] = ()
     """Name prefixes of the parameters to freeze (requires_grad=False)."""
+    lora: bool = False
+    """transformers models: peft's LoRA (rank 4 on the attention's input projections) on the frozen model."""
 
     def model(self) -> nn.Module:
         torch.manual_seed(self.seed)
@@ -158,6 +160,16 @@ class Case:
         for name, param in model.named_parameters():
             if name.startswith(self.frozen):
                 param.requires_grad_(False)
+        if self.lora:
+            import peft
+
+            targets = ["c_attn"] if self.model_name == "gpt2" else ["q_proj", "v_proj"]
+            config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM")
+            model = peft.get_peft_model(model, config)
+            with torch.no_grad():  # B starts at zero: give it values, so that A's gradients are not all zero
+                for name, param in model.named_parameters():
+                    if "lora_B" in name:
+                        param.normal_(0.0, 0.02)
         return model
 
     def loss(self, model: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

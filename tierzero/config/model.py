@@ -11,13 +11,49 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from tierzero.config.checks import DIRECTORY, KEYWORDS, OPTIONAL_NAME, choice_check, float_check, int_check
+from tierzero.config.checks import (
+    DIRECTORY,
+    KEYWORDS,
+    OPTIONAL_NAME,
+    Check,
+    choice_check,
+    float_check,
+    int_check,
+)
 from tierzero.config.errors import ConfigError
-from tierzero.config.tree import Section, setting
+from tierzero.config.tree import Section, section, setting
 
 MODEL_TYPES = ("gpt", "llama", "transformers")
 MAX_PARAMETERS = 10**13
 """Parameters of a built-in model: 160 TB of fp32 training state at 16 bytes a parameter."""
+
+
+def _target_modules(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v.strip() for v in value):
+        raise ValueError(value)
+    return tuple(value)
+
+
+TARGET_MODULES = Check("a list of module names such as [q_proj, v_proj] (or null)", "list[str] \\| null", _target_modules)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LoraConfig(Section):
+    """LoRA adapters (through peft) on a frozen base: only the adapters are trained and carry
+    optimizer states; the base is sharded and placed like any parameter (offload.params)."""
+
+    SECTION: ClassVar[str] = "model.lora"
+    r: int = setting(0, int_check(0, limit=1 << 16))
+    """Rank of the adapters; 0 trains the whole model, without LoRA."""
+    alpha: float = setting(16.0, float_check(lo=0.0, lo_open=True))
+    """Scale of the adapters' output: alpha / r multiplies it (peft's lora_alpha)."""
+    dropout: float = setting(0.0, float_check(lo=0.0, hi=1.0))
+    """Dropout on the adapters' input (peft's lora_dropout)."""
+    target_modules: tuple[str, ...] | None = setting(None, TARGET_MODULES)
+    """Names of the Linear modules that get adapters; null: peft's default for the architecture
+    (e.g. q_proj and v_proj for Llama)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -53,6 +89,7 @@ class ModelConfig(Section):
     with their index) to start from: the model is built from its config.json on the meta device
     and each unit read from the files straight into its slices, each rank reading only what it
     keeps. The other model keys are then unused."""
+    lora: LoraConfig = section(LoraConfig)
 
     def _validate(self) -> None:
         if self.pretrained is not None:

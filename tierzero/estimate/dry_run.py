@@ -56,7 +56,7 @@ def dry_run(cfg: Config, *, world_size: int) -> DryRun:
     """Run set-up and two optimizer steps of `cfg` as rank 0 of `world_size`, counting bytes."""
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
-    model = build_model(cfg.model, device="meta")
+    model = build_model(cfg.model, device="meta", seed=cfg.train.seed)
     parameters = count_parameters(model)
     store = CountingStore(cfg.tiers, cfg.swapper, cuda=torch.cuda.is_available())
     comm = CommGroup(rank=0, world_size=world_size, counter=CommCounter(), dry_run=True)

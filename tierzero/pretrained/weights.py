@@ -24,8 +24,12 @@ import torch
 from torch import nn
 
 from tierzero.checkpoint.format import open_safetensors, read_range
+from tierzero.lora import adapter_parameter_names, is_peft_model
 from tierzero.pretrained.files import PretrainedError, TensorInfo, require_config, scan_directory
-from tierzero.units import Unit
+from tierzero.units import ParamSlot, Unit
+
+#: What peft's wrapper puts before its base model's parameter names.
+PEFT_WRAPPER = "base_model.model."
 
 _RESAVE = "fix config.json or save_pretrained the model again"
 
@@ -41,6 +45,12 @@ class PretrainedWeights:
     """What the model's names start with and the files' names lack: set by `for_model` when the
     files were saved from the model's base (GPT-2 on the hub names `h.0.attn.c_attn.weight`
     what GPT2LMHeadModel calls `transformer.h.0.attn.c_attn.weight`)."""
+    wrapper: str = ""
+    """What a wrapping model (peft's) adds to the base model's names: `base_model.model.`, and
+    `.base_layer` inside each adapted layer; set by `for_model`."""
+    fresh: frozenset[str] = frozenset()
+    """The model's parameters that no file holds because the model makes them (LoRA adapters):
+    read from the model itself, never looked up."""
     _readers: dict[Path, Any] = field(default_factory=dict, repr=False, compare=False)
     """Open memory-mapped files, opened on first read (shared by copies from `for_model`)."""
 
@@ -51,16 +61,23 @@ class PretrainedWeights:
         return cls(directory=path, tensors=scan_directory(path))
 
     def for_model(self, model: nn.Module) -> PretrainedWeights:
-        """These weights under `model`'s names: with the prefix set when the files come from its base model."""
+        """These weights under `model`'s names: with the prefix set when the files come from its base
+        model, and a peft model's wrapping of its base's names undone (its adapters are `fresh`)."""
+        weights = self
+        if is_peft_model(model):
+            weights = dataclasses.replace(self, wrapper=PEFT_WRAPPER, fresh=adapter_parameter_names(model))
+            model = model.get_base_model()
         prefix = getattr(model, "base_model_prefix", "") or ""
-        if not prefix or self.prefix or not isinstance(getattr(model, prefix, None), nn.Module):
-            return self
+        if not prefix or weights.prefix or not isinstance(getattr(model, prefix, None), nn.Module):
+            return weights
         if any(name.startswith(prefix + ".") for name in self.tensors):
-            return self
-        return dataclasses.replace(self, prefix=prefix)
+            return weights
+        return dataclasses.replace(weights, prefix=prefix)
 
     def file_name(self, name: str) -> str:
         """The name the files give the model's tensor `name`."""
+        if self.wrapper:
+            name = name.removeprefix(self.wrapper).replace(".base_layer.", ".")
         return name.removeprefix(self.prefix + ".") if self.prefix else name
 
     def lookup(self, names: Sequence[str]) -> TensorInfo | None:
@@ -82,6 +99,8 @@ class PretrainedWeights:
         """
         problems, known = [], set()
         for names, tensor in model_tensors(model):
+            if self.fresh.intersection(names):
+                continue
             known.update(self.file_name(n) for n in names)
             held = [info for n in names if (info := self.tensors.get(self.file_name(n))) is not None]
             if not held:
@@ -141,7 +160,10 @@ class PretrainedWeights:
             lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
             if lo < hi:
                 names = [b.name for b in slot.bindings]
-                values = self.read_range(names, shape=slot.shape, start=lo - slot.offset, end=hi - slot.offset)
+                if self.fresh.intersection(names):
+                    values = _own_value(slot)[lo - slot.offset : hi - slot.offset]
+                else:
+                    values = self.read_range(names, shape=slot.shape, start=lo - slot.offset, end=hi - slot.offset)
                 out.narrow(0, lo - start, hi - lo).copy_(values)
         # Slots lie end to end from 0 (units.py), so everything past unit.numel is padding.
         pad_from = min(end, max(start, unit.numel))
@@ -181,6 +203,17 @@ class PretrainedWeights:
         if path not in self._readers:
             self._readers[path] = open_safetensors(path)
         return self._readers[path]
+
+
+def _own_value(slot: ParamSlot) -> torch.Tensor:
+    """A parameter the model made itself (an adapter), flattened in fp32; it must not be on meta."""
+    value = getattr(slot.bindings[0].module, slot.bindings[0].attr)
+    if value.is_meta:
+        raise ValueError(
+            f"{slot.name} is on the meta device and in no pretrained file: "
+            "materialise the adapters first (tierzero.lora.apply_lora or materialize_adapters)"
+        )
+    return value.detach().reshape(-1).float()
 
 
 def model_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:

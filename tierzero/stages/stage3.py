@@ -157,10 +157,13 @@ class Stage3(Stage):
             modules = {id(u.module) for u in ahead}
             if _is_root(target) or (id(target.module) not in modules and len(modules) >= self.gather_ahead):
                 return
-            nbytes = target.padded_numel * self.param_dtype.itemsize
+            # In the order their hooks ran first, so that the prefetcher sees the order it learned.
+            group = [u for u in self._order if u.module is target.module]
+            nbytes = sum(u.padded_numel for u in group) * self.param_dtype.itemsize
             if ahead and sum(u.padded_numel for u in ahead) * self.param_dtype.itemsize + nbytes > self.gather_budget:
                 return
-            self.start_gather(target)
+            for member in group:
+                self.start_gather(member)
 
     def _counts_ahead(self, unit: Unit) -> bool:
         """Whether a gathered unit counts against the gather-ahead bounds (not the root, not a persistent one)."""
