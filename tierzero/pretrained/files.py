@@ -58,6 +58,8 @@ class TensorInfo:
     shape: tuple[int, ...]
     data_offsets: tuple[int, int]
     """Byte range in the file's data section (after the 8-byte length and the header)."""
+    data_start: int = 0
+    """Where the file's data section starts: 8 + the header's length."""
 
     @property
     def numel(self) -> int:
@@ -145,7 +147,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     header = _json(raw, where=f"{path} has a header that is not valid JSON")
     header.pop("__metadata__", None)
     data_bytes = size - 8 - length
-    return {name: _entry(path, name, entry, data_bytes=data_bytes) for name, entry in header.items()}
+    return {name: _entry(path, name, entry, data_bytes=data_bytes, data_start=8 + length) for name, entry in header.items()}
 
 
 def _json(raw: bytes, *, where: str) -> dict[str, Any]:
@@ -159,7 +161,7 @@ def _json(raw: bytes, *, where: str) -> dict[str, Any]:
     return value
 
 
-def _entry(path: Path, name: str, entry: Any, *, data_bytes: int) -> TensorInfo:
+def _entry(path: Path, name: str, entry: Any, *, data_bytes: int, data_start: int) -> TensorInfo:
     """One header entry as a TensorInfo, refused when malformed or when its bytes lie past the file's end."""
     try:
         dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
@@ -176,7 +178,7 @@ def _entry(path: Path, name: str, entry: Any, *, data_bytes: int) -> TensorInfo:
             f"{path}: tensor {name} is {dtype}, which tierzero does not read (it reads {', '.join(DTYPES)}): "
             "save the model in BF16, F16 or F32"
         )
-    info = TensorInfo(name=name, path=path, dtype=dtype, shape=shape, data_offsets=(begin, end))
+    info = TensorInfo(name=name, path=path, dtype=dtype, shape=shape, data_offsets=(begin, end), data_start=data_start)
     if end - begin != info.numel * DTYPES[dtype].itemsize:
         raise PretrainedError(
             f"{path}: tensor {name} spans bytes [{begin}, {end}), but {dtype} {list(shape)} needs "

@@ -4,26 +4,26 @@
 The model is built on the meta device from config.json (`build_meta_model`), cut into units
 as for training (`plan_units`), and each rank asks `unit_range(unit, start=..., end=...)`
 for its own range of each unit's flat buffer. That range covers parts of a few
-parameters; of each, only the rows holding its part are read from the memory-mapped file
-(`get_slice(name)[r0:r1]`) and converted to fp32. Host memory holds the headers and one
-range at a time, never the model; the page cache keeps what was read until the kernel
-needs it back.
+parameters; of each, only the rows holding its part are read from the file, with pread at
+the offsets the header gives (never a mapping, whose pages would stay in the process's
+memory), and converted to fp32. Host memory holds the headers and one range at a time,
+never the model; `read.bytes` counts what was read, which for a whole model equals the
+files' data: nothing is read twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from tierzero.checkpoint.format import open_safetensors, read_range
 from tierzero.lora import adapter_parameter_names, is_peft_model
 from tierzero.pretrained.files import PretrainedError, TensorInfo, require_config, scan_directory
 from tierzero.units import ParamSlot, Unit
@@ -32,6 +32,13 @@ from tierzero.units import ParamSlot, Unit
 PEFT_WRAPPER = "base_model.model."
 
 _RESAVE = "fix config.json or save_pretrained the model again"
+
+
+@dataclass(slots=True)
+class ReadCount:
+    """Bytes of the files read so far (whole rows of each tensor, as they are read)."""
+
+    bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +58,10 @@ class PretrainedWeights:
     fresh: frozenset[str] = frozenset()
     """The model's parameters that no file holds because the model makes them (LoRA adapters):
     read from the model itself, never looked up."""
-    _readers: dict[Path, Any] = field(default_factory=dict, repr=False, compare=False)
-    """Open memory-mapped files, opened on first read (shared by copies from `for_model`)."""
+    read: ReadCount = field(default_factory=ReadCount, compare=False)
+    """What the reads took from the files, shared by copies from `for_model` (`tierzero bench load`)."""
+    _readers: dict[Path, int] = field(default_factory=dict, repr=False, compare=False)
+    """Open file descriptors, opened on first read (shared by copies from `for_model`)."""
 
     @classmethod
     def open(cls, directory: str | Path) -> PretrainedWeights:
@@ -131,17 +140,31 @@ class PretrainedWeights:
             raise ValueError(f"range [{start}, {end}) is outside tensor {info.name}'s {info.numel} elements")
         if start == end:
             return torch.empty(0, dtype=torch.float32)
-        if not info.shape:  # safetensors cannot slice a 0-d tensor; it is one element anyway
-            return self._reader(info.path).get_tensor(info.name).reshape(1).to(torch.float32)
         row = math.prod(info.shape[1:])
         first, last = start // row, -(-end // row)
-        rows = read_range(self._reader(info.path), info.name, first, last, where=str(info.path))
-        return rows.reshape(-1)[start - first * row : end - first * row].to(torch.float32)
+        rows = self._read_elements(info, first * row, last * row)
+        return rows[start - first * row : end - first * row].to(torch.float32)
 
     def read_tensor(self, names: Sequence[str], *, shape: Sequence[int]) -> torch.Tensor:
         """One whole tensor in its file's dtype (a buffer, or a frozen parameter kept whole on every rank)."""
         info = self._find(names, shape=shape)
-        return self._reader(info.path).get_tensor(info.name)
+        return self._read_elements(info, 0, info.numel).reshape(info.shape)
+
+    def _read_elements(self, info: TensorInfo, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of `info` flattened, in its file's dtype, read with pread (no mapping:
+        nothing of the file stays in the process's memory once the copy is made)."""
+        itemsize = info.torch_dtype.itemsize
+        offset = info.data_start + info.data_offsets[0] + start * itemsize
+        buffer = torch.empty((end - start) * itemsize, dtype=torch.uint8)
+        view, done = memoryview(buffer.numpy()), 0
+        fd = self._descriptor(info.path)
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                raise PretrainedError(f"{info.path} is truncated: tensor {info.name} ends past the file's end: {_RESAVE}")
+            done += got
+        self.read.bytes += len(view)
+        return buffer.view(info.torch_dtype)
 
     def unit_range(self, unit: Unit, *, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements [start, end) of the unit's flat padded buffer (padding zero), read slot by slot.
@@ -183,7 +206,9 @@ class PretrainedWeights:
                     tensor.copy_(self.read_tensor(names, shape=tensor.shape))
 
     def close(self) -> None:
-        """Unmap the files read so far; a later read maps them again."""
+        """Close the files read so far; a later read opens them again."""
+        for fd in self._readers.values():
+            os.close(fd)
         self._readers.clear()
 
     def _find(self, names: Sequence[str], *, shape: Sequence[int]) -> TensorInfo:
@@ -199,9 +224,9 @@ class PretrainedWeights:
             )
         return info
 
-    def _reader(self, path: Path) -> Any:
+    def _descriptor(self, path: Path) -> int:
         if path not in self._readers:
-            self._readers[path] = open_safetensors(path)
+            self._readers[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         return self._readers[path]
 
 
