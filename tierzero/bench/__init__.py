@@ -1,6 +1,7 @@
 """`tierzero bench`: the NVMe tier against fio (`nvme`), the swapper under stress (`swap`),
-CPU Adam (`adam`), an offloaded training step against plain PyTorch (`train`), and the
-ZeRO stages against plain PyTorch and DistributedDataParallel (`zero`).
+CPU Adam (`adam`), an offloaded training step against plain PyTorch (`train`), the
+ZeRO stages against plain PyTorch and DistributedDataParallel (`zero`), and a
+pretrained checkpoint streamed into the engine (`load`).
 
 matplotlib is imported only when a plot is written.
 """
@@ -11,7 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from tierzero.bench import nvme, swap
+from tierzero.bench import load, nvme, swap
 from tierzero.bench.adam import bench_cpu_adam
 from tierzero.bench.train_step import bench_train_step
 from tierzero.bench.zero import bench_zero
@@ -81,6 +82,12 @@ def add_bench_commands(subparsers: Any) -> None:
     train.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     train.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs in fresh processes")
     train.set_defaults(func=_run_train)
+    load_parser = commands.add_parser(
+        "load", help="stream model.pretrained into the engine's slices: bytes read, seconds, peak RSS",
+        description="Build the engine from a pretrained checkpoint as tierzero train does, and measure the load.",
+    )
+    load.add_arguments(load_parser)
+    load_parser.set_defaults(func=load.command)
     zero = commands.add_parser(
         "zero", help="ZeRO stages 1-3 beside plain PyTorch (N=1) and DistributedDataParallel (N=2, gloo)",
         description="Median step time of each stage on a built-in GPT, alternating contenders step by step, "
