@@ -127,6 +127,7 @@ class Engine:
                 bucket_bytes=int(cfg.zero.reduce_bucket_size),
                 **extra,
             )
+            self.stage.grad_norm.enabled = float(cfg.gradient_clipping) > 0 or self._skips_overflow
             self._install()
         except BaseException:
             # A tier that is too small fails here: leave no swap file or group behind.

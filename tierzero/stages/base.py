@@ -34,6 +34,7 @@ from tierzero.offload.step_pipeline import PendingWrite, PipelineReport
 from tierzero.optim import FlatOptimizer
 from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.binding import UnitParams, bind
+from tierzero.stages.grad_norm import GradNorm
 from tierzero.stages.plan import Homes, SlicePlan, SliceSpec, plan_slices
 from tierzero.stages.step import BackwardStep, StepScalars, run_step
 from tierzero.store.protocol import SliceStore
@@ -101,6 +102,8 @@ class Stage(ABC):
         """What the last optimizer step's pipeline did (resident groups, seconds waiting on reads)."""
         self._backward_step: BackwardStep | None = None
         """The step run during this backward, when the engine asked for one."""
+        self.grad_norm = GradNorm()
+        """The squares of this step's gradients, added as each lands (stages/grad_norm.py)."""
 
     # ---- slices -------------------------------------------------------------------
 
@@ -237,10 +240,13 @@ class Stage(ABC):
         """
         if self.comm.world_size == 1:
             # The reduce-scatter of one rank is the identity: add each gradient into its place.
+            final = unit.pending_uses == 0
             with self.slice(unit, Kind.GRAD, write=True) as shard:
                 for slot, grad in zip(unit.slots, grads, strict=True):
                     shard.narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1))
-            self._grad_complete(unit, final=unit.pending_uses == 0)
+                if final:
+                    self.note_grad(unit, shard)
+            self._grad_complete(unit, final=final)
             return
         full = self.scratch(unit, unit.padded_numel, self.plan.grad_dtype, kind=Kind.GRAD)
         unit.flatten(grads, out=full)
@@ -277,6 +283,8 @@ class Stage(ABC):
         for job in bucket.jobs:
             with self.slice(job.unit, Kind.GRAD, write=True) as shard:
                 shard.add_(job.part)
+                if job.final:
+                    self.note_grad(job.unit, shard)
             self.store.free(job.part)
             self.store.free(job.full)
             self._grad_complete(job.unit, final=job.final)
@@ -294,17 +302,28 @@ class Stage(ABC):
     def grad_slice(self, grads: torch.Tensor, unit: Unit) -> torch.Tensor:
         """This rank's summed gradient slice inside the fetched GRAD tensor."""
 
+    def note_grad(self, unit: Unit, grads: torch.Tensor) -> None:
+        """`grads` (the fetched GRAD tensor) holds the unit's summed gradient for this step."""
+        if self.grad_norm.enabled and self.last_micro_step:
+            self.grad_norm.add(unit.name, self.grad_slice(grads, unit))
+
     def grad_sq_sum(self, scale: float) -> torch.Tensor:
-        """Sum of squares of this rank's scaled gradient slices, in fp32 (one 0-d tensor)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for unit in self.trained:
+        """Sum of squares of this rank's scaled gradient slices, in fp32 (one 0-d tensor).
+
+        Most units were counted as their gradients landed (`note_grad`); one whose gradient
+        never completed there (a use whose output missed the loss, a unit that ran in an
+        earlier micro-step only) is read here.
+        """
+        late = [u for u in self.trained if u.has_grads and not self.grad_norm.counted(u.name)]
+        for unit in late:
             with self.slice(unit, Kind.GRAD, write=False) as grads:
-                g = self.grad_slice(grads, unit).float()
-                total += g.dot(g) * (scale * scale) if scale != 1.0 else g.dot(g)
-        return total
+                self.grad_norm.add(unit.name, self.grad_slice(grads, unit))
+        total = self.grad_norm.take(device=self.device)
+        return total * (scale * scale) if scale != 1.0 else total
 
     def zero_grads(self) -> None:
         """Drop this step's gradients (an fp16 overflow skips the step)."""
+        self.grad_norm.reset()
         for unit in self.trained:
             unit.has_grads = False
             with self.slice(unit, Kind.GRAD, write=True) as grads:

@@ -127,6 +127,8 @@ class Stage1(ReplicatedParamsStage):
             for slot, grad in zip(unit.slots, grads, strict=True):
                 full.narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1))
             itemsize = full.element_size()
+            if self.comm.world_size == 1 and unit.pending_uses == 0:
+                self.note_grad(unit, full)  # one rank: the sum is complete here, no scatter follows
         if self.last_micro_step and unit.pending_uses == 0 and self.comm.world_size > 1:
             self._ready.append(unit)
             if sum(u.padded_numel for u in self._ready) * itemsize >= self.bucket_bytes:
@@ -159,6 +161,8 @@ class Stage1(ReplicatedParamsStage):
             scatter.pending.wait()
             with self.slice(unit, Kind.GRAD, write=True) as full:
                 self.grad_slice(full, unit).copy_(scatter.buffer)
+                if unit.has_grads:
+                    self.note_grad(unit, full)
             self.store.free(scatter.buffer)
 
     def grad_slice(self, grads: torch.Tensor, unit: Unit) -> torch.Tensor:
