@@ -36,6 +36,7 @@ __all__ = ["TrainStepResult", "bench_train_step", "peak_rss"]
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainStepResult:
     preset: str
+    clip: float
     seq: int
     batch: int
     plain_seconds: tuple[float, ...]
@@ -66,7 +67,8 @@ class TrainStepResult:
 
     def format(self) -> str:
         lines = [
-            f"GPT {self.preset}, seq {self.seq}, batch {self.batch}: stage 3, params + optimizer on NVMe vs plain PyTorch",
+            f"GPT {self.preset}, seq {self.seq}, batch {self.batch}, gradient clipping {self.clip:g}: "
+            "stage 3, params + optimizer on NVMe vs plain PyTorch",
             f"  step (median)  plain {statistics.median(self.plain_seconds) * 1e3:.1f} ms   "
             f"tierzero {statistics.median(self.tierzero_seconds) * 1e3:.1f} ms   ratio {self.ratio:.2f}x (target <= 1.30)",
             f"  prefetch hit rate from step 2: {self.hit_rate:.1%} (target >= 95%), "
@@ -81,9 +83,10 @@ class TrainStepResult:
         return "\n".join(lines)
 
 
-def _config(nvme_path: str) -> dict[str, Any]:
+def _config(nvme_path: str, clip: float) -> dict[str, Any]:
     return {
         "zero": {"stage": 3},
+        "gradient_clipping": clip,
         "optimizer": {"type": "adamw", "lr": 1e-3, "weight_decay": 0.0},
         "offload": {"params": "nvme", "optimizer": "nvme"},
         "tiers": {"nvme": {"path": nvme_path}},
@@ -102,13 +105,16 @@ def _batch(step: int, *, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tens
 
 
 class _Plain:
-    def __init__(self, preset: str) -> None:
+    def __init__(self, preset: str, clip: float) -> None:
         self.model = _model(preset)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
+        self.clip = clip
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         _, loss = self.model(tokens, targets)
         loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss.item()
@@ -118,8 +124,8 @@ class _Plain:
 
 
 class _Tierzero:
-    def __init__(self, preset: str, nvme_path: str) -> None:
-        self.engine = initialize(_model(preset), _config(nvme_path))
+    def __init__(self, preset: str, nvme_path: str, clip: float) -> None:
+        self.engine = initialize(_model(preset), _config(nvme_path, clip))
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         _, loss = self.engine(tokens, targets)
@@ -141,12 +147,13 @@ def bench_train_step(
     warmup: int = 2,
     measure_rss: bool = True,
     rss_steps: int = 3,
+    clip: float = 0.0,
 ) -> TrainStepResult:
     """Alternate plain and tierzero steps; `steps` timed steps each after `warmup` untimed ones."""
     if steps < 1 or warmup < 0:
         raise ValueError(f"bench needs steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     Path(nvme_path).mkdir(parents=True, exist_ok=True)
-    plain, tz = _Plain(preset), _Tierzero(preset, str(nvme_path))
+    plain, tz = _Plain(preset, clip), _Tierzero(preset, str(nvme_path), clip)
     times: dict[str, list[float]] = {"plain": [], "tierzero": []}
     hits: list[float] = []
     waited: list[float] = []
@@ -166,10 +173,12 @@ def bench_train_step(
     finally:
         plain.close()
         tz.close()
-    plain_rss = peak_rss("plain", preset=preset, seq=seq, batch=batch, steps=rss_steps, nvme_path=str(nvme_path)) if measure_rss else None
-    tz_rss = peak_rss("tierzero", preset=preset, seq=seq, batch=batch, steps=rss_steps, nvme_path=str(nvme_path)) if measure_rss else None
+    shape = {"preset": preset, "seq": seq, "batch": batch, "steps": rss_steps, "nvme_path": str(nvme_path), "clip": clip}
+    plain_rss = peak_rss("plain", **shape) if measure_rss else None
+    tz_rss = peak_rss("tierzero", **shape) if measure_rss else None
     return TrainStepResult(
         preset=preset,
+        clip=clip,
         seq=seq,
         batch=batch,
         plain_seconds=tuple(times["plain"]),
@@ -181,11 +190,13 @@ def bench_train_step(
     )
 
 
-def peak_rss(which: str, *, preset: str, seq: int, batch: int, steps: int, nvme_path: str) -> int:
+def peak_rss(which: str, *, preset: str, seq: int, batch: int, steps: int, nvme_path: str, clip: float = 0.0) -> int:
     """Peak resident bytes of a fresh process that trains `steps` steps of `which` ("plain" or "tierzero")."""
     if which not in ("plain", "tierzero"):
         raise ValueError(f"peak_rss measures 'plain' or 'tierzero', got {which!r}")
-    args = json.dumps({"which": which, "preset": preset, "seq": seq, "batch": batch, "steps": steps, "nvme_path": nvme_path})
+    args = json.dumps(
+        {"which": which, "preset": preset, "seq": seq, "batch": batch, "steps": steps, "nvme_path": nvme_path, "clip": clip}
+    )
     code = f"from tierzero.bench.train_step import _rss_child; _rss_child({args!r})"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -195,7 +206,8 @@ def peak_rss(which: str, *, preset: str, seq: int, batch: int, steps: int, nvme_
 
 def _rss_child(args_json: str) -> None:
     args = json.loads(args_json)
-    runner: Any = _Plain(args["preset"]) if args["which"] == "plain" else _Tierzero(args["preset"], args["nvme_path"])
+    clip = args.get("clip", 0.0)
+    runner: Any = _Plain(args["preset"], clip) if args["which"] == "plain" else _Tierzero(args["preset"], args["nvme_path"], clip)
     try:
         for step in range(args["steps"]):
             runner.step(*_batch(step, batch=args["batch"], seq=args["seq"]))
