@@ -205,6 +205,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         self._require_open("backward()")
+        self._settle_step()
         scale = self._scaler.scale
         self.stage.last_micro_step = (self._micro_steps + 1) % self.cfg.gradient_accumulation_steps == 0
         if self.stage.last_micro_step and self._steps_in_backward():
@@ -232,7 +233,10 @@ class Engine:
             if overflow:
                 self.stage.zero_grads()
                 return
-        self.stage.step(self._scalars(grad_scale), clip_coef=clip_coefficient(norm, clip))
+        if isinstance(self.stage, Stage3) and self.cfg.zero.overlap_step:
+            self.stage.defer_step(self._scalars(grad_scale), clip_coef=clip_coefficient(norm, clip))
+        else:
+            self.stage.step(self._scalars(grad_scale), clip_coef=clip_coefficient(norm, clip))
         self.global_step += 1
         self.lr = self._scheduled_lr()
 
@@ -245,7 +249,12 @@ class Engine:
 
     def _steps_in_backward(self) -> bool:
         """Stage 3 without clipping or fp16 overflow checks: no step-wide decision needs every gradient."""
-        return isinstance(self.stage, Stage3) and float(self.cfg.gradient_clipping) <= 0 and not self._skips_overflow
+        no_global = float(self.cfg.gradient_clipping) <= 0 and not self._skips_overflow
+        return isinstance(self.stage, Stage3) and self.cfg.zero.overlap_step and no_global
+
+    def _settle_step(self) -> None:  # stage 3 may owe the last step to units no forward reached yet
+        if isinstance(self.stage, Stage3):
+            self.stage.settle_step()
 
     def _global_grad_norm(self, grad_scale: float) -> float:
         """‖g‖ over all ranks: one all-reduce of this rank's sum of squares."""
@@ -279,6 +288,7 @@ class Engine:
         Collective: every rank calls it after the same `step()`. See tierzero/checkpoint/save_load.py.
         """
         self._require_open("save_checkpoint()")
+        self._settle_step()
         path = self.claim_checkpoint_root(root)
         return save_checkpoint(self, path, keep=self.cfg.checkpoint.keep if keep is None else keep)
 
@@ -302,6 +312,7 @@ class Engine:
         Sets `global_step`; raises FileNotFoundError when there is none. Collective.
         """
         self._require_open("load_checkpoint()")
+        self._settle_step()  # not to overwrite the loaded slices later
         return load_checkpoint(self, self._checkpoint_root(root))
 
     def _checkpoint_root(self, root: str | os.PathLike[str] | None) -> Path:

@@ -73,6 +73,11 @@ class ZeroConfig(Section):
     a unit larger than this goes alone."""
     overlap_comm: bool = setting(True, BOOL)
     """Overlap collectives with compute instead of running them inline."""
+    overlap_step: bool = setting(True, BOOL)
+    """Stage 3: overlap the optimizer step with compute. Without clipping or fp16 overflow
+    checks each unit steps during backward, once its gradient is complete; with them, in the
+    next forward's order, each unit just before its gather, its states read while the units
+    before it compute. The same bits as stepping after backward (false)."""
     gather_ahead: int = setting(1, int_check(1, limit=64))
     """Stage 3: block units all-gathered ahead of the one computing, in the order of the last
     forward (and reversed in backward); beyond the first, only while their gathered bytes fit in

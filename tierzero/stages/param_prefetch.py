@@ -15,6 +15,7 @@ Fetches only run while a step is open and following the learned order; outside o
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +41,9 @@ class ParamPrefetch:
         self._in_step = False
         self._recorded = 0
         self.last_report: StepReport | None = None
+        self.blocked: Callable[[str], bool] = lambda unit: False
+        """Units whose slice must not be fetched yet: their deferred optimizer step has not
+        written it (stage 3's `ForwardStep`); `resume` once one is written."""
 
     @property
     def in_step(self) -> bool:
@@ -61,6 +65,8 @@ class ParamPrefetch:
         steps, or once every unit of this step has run (the backward's last optimizer steps)."""
         key = SliceKey(unit, Kind.PARAM)
         if (self._in_step and not self.policy.exhausted) or unit in self._early or not self.store.at_home(key):
+            return
+        if self.blocked(unit):
             return
         self._early[unit] = self.store.fetch(key, to=Tier.DEVICE)
 
@@ -85,6 +91,11 @@ class ParamPrefetch:
         self.policy.consumed(unit, ready=ready, waited_s=waited)
         self._issue()
         return shard
+
+    def resume(self) -> None:
+        """A blocked unit's slice was written: fetch ahead again, in order."""
+        if self._in_step:
+            self._issue()
 
     def done_with(self, unit: str) -> None:
         """The unit's gather has read the slice: drop it, unless it runs again next."""
@@ -131,8 +142,8 @@ class ParamPrefetch:
                 self._ahead[request.unit] = early
                 self.policy.issued(request.unit)
                 continue
-            if not self.store.at_home(key):
-                break  # still held by its previous use: try again at the next unit, in order
+            if not self.store.at_home(key) or self.blocked(request.unit):
+                break  # held by its previous use, or not stepped yet: try again later, in order
             self._ahead[request.unit] = self.store.fetch(key, to=Tier.DEVICE)
             self.policy.issued(request.unit)
 

@@ -38,7 +38,7 @@ from tierzero.slices import Kind, SliceKey, Tier, storage_id
 from tierzero.stages.base import Stage, mark_state
 from tierzero.stages.binding import bind
 from tierzero.stages.param_prefetch import ParamPrefetch
-from tierzero.stages.step import StepScalars
+from tierzero.stages.step import ForwardStep, StepScalars
 from tierzero.units import FROZEN_SUFFIX, ROOT, Unit, UnitState
 
 #: `prefetch.max_live_bytes`'s default, for stages built without a config.
@@ -89,6 +89,10 @@ class Stage3(Stage):
         self.param_prefetch = param_prefetch
         """Fetches PARAM slices up the tiers ahead of their gathers (None: each on demand)."""
         self._phase = Phase.FORWARD
+        self._forward_step: ForwardStep | None = None
+        """An optimizer step deferred into the next forward (`defer_step`)."""
+        if param_prefetch is not None:
+            param_prefetch.blocked = self._awaits_step
 
     # ---- gather and free ----------------------------------------------------------
 
@@ -96,6 +100,8 @@ class Stage3(Stage):
         """Start the unit's all-gather (asynchronous when overlapping); idempotent."""
         if unit.state is not UnitState.SHARDED:
             return
+        if self._forward_step is not None:
+            self._forward_step.need(unit)  # its parameters are the stepped ones from here on
         mark_state(unit, UnitState.GATHERING)
         gathered = self.scratch(unit, unit.padded_numel, self.param_dtype)
         # The fetched shard is released only once the gather has read it (unshard).
@@ -242,7 +248,27 @@ class Stage3(Stage):
             # Fetch the next forward's first units while the caller gets the next batch.
             self.param_prefetch.begin_step()
 
+    def defer_step(self, scalars: StepScalars, *, clip_coef: float) -> None:
+        """Step each unit in the next forward, just before its gather (stages/step.py `ForwardStep`)."""
+        self._land_last_step()
+        self._forward_step = ForwardStep(self, scalars, clip_coef=clip_coef, order=self._order, written=self._stepped)
+
+    def settle_step(self) -> None:
+        """Finish a deferred step: before backward, a checkpoint, or any read of the parameters."""
+        job, self._forward_step = self._forward_step, None
+        if job is not None:
+            self.last_step_report = job.finish()
+
+    def _awaits_step(self, name: str) -> bool:
+        job = self._forward_step
+        return job is not None and any(job.pending(u) for u in self.units if u.name == name)
+
+    def _stepped(self, name: str) -> None:
+        if self.param_prefetch is not None:
+            self.param_prefetch.resume()
+
     def gather_fp32(self, unit: Unit) -> torch.Tensor:
+        self.settle_step()
         if self.param_prefetch is not None:
             self.param_prefetch.end_step()  # it reads the slices itself: drop the copies fetched ahead
         return super().gather_fp32(unit)
@@ -257,9 +283,12 @@ class Stage3(Stage):
         return {"first": first, "written": lambda unit: prefetch.warm(unit) if unit in first else None}
 
     def finish(self) -> None:
-        super().finish()
-        if self.param_prefetch is not None:
-            self.param_prefetch.end_step()
+        try:
+            self.settle_step()  # what the user saves or exports after close's caller ends must include it
+        finally:
+            super().finish()
+            if self.param_prefetch is not None:
+                self.param_prefetch.end_step()
 
     def forward_context(self) -> AbstractContextManager[None]:
         if self.param_prefetch is not None:

@@ -23,7 +23,7 @@ from tierzero.stages.plan import Homes
 from tierzero.store.protocol import SliceStore
 from tierzero.units import Unit
 
-__all__ = ["BackwardStep", "StepScalars", "Steppable", "run_step", "slice_group"]
+__all__ = ["BackwardStep", "ForwardStep", "StepScalars", "Steppable", "run_step", "slice_group"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +126,73 @@ class BackwardStep:
 
     def abort(self) -> None:
         self._pipeline.abort()
+
+
+class ForwardStep:
+    """The optimizer step run in the next forward's order: each unit steps just before its gather.
+
+    For steps that need every gradient first (clipping, fp16 overflow checks): the scalars
+    are known once backward has ended, so the step can wait for the next forward, which
+    needs each unit's new parameters only when it reaches the unit. A unit is pushed when
+    the forward needs the one before it, so its states are read while that one computes
+    (see `StepPipeline`). Units the forward does not reach step at `finish`. The arithmetic
+    is `run_step`'s, so the bits are the same as stepping after backward.
+    """
+
+    def __init__(self, stage: Steppable, scalars: StepScalars, *, clip_coef: float, order: list[Unit],
+                 written: Callable[[str], None] | None = None) -> None:  # fmt: skip
+        units = [unit for unit in stage.units if unit.has_grads]
+        for unit in stage.units:
+            unit.has_grads = False
+        ahead = [unit for unit in order if unit in units]
+        self._queue = ahead + [unit for unit in units if unit not in ahead]
+        self._stage = stage
+        self._pushed = 0
+        self._stepped: set[str] = set()
+        self._report: PipelineReport | None = None
+
+        def stepped(unit: str) -> None:
+            self._stepped.add(unit)
+            if written is not None:
+                written(unit)
+
+        self._pipeline = _pipeline(stage, scalars, clip_coef=clip_coef, written=stepped)
+        if self._queue:
+            # The forward's first units step now, while the caller gets the next batch, so that
+            # their new parameters can come up before the forward starts.
+            self.need(self._queue[0])
+
+    def pending(self, unit: Unit) -> bool:
+        """Whether `unit` still waits for its step (its parameters are not the new ones yet)."""
+        return unit in self._queue and unit.name not in self._stepped
+
+    def need(self, unit: Unit) -> None:
+        """Step every unit queued up to `unit`, which the forward reaches now, and the one after it:
+        its new parameters can then come up (the prefetcher) while `unit` computes."""
+        if unit not in self._queue:
+            return
+        index = self._queue.index(unit)
+        target = self._queue[min(index + 1, len(self._queue) - 1)]
+        while self.pending(target):
+            if self._pushed < len(self._queue):
+                self._push_next()  # computes the unit pushed before it
+            else:
+                self.finish()
+
+    def finish(self) -> PipelineReport:
+        """Step what the forward did not reach; the last write-backs may still be landing."""
+        if self._report is None:
+            while self._pushed < len(self._queue):
+                self._push_next()
+            self._report = self._pipeline.flush(drain=False)
+        return self._report
+
+    def abort(self) -> None:
+        self._pipeline.abort()
+
+    def _push_next(self) -> None:
+        self._pipeline.push(slice_group(self._stage, self._queue[self._pushed]))
+        self._pushed += 1
 
 
 def _pipeline(
