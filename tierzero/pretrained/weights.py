@@ -4,7 +4,7 @@
 The model is built on the meta device from config.json (`build_meta_model`), cut into units
 as for training (`plan_units`), and each rank asks `unit_range(unit, start=..., end=...)`
 for its own range of each unit's flat buffer. That range covers parts of a few
-parameters; of each, only the rows holding its part are read from the file, with pread at
+parameters; of each, only the elements of its part are read from the file, with pread at
 the offsets the header gives (never a mapping, whose pages would stay in the process's
 memory), and converted to fp32. Host memory holds the headers and one range at a time,
 never the model; `read.bytes` counts what was read, which for a whole model equals the
@@ -14,7 +14,6 @@ files' data: nothing is read twice.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 from collections.abc import Sequence
@@ -130,32 +129,35 @@ class PretrainedWeights:
             f"is in none of its safetensors files: {_RESAVE}"
         )
 
-    def read_range(self, names: Sequence[str], *, shape: Sequence[int], start: int, end: int) -> torch.Tensor:
-        """fp32 values of elements [start, end) of one tensor flattened, reading only the rows that hold them.
+    def read_range(
+        self, names: Sequence[str], *, shape: Sequence[int], start: int, end: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """fp32 values of elements [start, end) of one tensor flattened, reading only those bytes.
 
         `names` are the tensor's aliases (the first the files hold wins), `shape` the model's.
+        `out` (fp32, end - start elements, contiguous) receives them when given: an fp32 file
+        is read straight into it.
         """
         info = self._find(names, shape=shape)
         if not 0 <= start <= end <= info.numel:
             raise ValueError(f"range [{start}, {end}) is outside tensor {info.name}'s {info.numel} elements")
-        if start == end:
-            return torch.empty(0, dtype=torch.float32)
-        row = math.prod(info.shape[1:])
-        first, last = start // row, -(-end // row)
-        rows = self._read_elements(info, first * row, last * row)
-        return rows[start - first * row : end - first * row].to(torch.float32)
+        if out is None:
+            out = torch.empty(end - start, dtype=torch.float32)
+        if info.torch_dtype == torch.float32:
+            return self._read_elements(info, start, end, out=out)
+        return out.copy_(self._read_elements(info, start, end))
 
     def read_tensor(self, names: Sequence[str], *, shape: Sequence[int]) -> torch.Tensor:
         """One whole tensor in its file's dtype (a buffer, or a frozen parameter kept whole on every rank)."""
         info = self._find(names, shape=shape)
         return self._read_elements(info, 0, info.numel).reshape(info.shape)
 
-    def _read_elements(self, info: TensorInfo, start: int, end: int) -> torch.Tensor:
-        """Elements [start, end) of `info` flattened, in its file's dtype, read with pread (no mapping:
-        nothing of the file stays in the process's memory once the copy is made)."""
+    def _read_elements(self, info: TensorInfo, start: int, end: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements [start, end) of `info` flattened, in its file's dtype (into `out` when given), read
+        with pread: no mapping, so nothing of the file stays in the process's memory."""
         itemsize = info.torch_dtype.itemsize
         offset = info.data_start + info.data_offsets[0] + start * itemsize
-        buffer = torch.empty((end - start) * itemsize, dtype=torch.uint8)
+        buffer = torch.empty((end - start) * itemsize, dtype=torch.uint8) if out is None else out.view(torch.uint8)
         view, done = memoryview(buffer.numpy()), 0
         fd = self._descriptor(info.path)
         while done < len(view):
@@ -183,11 +185,13 @@ class PretrainedWeights:
             lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
             if lo < hi:
                 names = [b.name for b in slot.bindings]
+                target = out.narrow(0, lo - start, hi - lo)
                 if self.fresh.intersection(names):
-                    values = _own_value(slot)[lo - slot.offset : hi - slot.offset]
+                    target.copy_(_own_value(slot)[lo - slot.offset : hi - slot.offset])
+                elif target.dtype == torch.float32:
+                    self.read_range(names, shape=slot.shape, start=lo - slot.offset, end=hi - slot.offset, out=target)
                 else:
-                    values = self.read_range(names, shape=slot.shape, start=lo - slot.offset, end=hi - slot.offset)
-                out.narrow(0, lo - start, hi - lo).copy_(values)
+                    target.copy_(self.read_range(names, shape=slot.shape, start=lo - slot.offset, end=hi - slot.offset))
         # Slots lie end to end from 0 (units.py), so everything past unit.numel is padding.
         pad_from = min(end, max(start, unit.numel))
         out.narrow(0, pad_from - start, end - pad_from).zero_()
