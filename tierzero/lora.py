@@ -25,7 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["adapter_parameter_names", "apply_lora", "is_peft_model", "materialize_adapters", "save_adapters"]
+__all__ = [
+    "adapter_parameter_names", "adapter_state", "apply_lora", "is_peft_model", "materialize_adapters", "save_adapters",
+    "write_adapters",
+]  # fmt: skip
 
 #: peft's name of the adapter tierzero trains.
 ADAPTER = "default"
@@ -118,12 +121,15 @@ def save_adapters(engine: Any, directory: str | os.PathLike[str]) -> Path | None
     written beside its final name and renamed when complete; `PeftModel.from_pretrained(base,
     directory)` loads it.
     """
+    state = adapter_state(engine)
+    return None if state is None else write_adapters(engine.module, state, directory)
+
+
+def adapter_state(engine: Any) -> dict[str, torch.Tensor] | None:
+    """The trained units' fp32 parameters by the model's names, on rank 0 (None elsewhere). Collective."""
     model = engine.module
     if not is_peft_model(model):
         raise ValueError(f"save_adapters needs a peft model, got {type(model).__name__}: wrap it with tierzero.lora.apply_lora")
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
     state: dict[str, torch.Tensor] = {}
     for unit in engine.units:
         if not unit.trainable:
@@ -132,8 +138,14 @@ def save_adapters(engine: Any, directory: str | os.PathLike[str]) -> Path | None
         for slot in unit.slots:
             for b in slot.bindings:
                 state[b.name] = slot.view(full).detach().to("cpu", copy=True)
-    if engine.comm.rank != 0:
-        return None
+    return state if engine.comm.rank == 0 else None
+
+
+def write_adapters(model: nn.Module, state: dict[str, torch.Tensor], directory: str | os.PathLike[str]) -> Path:
+    """`adapter_model.safetensors` and `adapter_config.json` of `state` in `directory`, all at once."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
     adapters = get_peft_model_state_dict(model, state_dict=state, adapter_name=ADAPTER, save_embedding_layers=False)
     final = Path(directory)
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -66,6 +66,8 @@ def test_a_meta_base_streams_from_its_files_and_the_adapters_save_as_peft_loads_
         with torch.no_grad():
             logits = engine(input_ids=x).logits
         out = save_adapters(engine, tmp_path / "adapter")
+        saved = engine.save_checkpoint(tmp_path / "ckpt")  # the checkpoint holds them in peft's format too
+    assert (saved / "adapter" / "adapter_model.safetensors").read_bytes() == (out / "adapter_model.safetensors").read_bytes()
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     loaded = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base"), out).eval()
     for name, value in loaded.named_parameters():

@@ -87,9 +87,13 @@ from tierzero.checkpoint.manifest import (
 from tierzero.checkpoint.protocol import Checkpointable
 from tierzero.checkpoint.rng import RngState, parse_rng_state, rng_state, set_rng_state
 from tierzero.checkpoint.shards import ShardReader
+from tierzero.lora import adapter_state, is_peft_model, write_adapters
 from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.plan import SliceSpec
 from tierzero.units import Unit
+
+#: Where a LoRA run's checkpoint keeps its adapters in peft's format.
+ADAPTER_DIR = "adapter"
 
 __all__ = [
     "CheckpointError",
@@ -124,6 +128,10 @@ def save_checkpoint(engine: Checkpointable, root: str | Path, *, keep: int | Non
     tmp = from_rank0(comm, made)
     assert tmp is not None
     try:
+        if is_peft_model(engine.module):
+            # A LoRA run's adapters in peft's format too, inside the checkpoint (pruned with it).
+            adapters = adapter_state(engine)
+            on_every_rank(comm, lambda: write_adapters(engine.module, adapters, tmp / ADAPTER_DIR) if adapters else None, fail=fail)
         records = on_every_rank(comm, lambda: _write_rank_files(engine, tmp, algorithm=algorithm), fail=fail)
         per_rank = all_gather_objects(comm, records)
         return on_every_rank(
