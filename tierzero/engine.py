@@ -233,7 +233,7 @@ class Engine:
             if overflow:
                 self.stage.zero_grads()
                 return
-        if isinstance(self.stage, Stage3) and self.cfg.zero.overlap_step:
+        if isinstance(self.stage, Stage3) and self.cfg.zero.step_in_forward:
             self.stage.defer_step(self._scalars(grad_scale), clip_coef=clip_coefficient(norm, clip))
         else:
             self.stage.step(self._scalars(grad_scale), clip_coef=clip_coefficient(norm, clip))
@@ -377,7 +377,7 @@ class Engine:
         self._hooks.clear()
         stage = getattr(self, "stage", None)
         if stage is not None:
-            stage.finish()
+            stage.finish(closing=True)
         self.store.close()
         for lock in self._root_locks.values():
             lock.release()

@@ -19,9 +19,9 @@ def _job(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     read = [0]
     real = PretrainedWeights.read_range
 
-    def counting(self: Any, names: Any, *, shape: Any, start: int, end: int) -> torch.Tensor:
+    def counting(self: Any, names: Any, *, shape: Any, start: int, end: int, out: Any = None) -> torch.Tensor:
         read[0] += end - start
-        return real(self, names, shape=shape, start=start, end=end)
+        return real(self, names, shape=shape, start=start, end=end, out=out)
 
     PretrainedWeights.read_range = counting  # type: ignore[method-assign]
     model = build_meta_model(directory).eval()

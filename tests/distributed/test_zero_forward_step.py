@@ -1,5 +1,5 @@
-"""Stage 3 with clipping or fp16 overflow checks steps each unit in the next forward, just before
-its gather: bitwise the same as stepping after backward (zero.overlap_step: false), at 1 and 2 ranks."""
+"""Stage 3 with clipping or fp16 overflow checks and zero.step_in_forward steps each unit in the next
+forward, just before its gather: bitwise the same as stepping after backward, at 1 and 2 ranks."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _rank_job(rank: int, world_size: int, swap_dir: str) -> list[Any]:
 
                 def make(model: torch.nn.Module, config: dict[str, Any], offload: dict[str, str] = offload, overlap: bool = overlap) -> Any:
                     config = config | {"offload": offload, "tiers": {"nvme": {"path": swap_dir}}}
-                    config["zero"] = config["zero"] | {"overlap_step": overlap}
+                    config["zero"] = config["zero"] | {"step_in_forward": overlap}
                     engine = tierzero.initialize(model, config)
                     assert engine.stage.param_prefetch is not None
                     return engine

@@ -13,6 +13,7 @@ from torch.nn import functional as F
 
 import tierzero
 from tierzero.slices import Kind
+from tierzero.stages.step import ForwardStep
 
 
 @pytest.fixture(autouse=True)
@@ -40,8 +41,7 @@ class Stack(nn.Module):
 def test_clipping_reads_each_gradient_once_and_clips_as_torch(stage: int, tmp_path: Path) -> None:
     offload = {"gradients": "nvme", "optimizer": "nvme"} if stage > 1 else {"optimizer": "nvme"}
     cfg = {
-        # the step after backward: what is counted is the norm's reads (the next test defers the step)
-        "zero": {"stage": stage, "overlap_step": False},
+        "zero": {"stage": stage},
         "optimizer": {"type": "sgd", "lr": 0.1},
         "gradient_clipping": 0.05,
         "gradient_accumulation_steps": 2,
@@ -82,7 +82,7 @@ def test_clipping_reads_each_gradient_once_and_clips_as_torch(stage: int, tmp_pa
 
 def test_with_clipping_stage_3_steps_each_unit_in_the_next_forward(tmp_path: Path) -> None:
     cfg = {
-        "zero": {"stage": 3},
+        "zero": {"stage": 3, "step_in_forward": True},
         "optimizer": {"type": "adamw", "lr": 1e-2},
         "gradient_clipping": 1.0,
         "offload": {"params": "nvme", "optimizer": "nvme"},
@@ -102,8 +102,8 @@ def test_with_clipping_stage_3_steps_each_unit_in_the_next_forward(tmp_path: Pat
             engine.backward(loss)
             assert stage._forward_step is None  # backward settles what the forward did not reach
             engine.step()
-            # the step waits for the next forward: only its first two units stepped already
-            assert sum(stage._forward_step.pending(u) for u in engine.units) == len(engine.units) - 2
+            # the step waits for the next forward: only its first units stepped already
+            assert sum(stage._forward_step.pending(u) for u in engine.units) == len(engine.units) - 1 - ForwardStep.LOOKAHEAD
         before = engine.full_state_dict()  # settles: the last step is in what it returns
         assert stage._forward_step is None
         with torch.no_grad():

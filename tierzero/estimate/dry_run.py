@@ -49,7 +49,9 @@ class DryRun:
     nvme_read: int
     """NVMe bytes read by a later step."""
     nvme_written: int
-    """NVMe bytes written by a step."""
+    """NVMe bytes written by a later step."""
+    nvme_written_first: int
+    """NVMe bytes written by the first step."""
 
 
 def dry_run(cfg: Config, *, world_size: int) -> DryRun:
@@ -65,9 +67,12 @@ def dry_run(cfg: Config, *, world_size: int) -> DryRun:
     try:
         store.reset_traffic()
         _step(engine, cfg)
-        read_first = store.nvme_read
+        read_first, written_first = store.nvme_read, store.nvme_written
         store.reset_traffic()
         _step(engine, cfg)
+        # A step each: the second window holds the rest of the first step (run in the second
+        # forward, when the step waits for it) and the start of the second, one step's worth.
+        read, written = store.nvme_read, store.nvme_written
     finally:
         engine.close()
     peaks = store.report().tiers
@@ -79,8 +84,9 @@ def dry_run(cfg: Config, *, world_size: int) -> DryRun:
         working={tier: dict(store.working[tier]) for tier in Tier},
         bounce=store.bounce,
         nvme_read_first=read_first,
-        nvme_read=store.nvme_read,
-        nvme_written=store.nvme_written,
+        nvme_read=read,
+        nvme_written=written,
+        nvme_written_first=written_first,
     )
 
 

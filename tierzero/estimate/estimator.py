@@ -88,6 +88,9 @@ class Estimate:
     nvme_read_first: int
     """NVMe bytes read in the first step, which learns the unit order (parameters read on demand)."""
     nvme_written: int
+    """NVMe bytes written per optimizer step, per rank."""
+    nvme_written_first: int
+    """NVMe bytes written in the first step (with the step in the next forward, only its first units')."""
     nvme_file: int
     """Bytes of this rank's preallocated swap file."""
     nvme_free: int | None
@@ -168,6 +171,7 @@ def estimate(
         nvme_read=run.nvme_read,
         nvme_read_first=run.nvme_read_first,
         nvme_written=run.nvme_written,
+        nvme_written_first=run.nvme_written_first,
         nvme_file=nvme_file,
         nvme_free=nvme.disk_free,
         disk=(disk or ASSUMED_DISK) if uses_nvme else None,

@@ -128,11 +128,18 @@ class StepPipeline:
     """
 
     def __init__(
-        self, store: SliceStore, compute: Compute, *, written: Callable[[SliceGroup], None] | None = None
+        self,
+        store: SliceStore,
+        compute: Compute,
+        *,
+        written: Callable[[SliceGroup], None] | None = None,
+        max_resident: int = MAX_RESIDENT_GROUPS,
     ) -> None:
         """`written(group)` is told once the group's write-backs are queued: a read of its slices
-        submitted after that sees the new bytes, as the swapper orders a key's operations."""
+        submitted after that sees the new bytes, as the swapper orders a key's operations.
+        `max_resident` lowers the bound on groups held at once (a step that shares memory with a forward)."""
         self._store, self._compute, self._written = store, compute, written
+        self._max_resident = max_resident
         self._writing: deque[_Writing] = deque()
         self._waiting: tuple[SliceGroup, dict[Kind, Transfer[torch.Tensor]]] | None = None
         self._prepared: list[tuple[SliceGroup, dict[Kind, Transfer[torch.Tensor]]]] = []
@@ -146,7 +153,7 @@ class StepPipeline:
         while self._writing and self._writing[0].landed():
             self._writing.popleft().wait()  # returns at once (and raises a failed write)
         held = len(self._writing) + (self._waiting is not None) + len(self._prepared)
-        if held + 1 > MAX_RESIDENT_GROUPS:
+        if held + 1 > self._max_resident:
             return
         # Slices still held by someone (a gather's fetched copy) are left to `push`.
         kinds = tuple(
@@ -180,9 +187,9 @@ class StepPipeline:
         self.report.peak_resident_groups = max(self.report.peak_resident_groups, resident)
 
     def _make_room(self) -> None:
-        """Drain write-backs until one more group fits in `MAX_RESIDENT_GROUPS`."""
+        """Drain write-backs until one more group fits in the bound."""
         held = (self._waiting is not None) + len(self._prepared)
-        while self._writing and len(self._writing) + held + 1 > MAX_RESIDENT_GROUPS:
+        while self._writing and len(self._writing) + held + 1 > self._max_resident:
             self._writing.popleft().wait()
 
     def flush(self, *, drain: bool = True) -> PipelineReport:

@@ -149,9 +149,13 @@ class Stage(ABC):
             Kind.PARAM: values[full[0] - offset : full[1] - offset],
             Kind.MASTER: values[start - offset : end - offset],
         }
+        # Zeroed kinds share one buffer per dtype (writes only read it): set-up holds a unit's values and one zero slice.
+        zeros: dict[torch.dtype, torch.Tensor] = {}
         for spec in self.slice_specs(unit):
-            value = initial[spec.kind] if spec.kind in initial else torch.zeros(spec.numel, device=values.device)
-            self._init(SliceKey(unit.name, spec.kind), value.to(spec.dtype), spec.home)
+            if spec.kind not in initial and (spec.dtype not in zeros or zeros[spec.dtype].numel() < spec.numel):
+                zeros[spec.dtype] = torch.zeros(spec.numel, dtype=spec.dtype, device=values.device)
+            value = initial[spec.kind].to(spec.dtype) if spec.kind in initial else zeros[spec.dtype][: spec.numel]
+            self._init(SliceKey(unit.name, spec.kind), value, spec.home)
 
     def _init(self, key: SliceKey, value: torch.Tensor, home: Tier) -> None:
         self.store.register(key, numel=value.numel(), dtype=value.dtype, home=home)
@@ -216,8 +220,8 @@ class Stage(ABC):
         for unit in self.units:
             unit.pending_uses = 0  # uses whose output never reached the loss
 
-    def finish(self) -> None:
-        """Wait for every collective and write-back in flight (before the store closes)."""
+    def finish(self, *, closing: bool = False) -> None:
+        """Wait for every collective and write-back in flight (`closing`: the store closes next)."""
         self.finish_reduces()
         if self._backward_step is not None:
             self._backward_step.abort()  # a backward that never ended: no unit is half-stepped

@@ -65,8 +65,8 @@ class ReplicatedParamsStage(Stage):
         unit.gathered = self.store.fetch(SliceKey(unit.name, Kind.PARAM), to=Tier.DEVICE).wait()
         mark_state(unit, UnitState.GATHERED)
 
-    def finish(self) -> None:
-        super().finish()
+    def finish(self, *, closing: bool = False) -> None:
+        super().finish(closing=closing)
         self._send_gathers()
         for gather in self._gathers.values():
             gather.pending.wait()

@@ -251,13 +251,25 @@ class Stage3(Stage):
     def defer_step(self, scalars: StepScalars, *, clip_coef: float) -> None:
         """Step each unit in the next forward, just before its gather (stages/step.py `ForwardStep`)."""
         self._land_last_step()
+        if not any(unit.has_grads for unit in self.units):
+            self.step(scalars, clip_coef=clip_coef)  # nothing to step (it ran in backward): start the next fetches
+            return
         self._forward_step = ForwardStep(self, scalars, clip_coef=clip_coef, order=self._order, written=self._stepped)
+        if self.param_prefetch is not None and self.param_prefetch.policy.order:
+            # The first units stepped already: their new slices start up while the caller gets the next batch.
+            self.param_prefetch.begin_step()
 
     def settle_step(self) -> None:
         """Finish a deferred step: before backward, a checkpoint, or any read of the parameters."""
         job, self._forward_step = self._forward_step, None
         if job is not None:
             self.last_step_report = job.finish()
+
+    def drop_step(self) -> None:
+        """Forget a deferred step (the engine closes: its slices are about to go)."""
+        job, self._forward_step = self._forward_step, None
+        if job is not None:
+            job.abort()
 
     def _awaits_step(self, name: str) -> bool:
         job = self._forward_step
@@ -282,11 +294,15 @@ class Stage3(Stage):
         first = prefetch.policy.first_units()
         return {"first": first, "written": lambda unit: prefetch.warm(unit) if unit in first else None}
 
-    def finish(self) -> None:
+    def finish(self, *, closing: bool = False) -> None:
         try:
-            self.settle_step()  # what the user saves or exports after close's caller ends must include it
+            # A save or an export must see the deferred step; at close nothing can read it any more.
+            if closing:
+                self.drop_step()
+            else:
+                self.settle_step()
         finally:
-            super().finish()
+            super().finish(closing=closing)
             if self.param_prefetch is not None:
                 self.param_prefetch.end_step()
 

@@ -16,7 +16,14 @@ from typing import Protocol
 import torch
 
 from tierzero.comm import CommGroup
-from tierzero.offload.step_pipeline import PendingWrite, PipelineReport, SliceGroup, StepPipeline, step_tier
+from tierzero.offload.step_pipeline import (
+    MAX_RESIDENT_GROUPS,
+    PendingWrite,
+    PipelineReport,
+    SliceGroup,
+    StepPipeline,
+    step_tier,
+)
 from tierzero.optim import FlatOptimizer, SliceLayout
 from tierzero.slices import Kind, Tier
 from tierzero.stages.plan import Homes
@@ -139,6 +146,9 @@ class ForwardStep:
     is `run_step`'s, so the bits are the same as stepping after backward.
     """
 
+    LOOKAHEAD = 2
+    """Units stepped ahead of the one the forward reaches: time for their writes to land."""
+
     def __init__(self, stage: Steppable, scalars: StepScalars, *, clip_coef: float, order: list[Unit],
                  written: Callable[[str], None] | None = None) -> None:  # fmt: skip
         units = [unit for unit in stage.units if unit.has_grads]
@@ -156,7 +166,8 @@ class ForwardStep:
             if written is not None:
                 written(unit)
 
-        self._pipeline = _pipeline(stage, scalars, clip_coef=clip_coef, written=stepped)
+        # Two groups at most: one read ahead and one computing or writing, beside the forward's own memory.
+        self._pipeline = _pipeline(stage, scalars, clip_coef=clip_coef, written=stepped, max_resident=2)
         if self._queue:
             # The forward's first units step now, while the caller gets the next batch, so that
             # their new parameters can come up before the forward starts.
@@ -167,12 +178,12 @@ class ForwardStep:
         return unit in self._queue and unit.name not in self._stepped
 
     def need(self, unit: Unit) -> None:
-        """Step every unit queued up to `unit`, which the forward reaches now, and the one after it:
-        its new parameters can then come up (the prefetcher) while `unit` computes."""
+        """Step every unit queued up to `unit`, which the forward reaches now, and `LOOKAHEAD` after
+        it: their new parameters are then written and come up (the prefetcher) while `unit` computes."""
         if unit not in self._queue:
             return
         index = self._queue.index(unit)
-        target = self._queue[min(index + 1, len(self._queue) - 1)]
+        target = self._queue[min(index + self.LOOKAHEAD, len(self._queue) - 1)]
         while self.pending(target):
             if self._pushed < len(self._queue):
                 self._push_next()  # computes the unit pushed before it
@@ -196,7 +207,12 @@ class ForwardStep:
 
 
 def _pipeline(
-    stage: Steppable, scalars: StepScalars, *, clip_coef: float, written: Callable[[str], None] | None
+    stage: Steppable,
+    scalars: StepScalars,
+    *,
+    clip_coef: float,
+    written: Callable[[str], None] | None,
+    max_resident: int = MAX_RESIDENT_GROUPS,
 ) -> StepPipeline:
     by_name = {unit.name: unit for unit in stage.units}
 
@@ -204,7 +220,7 @@ def _pipeline(
         return _step_unit(stage, by_name[group.unit], fetched, scalars, clip_coef=clip_coef)
 
     told = None if written is None else (lambda group: written(group.unit))
-    return StepPipeline(stage.store, compute, written=told)
+    return StepPipeline(stage.store, compute, written=told, max_resident=max_resident)
 
 
 def _step_unit(
