@@ -46,7 +46,7 @@ class LoadResult:
     """The largest unit's full buffer in fp32: what one unit's values take on the host."""
     host_budget: int
     """Host memory the config budgets: the cpu tier's capacity and the device tier's on a CPU-only
-    run (where set), the swapper's staging buffers and prefetch.max_live_bytes."""
+    run (where set), the swapper's staging buffers, the NVMe bounce blocks and prefetch.max_live_bytes."""
     parameters: int
 
     @property
@@ -94,9 +94,10 @@ def bench_load(config: str, *, overrides: dict[str, Any], cold: bool) -> LoadRes
         parameters = sum(unit.numel for unit in engine.units)
     requested = weights.read.bytes
     # Host memory the config lets the store hold: the host tiers' capacities where set, the
-    # swapper's staging buffers and the prefetcher's resident slices.
+    # swapper's staging buffers, the NVMe tier's bounce blocks and the prefetcher's resident slices.
     capacities = [cfg.tiers.cpu.capacity, cfg.tiers.device.capacity, cfg.prefetch.max_live_bytes]
     capacities.append(cfg.swapper.buffer_size * cfg.swapper.buffer_count)
+    capacities.append(cfg.tiers.nvme.block_size * cfg.tiers.nvme.queue_depth)
     return LoadResult(
         checkpoint_bytes=sum(p.stat().st_size for p in files),
         requested_bytes=requested,
