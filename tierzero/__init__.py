@@ -1,6 +1,7 @@
 """tierzero: a ZeRO engine for PyTorch whose shards live in GPU memory, host memory and NVMe."""
 
-from tierzero.engine import Engine, initialize
+from tierzero.api import initialize
+from tierzero.engine import Engine
 
 __version__ = "0.1.0"
 

@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from tierzero.api import initialize
 from tierzero.checkpoint import find_checkpoint, probe_root
 from tierzero.config import load_config
 from tierzero.config.cli import parse_overrides
 from tierzero.data import batches_from_config, check_vocab
-from tierzero.engine import initialize
 from tierzero.lora import is_peft_model, save_adapters
 from tierzero.models import build_model, count_parameters
 from tierzero.pretrained.export import check_export, export_engine

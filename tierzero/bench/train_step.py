@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tierzero.engine import initialize
+from tierzero.api import initialize
 from tierzero.models import GPT, PRESETS
 from tierzero.sizes import format_size
 

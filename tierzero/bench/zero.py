@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from tierzero.engine import initialize
+from tierzero.api import initialize
 from tierzero.models import GPT, ModelSpec
 
 __all__ = ["ZeroBenchResult", "bench_zero"]

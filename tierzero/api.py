@@ -1,0 +1,43 @@
+"""`tierzero.initialize`: a model and a config in, a training engine out."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from tierzero import dist as D
+from tierzero.config import load_config
+from tierzero.engine import Engine
+from tierzero.lora import is_peft_model, materialize_adapters
+from tierzero.pretrained import PretrainedWeights
+
+__all__ = ["initialize"]
+
+
+def initialize(
+    model: nn.Module,
+    config: Any,
+    *,
+    pretrained: str | os.PathLike[str] | None = None,
+    lr_lambda: Callable[[int], float] | None = None,
+) -> Engine:
+    """Wrap `model` for ZeRO training; `config` is a path, a dict or a tierzero config object.
+
+    `pretrained` (default: the config's `model.pretrained`) names a transformers model directory
+    (config.json and safetensors files) whose weights `model`, best built on the meta device
+    (`tierzero.pretrained.build_meta_model`), starts from: each unit is read from the files
+    straight into its slices, one at a time. `lr_lambda` replaces the config's `scheduler`
+    with a `LambdaLR`-style multiplier of `optimizer.lr` per optimizer step.
+    """
+    cfg = load_config(config)
+    if is_peft_model(model):
+        materialize_adapters(model, seed=int(cfg.train.seed))  # peft leaves them on meta on a meta base
+    weights = None
+    pretrained = pretrained if pretrained is not None else cfg.model.pretrained
+    if pretrained is not None:
+        weights = PretrainedWeights.open(pretrained).for_model(model)
+        weights.check(model)
+    return Engine(model, cfg, ctx=D.setup(timeout_s=cfg.dist.timeout), weights=weights, lr_lambda=lr_lambda)
