@@ -19,6 +19,7 @@ from torch import nn
 
 from tierzero import comm as C
 from tierzero import dist as D
+from tierzero.activations import SavedActivations, checkpoint_units
 from tierzero.checkpoint import RootLock, claim_root, load_checkpoint, probe_root, save_checkpoint
 from tierzero.config import Config
 from tierzero.groups import GroupRules
@@ -29,10 +30,10 @@ from tierzero.prefetch import Prefetcher
 from tierzero.pretrained import PretrainedWeights
 from tierzero.schedule import Schedule
 from tierzero.schedule import lr_lambda as schedule_lambda
-from tierzero.slices import IO_ALIGNMENT, MODEL_STATE_KINDS, Tier
+from tierzero.slices import IO_ALIGNMENT, MODEL_STATE_KINDS, Kind, Tier
 from tierzero.stages import STAGES, Homes, Stage3, StepScalars
-from tierzero.stages.base import clip_coefficient
 from tierzero.stages.binding import bind, unregister_params
+from tierzero.stages.grad_norm import clip_coefficient
 from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.store import TieredStore
 from tierzero.store.protocol import SliceStore
@@ -124,6 +125,7 @@ class Engine:
                 device=ctx.device,
                 overlap=bool(cfg.zero.overlap_comm),
                 bucket_bytes=int(cfg.zero.reduce_bucket_size),
+                activations=self._saved_activations(),
                 **extra,
             )
             self.stage.grad_norm.enabled = float(cfg.gradient_clipping) > 0 or self._skips_overflow
@@ -148,6 +150,13 @@ class Engine:
             nvme_capacity=capacity,
         )
 
+    def _saved_activations(self) -> SavedActivations | None:
+        """Counted (and offloaded) where the `activations` section asks for it (tierzero/activations.py)."""
+        acts = self.cfg.activations
+        if acts.checkpoint == 0 and acts.offload == "none":
+            return None
+        return SavedActivations(self.store, offload=acts.offload == "cpu")
+
     def _make_prefetch(self) -> ParamPrefetch:
         """Stage 3 fetches parameter slices ahead of their gathers, within `cfg.prefetch`'s budgets."""
         policy = Prefetcher.from_config(self.cfg.prefetch, unit_bytes=self.plan.fetched_param_bytes())
@@ -164,6 +173,7 @@ class Engine:
             bind(unit, [empty] * len(unit.slots))
             self._hooks.append(unit.module.register_forward_pre_hook(self._pre_hook(unit), with_kwargs=True))
             self._hooks.append(unit.module.register_forward_hook(self._post_hook(unit)))
+        checkpoint_units(self.units, int(self.cfg.activations.checkpoint))  # inside the unit hooks
         if self._meta and self._ctx.device.type != "meta":
             materialize_rest(self.module, seed=int(self.cfg.train.seed) + len(self.units))
         if self._weights is not None:
@@ -341,6 +351,8 @@ class Engine:
         tiers = self.store.report().tiers
         return {
             "kinds": {kind.value: int(kinds.get(kind, 0)) for kind in MODEL_STATE_KINDS},
+            # What autograd saved, at its peak per tier since the last reset (tierzero/activations.py).
+            "activations": {tier.value: usage.peak_by_kind.get(Kind.ACTIVATION, 0) for tier, usage in tiers.items()},
             "tiers": {
                 tier.value: {"current": usage.current, "peak": usage.peak, "capacity": usage.capacity}
                 for tier, usage in tiers.items()

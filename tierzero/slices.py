@@ -35,6 +35,8 @@ class Kind(enum.Enum):
     """Full (unsharded) unit parameters or gradients while the unit computes."""
     STAGING = "staging"
     """The swapper's staging buffers."""
+    ACTIVATION = "activation"
+    """What autograd saves for backward, besides parameters (tierzero.activations)."""
 
 
 MODEL_STATE_KINDS: tuple[Kind, ...] = (

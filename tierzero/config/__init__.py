@@ -16,6 +16,7 @@ from tierzero.config.model import ModelConfig
 from tierzero.config.optim import OptimizerConfig, SchedulerConfig
 from tierzero.config.schema import Config
 from tierzero.config.sections import (
+    ActivationsConfig,
     CheckpointConfig,
     CpuTierConfig,
     DeviceTierConfig,
@@ -41,6 +42,7 @@ __all__ = [
     "ModelConfig",
     "NvmeTierConfig",
     "OffloadConfig",
+    "ActivationsConfig",
     "OptimizerConfig",
     "PrecisionConfig",
     "PrefetchConfig",

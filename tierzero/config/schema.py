@@ -15,6 +15,7 @@ from tierzero.config.errors import ConfigError
 from tierzero.config.model import ModelConfig
 from tierzero.config.optim import OptimizerConfig, SchedulerConfig
 from tierzero.config.sections import (
+    ActivationsConfig,
     CheckpointConfig,
     DistConfig,
     OffloadConfig,
@@ -46,6 +47,7 @@ class Config(Section):
     model: ModelConfig = section(ModelConfig)
     data: DataConfig = section(DataConfig)
     offload: OffloadConfig = section(OffloadConfig)
+    activations: ActivationsConfig = section(ActivationsConfig)
     tiers: TiersConfig = section(TiersConfig)
     swapper: SwapperConfig = section(SwapperConfig)
     prefetch: PrefetchConfig = section(PrefetchConfig)

@@ -153,6 +153,20 @@ class TrainConfig(Section):
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class ActivationsConfig(Section):
+    """What autograd saves for backward (tierzero/activations.py): counted in the device tier
+    (memory_report, tierzero estimate), recomputed or offloaded."""
+
+    SECTION: ClassVar[str] = "activations"
+    checkpoint: int = setting(0, int_check(0, limit=1 << 20))
+    """Recompute in backward the activations of every n-th block unit (1: every block) instead
+    of keeping them; 0 keeps them all."""
+    offload: str = setting("none", choice_check(("none", "cpu")))
+    """cpu: the saved tensors (besides parameters) wait in the cpu tier, pinned with CUDA, and
+    come back for backward; none keeps them on the device."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class OffloadConfig(Section):
     """The home tier of each kind of state: device (accelerator memory), cpu (host memory) or nvme."""
 

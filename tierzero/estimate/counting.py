@@ -181,6 +181,9 @@ class CountingStore:
         tier, kind, nbytes = self._scratch.pop(storage_id(tensor))
         self._add(tier, kind, Use.SCRATCH, -nbytes, "gathered" if kind is Kind.GATHERED else "scratch")
 
+    def book(self, tier: Tier, kind: Kind, nbytes: int) -> None:
+        self._add(tier, kind, Use.SCRATCH, nbytes, "activations")
+
     def kind_bytes(self) -> dict[Kind, int]:
         return self._ledger.home_bytes(MODEL_STATE_KINDS)
 

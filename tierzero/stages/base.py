@@ -19,7 +19,6 @@ forms the same buckets.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from tierzero import comm as C
+from tierzero.activations import SavedActivations, recomputing
 from tierzero.offload.step_pipeline import PendingWrite, PipelineReport
 from tierzero.optim import FlatOptimizer
 from tierzero.slices import Kind, SliceKey, Tier
@@ -87,11 +87,14 @@ class Stage(ABC):
         device: torch.device,
         overlap: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        activations: SavedActivations | None = None,
     ) -> None:
         self.units, self.plan, self.store, self.comm, self.optimizer = units, plan, store, comm, optimizer
         self.param_dtype, self.homes, self.device, self.overlap = param_dtype, homes, device, overlap
         self.bucket_bytes = bucket_bytes
         """Collectives wait for this many bytes of ready units before they start (`zero.reduce_bucket_size`)."""
+        self.activations = activations
+        """Books (or offloads) what autograd saves in forward; None: nothing counted (tierzero/activations.py)."""
         self._unsent: list[_GradReduce] = []
         self._reduces: deque[_ReduceBucket] = deque()
         self.last_micro_step = True
@@ -185,10 +188,11 @@ class Stage(ABC):
         return [unit for unit in self.units if unit.trainable]
 
     def pre_forward(self, unit: Unit, inputs: Any = ()) -> None:
-        """Before the unit's module runs on `inputs` (its positional and keyword arguments)."""
+        """Before the unit's module runs on `inputs` (its positional and keyword arguments); in
+        backward, a checkpointed unit's recomputation, whose use was counted in forward."""
         self.unshard(unit)
         if torch.is_grad_enabled():
-            self.bind_params(unit, counts_as_use=True)
+            self.bind_params(unit, counts_as_use=not recomputing())
         else:
             bind(unit, [slot.view(unit.gathered).detach() for slot in unit.slots])
 
@@ -211,8 +215,10 @@ class Stage(ABC):
         """Stage 3 frees the gathered parameters here; stages 1 and 2 keep them."""
 
     def forward_context(self) -> AbstractContextManager[None]:
-        """Entered around the model's forward (stage 3 installs its saved-tensor hooks)."""
-        return nullcontext()
+        """Entered around the model's forward: the saved-tensor hooks ([Note: saved activations])."""
+        if self.activations is None:
+            return nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self.activations.pack, self.activations.unpack)
 
     def after_backward(self) -> None:
         """Called once `loss.backward()` returns: finish what the unit hooks left in flight."""
@@ -401,13 +407,6 @@ class Stage(ABC):
         with self._master(unit, write=False) as (master, _):
             C.all_gather(full, master.clone(), comm=self.comm)
         return full
-
-
-def clip_coefficient(total_norm: float, max_norm: float) -> float:
-    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1."""
-    if max_norm <= 0 or not math.isfinite(total_norm):
-        return 1.0
-    return min(1.0, max_norm / (total_norm + 1e-6))
 
 
 def mark_state(unit: Unit, to: UnitState) -> None:

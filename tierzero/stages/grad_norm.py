@@ -9,11 +9,12 @@ reduce-scatter lands (stages 2, 3) or its scatter is copied in (stage 1).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["GradNorm"]
+__all__ = ["GradNorm", "clip_coefficient"]
 
 
 @dataclass(slots=True)
@@ -42,3 +43,10 @@ class GradNorm:
 
     def reset(self) -> None:
         self._sum, self._units = None, set()
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1."""
+    if max_norm <= 0 or not math.isfinite(total_norm):
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))

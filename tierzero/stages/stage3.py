@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from tierzero import comm as C
+from tierzero.activations import recomputing
 from tierzero.offload.step_pipeline import PendingWrite
 from tierzero.prefetch import Phase
 from tierzero.slices import Kind, SliceKey, Tier, storage_id
@@ -178,6 +179,12 @@ class Stage3(Stage):
     # ---- hooks --------------------------------------------------------------------
 
     def pre_forward(self, unit: Unit, inputs: Any = ()) -> None:
+        if recomputing():
+            # Activation checkpointing re-runs the unit's forward in its backward, hooks and all
+            # (torch's composable checkpoint): bind the weights again, as `pre_backward` does.
+            self.unshard(unit)
+            self.bind_params(unit, counts_as_use=False)
+            return
         self._phase = Phase.FORWARD
         super().pre_forward(unit, inputs)
         if torch.is_grad_enabled():
@@ -197,6 +204,8 @@ class Stage3(Stage):
             torch.autograd.graph.register_multi_grad_hook(needing, lambda _: self.reshard(unit), mode="all")
 
     def post_forward(self, unit: Unit, output: Any) -> None:
+        if recomputing():
+            return  # the unit's backward runs next and needs it gathered: post_backward releases it
         outputs = [t for t in _tensors(output) if t.requires_grad]
         if outputs and torch.is_grad_enabled():
             torch.autograd.graph.register_multi_grad_hook(outputs, lambda _: self.pre_backward(unit), mode="any")
@@ -314,21 +323,25 @@ class Stage3(Stage):
                 self.param_prefetch.end_step()  # an inference forward: on demand, outside any step
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | SavedView:
+    def _pack(self, tensor: torch.Tensor) -> Any:
         try:
             unit = self._by_storage.get(storage_id(tensor))
         except (RuntimeError, NotImplementedError):
             return tensor
         if unit is None or unit.gathered is None or tensor.dtype != unit.gathered.dtype:
-            return tensor
+            return tensor if self.activations is None else self.activations.pack(tensor)
         offset = tensor.storage_offset() - unit.gathered.storage_offset()
         if not 0 <= offset < unit.gathered.numel():
-            return tensor  # shares the storage but not the buffer: keep it as it is
+            # shares the storage but not the buffer: an activation like any other
+            return tensor if self.activations is None else self.activations.pack(tensor)
         return SavedView(unit=unit, offset=offset, size=tuple(tensor.size()), stride=tuple(tensor.stride()))
 
-    def _unpack(self, saved: torch.Tensor | SavedView) -> torch.Tensor:
+    def _unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
             return saved
+        if not isinstance(saved, SavedView):
+            assert self.activations is not None
+            return self.activations.unpack(saved)
         # Normally the output hook gathered the unit already; a parameter used outside
         # its unit's forward (a tied weight) is gathered here, on first need.
         self.unshard(saved.unit)

@@ -44,6 +44,9 @@ class SliceStore(Protocol):
     def free(self, tensor: torch.Tensor) -> None:
         """Give back scratch memory `allocate` returned."""
 
+    def book(self, tier: Tier, kind: Kind, nbytes: int) -> None:
+        """Account memory the store did not allocate (what autograd saves); negative gives it back."""
+
     def kind_bytes(self) -> dict[Kind, int]:
         """Bytes of each model-state kind in their homes, all tiers together."""
 

@@ -280,6 +280,9 @@ class TieredStore:
         self._tiers[record.region.tier].free(record.region)
         self._ledger.add(record.region.tier, record.kind, Use.SCRATCH, -record.region.nbytes)
 
+    def book(self, tier: Tier, kind: Kind, nbytes: int) -> None:
+        self._ledger.add(tier, kind, Use.SCRATCH, nbytes)
+
     def report(self) -> StoreReport:
         bounce_stats = getattr(self._tiers.get(Tier.NVME), "bounce_stats", None)
         report = self._ledger.report(staging=self._swapper.stats(), bounce=bounce_stats() if bounce_stats else None)
