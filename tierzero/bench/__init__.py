@@ -1,7 +1,8 @@
 """`tierzero bench`: the NVMe tier against fio (`nvme`), the swapper under stress (`swap`),
 CPU Adam (`adam`), an offloaded training step against plain PyTorch (`train`), the
 ZeRO stages against plain PyTorch and DistributedDataParallel (`zero`), and a
-pretrained checkpoint streamed into the engine (`load`).
+pretrained checkpoint streamed into the engine (`load`), activation checkpointing with
+and without offload (`activations`).
 
 matplotlib is imported only when a plot is written.
 """
@@ -12,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from tierzero.bench import load, nvme, swap
+from tierzero.bench import activations, load, nvme, swap
 from tierzero.bench.adam import bench_cpu_adam
 from tierzero.bench.train_step import bench_train_step
 from tierzero.bench.zero import bench_zero
@@ -85,6 +86,12 @@ def add_bench_commands(subparsers: Any) -> None:
         "--clip", type=float, default=0.0, help="gradient clipping of both (tierzero's gradient_clipping, torch's clip_grad_norm_)"
     )
     train.set_defaults(func=_run_train)
+    acts = commands.add_parser(
+        "activations", help="activation checkpointing alone beside checkpointing with offload to the cpu tier",
+        description="Stage 3 on a GPT at a long sequence, alternating: step time, device-tier peak, the estimate's.",
+    )
+    activations.add_arguments(acts)
+    acts.set_defaults(func=activations.command)
     load_parser = commands.add_parser(
         "load", help="stream model.pretrained into the engine's slices: bytes read, seconds, peak RSS",
         description="Build the engine from a pretrained checkpoint as tierzero train does, and measure the load.",
