@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierzero.data.shape import BatchShape
 from tierzero.data.sources import find_files
 from tierzero.sizes import format_size
 
@@ -68,21 +69,13 @@ def load_corpus(files: list[Path], *, max_bytes: int, seed: int) -> ByteCorpus:
 
 
 @dataclass(slots=True, kw_only=True)
-class ByteBatches:
+class ByteBatches(BatchShape):
     """(input, target) int64 batches of shape (micro_batch_size, seq_len) for one rank; see [Note: one global batch per step]."""
 
     corpus: ByteCorpus
-    seq_len: int
-    micro_batch_size: int
-    seed: int
-    rank: int = 0
-    world_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.seq_len < 1 or self.micro_batch_size < 1:
-            raise ValueError(f"seq_len {self.seq_len} and micro_batch_size {self.micro_batch_size} must be positive")
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        BatchShape.__post_init__(self)
         if len(self.corpus) < self.seq_len + 1:
             raise ValueError(
                 f"the corpus holds {format_size(len(self.corpus))}, fewer than seq_len + 1 = {self.seq_len + 1} bytes: "
@@ -93,23 +86,7 @@ class ByteBatches:
     def from_config(cls, cfg: Any, *, rank: int = 0, world_size: int = 1) -> ByteBatches:
         """Read `cfg.data` (path, max_bytes) and `cfg.train` (seq_len, micro_batch_size, seed)."""
         corpus = load_corpus(find_files(cfg.data.path), max_bytes=cfg.data.max_bytes, seed=cfg.train.seed)
-        return cls(
-            corpus=corpus,
-            seq_len=cfg.train.seq_len,
-            micro_batch_size=cfg.train.micro_batch_size,
-            seed=cfg.train.seed,
-            rank=rank,
-            world_size=world_size,
-        )
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch_size * self.world_size
-
-    @property
-    def tokens_per_batch(self) -> int:
-        """Tokens this rank predicts per batch."""
-        return self.micro_batch_size * self.seq_len
+        return cls(corpus=corpus, **BatchShape.of(cfg, rank=rank, world_size=world_size))
 
     def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of global batch `index` (a micro-step counter): (input, target)."""

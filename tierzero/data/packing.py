@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierzero.data.shape import BatchShape
 from tierzero.data.sources import find_sources
 from tierzero.data.tokenizer import load_tokenizer
 from tierzero.data.tokens import token_stream
@@ -38,7 +39,7 @@ KEPT_ORDERS = 2
 
 
 @dataclass(slots=True, kw_only=True)
-class PackedBatches:
+class PackedBatches(BatchShape):
     """(input, target) int64 batches of shape (micro_batch_size, seq_len) of packed tokens for one rank.
 
     See [Note: packed sequences] and [Note: epochs and resume].
@@ -46,18 +47,10 @@ class PackedBatches:
 
     tokens: np.ndarray
     """The token stream, 1-D unsigned integers (a memory map of the cache, or any array)."""
-    seq_len: int
-    micro_batch_size: int
-    seed: int
-    rank: int = 0
-    world_size: int = 1
     _orders: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.seq_len < 1 or self.micro_batch_size < 1:
-            raise ValueError(f"seq_len {self.seq_len} and micro_batch_size {self.micro_batch_size} must be positive")
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        BatchShape.__post_init__(self)
         if self.tokens.ndim != 1:
             raise ValueError(f"the token stream has shape {self.tokens.shape}, expected one dimension")
         if self.sequences < 1:
@@ -74,23 +67,7 @@ class PackedBatches:
             raise ValueError("data.tokenizer is set but data.path is not: point data.path at the text to tokenize")
         sources = find_sources(data.path, format=data.format)
         stream = token_stream(sources, load_tokenizer(data.tokenizer), text_field=data.text_field, cache_dir=data.cache_dir)
-        return cls(
-            tokens=stream.ids,
-            seq_len=cfg.train.seq_len,
-            micro_batch_size=cfg.train.micro_batch_size,
-            seed=cfg.train.seed,
-            rank=rank,
-            world_size=world_size,
-        )
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch_size * self.world_size
-
-    @property
-    def tokens_per_batch(self) -> int:
-        """Tokens this rank predicts per batch."""
-        return self.micro_batch_size * self.seq_len
+        return cls(tokens=stream.ids, **BatchShape.of(cfg, rank=rank, world_size=world_size))
 
     @property
     def sequences(self) -> int:
