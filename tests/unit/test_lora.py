@@ -109,3 +109,27 @@ def test_lora_keys_are_checked() -> None:
         load_config({"zero": {"stage": 3}, "model": {"lora": {"r": 4, "target_modules": []}}})
     with pytest.raises(ConfigError, match=r"model.lora.alpha"):
         load_config({"zero": {"stage": 3}, "model": {"lora": {"r": 4, "alpha": 0}}})
+
+
+def test_the_estimate_counts_the_frozen_base_as_the_run_holds_it(tmp_path: Path) -> None:
+    from tierzero.estimate import estimate
+    from tierzero.slices import MODEL_STATE_KINDS
+
+    _saved_llama(tmp_path / "llama")
+    (tmp_path / "swap").mkdir()
+    raw = {
+        "zero": {"stage": 3},
+        "model": {"pretrained": str(tmp_path / "llama"), "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
+        "offload": {"params": "nvme", "optimizer": "cpu"},
+        "tiers": {"nvme": {"path": str(tmp_path / "swap")}},
+    }
+    cfg = load_config(raw)
+    predicted = estimate(cfg)
+    model = apply_lora(build_meta_model(tmp_path / "llama"), r=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    with tierzero.initialize(model, cfg) as engine:
+        measured = engine.memory_report()["kinds"]
+        frozen = sum(u.shard_numel * 4 for u in engine.units if not u.trainable)
+        adapters = sum(u.shard_numel * 4 for u in engine.units if u.trainable)
+    assert {k.value: sum(t.homes[k] for t in predicted.tiers.values()) for k in MODEL_STATE_KINDS} == measured
+    # the frozen base is in the parameters but has no optimizer state: the adapters' alone
+    assert measured["param"] == frozen + adapters and measured["exp_avg"] == adapters < frozen
