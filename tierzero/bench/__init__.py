@@ -29,7 +29,7 @@ def _run_adam(args: argparse.Namespace) -> int:
 def _run_train(args: argparse.Namespace) -> int:
     result = bench_train_step(
         nvme_path=args.nvme_path, preset=args.preset, seq=args.seq, batch=args.batch,
-        steps=args.steps, warmup=args.warmup, measure_rss=not args.no_rss, clip=args.clip,
+        steps=args.steps, warmup=args.warmup, measure_rss=not args.no_rss, clip=args.clip, dtype=args.dtype,
     )
     print(result.format())
     return 0
@@ -82,6 +82,7 @@ def add_bench_commands(subparsers: Any) -> None:
     train.add_argument("--steps", type=int, default=20, help="timed steps of each (default 20)")
     train.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     train.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs in fresh processes")
+    train.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: tierzero's bf16 beside autocast")
     train.add_argument(
         "--clip", type=float, default=0.0, help="gradient clipping of both (tierzero's gradient_clipping, torch's clip_grad_norm_)"
     )

@@ -37,6 +37,10 @@ __all__ = ["TrainStepResult", "bench_train_step", "peak_rss"]
 class TrainStepResult:
     preset: str
     clip: float
+    dtype: str
+    """fp32, or bf16: tierzero's bf16 parameters with fp32 masters beside plain PyTorch under autocast."""
+    max_param_difference: float
+    """After the last step, the largest per-tensor norm-relative difference between the two's parameters."""
     seq: int
     batch: int
     plain_seconds: tuple[float, ...]
@@ -67,12 +71,13 @@ class TrainStepResult:
 
     def format(self) -> str:
         lines = [
-            f"GPT {self.preset}, seq {self.seq}, batch {self.batch}, gradient clipping {self.clip:g}: "
-            "stage 3, params + optimizer on NVMe vs plain PyTorch",
+            f"GPT {self.preset}, seq {self.seq}, batch {self.batch}, {self.dtype}, gradient clipping {self.clip:g}: "
+            "stage 3, params + optimizer on NVMe vs plain PyTorch" + (" under autocast" if self.dtype == "bf16" else ""),
             f"  step (median)  plain {statistics.median(self.plain_seconds) * 1e3:.1f} ms   "
             f"tierzero {statistics.median(self.tierzero_seconds) * 1e3:.1f} ms   ratio {self.ratio:.2f}x (target <= 1.30)",
             f"  prefetch hit rate from step 2: {self.hit_rate:.1%} (target >= 95%), "
             f"I/O wait median {statistics.median(self.waited_s or (0.0,)) * 1e3:.1f} ms/step",
+            f"  parameters after the last step: largest per-tensor difference {self.max_param_difference:.2e}",
         ]
         if self.rss_ratio is not None:
             assert self.plain_peak_rss is not None and self.tierzero_peak_rss is not None
@@ -83,9 +88,10 @@ class TrainStepResult:
         return "\n".join(lines)
 
 
-def _config(nvme_path: str, clip: float) -> dict[str, Any]:
+def _config(nvme_path: str, clip: float, dtype: str) -> dict[str, Any]:
     return {
         "zero": {"stage": 3},
+        "precision": {"param_dtype": dtype},
         "gradient_clipping": clip,
         "optimizer": {"type": "adamw", "lr": 1e-3, "weight_decay": 0.0},
         "offload": {"params": "nvme", "optimizer": "nvme"},
@@ -105,13 +111,14 @@ def _batch(step: int, *, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tens
 
 
 class _Plain:
-    def __init__(self, preset: str, clip: float) -> None:
+    def __init__(self, preset: str, clip: float, dtype: str = "fp32") -> None:
         self.model = _model(preset)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
-        self.clip = clip
+        self.clip, self.autocast = clip, dtype == "bf16"
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        _, loss = self.model(tokens, targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            _, loss = self.model(tokens, targets)
         loss.backward()
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
@@ -124,8 +131,8 @@ class _Plain:
 
 
 class _Tierzero:
-    def __init__(self, preset: str, nvme_path: str, clip: float) -> None:
-        self.engine = initialize(_model(preset), _config(nvme_path, clip))
+    def __init__(self, preset: str, nvme_path: str, clip: float, dtype: str = "fp32") -> None:
+        self.engine = initialize(_model(preset), _config(nvme_path, clip, dtype))
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         _, loss = self.engine(tokens, targets)
@@ -148,12 +155,13 @@ def bench_train_step(
     measure_rss: bool = True,
     rss_steps: int = 3,
     clip: float = 0.0,
+    dtype: str = "fp32",
 ) -> TrainStepResult:
     """Alternate plain and tierzero steps; `steps` timed steps each after `warmup` untimed ones."""
     if steps < 1 or warmup < 0:
         raise ValueError(f"bench needs steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     Path(nvme_path).mkdir(parents=True, exist_ok=True)
-    plain, tz = _Plain(preset, clip), _Tierzero(preset, str(nvme_path), clip)
+    plain, tz = _Plain(preset, clip, dtype), _Tierzero(preset, str(nvme_path), clip, dtype)
     times: dict[str, list[float]] = {"plain": [], "tierzero": []}
     hits: list[float] = []
     waited: list[float] = []
@@ -170,6 +178,11 @@ def bench_train_step(
             if step >= 1 and report is not None:
                 hits.append(report.hit_rate)
                 waited.append(report.waited_s)
+        state = tz.engine.full_state_dict()
+        assert state is not None
+        difference = max(
+            float((state[name] - p.detach()).norm() / p.detach().norm()) for name, p in plain.model.named_parameters()
+        )
     finally:
         plain.close()
         tz.close()
@@ -179,6 +192,8 @@ def bench_train_step(
     return TrainStepResult(
         preset=preset,
         clip=clip,
+        dtype=dtype,
+        max_param_difference=difference,
         seq=seq,
         batch=batch,
         plain_seconds=tuple(times["plain"]),

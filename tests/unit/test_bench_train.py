@@ -1,0 +1,28 @@
+"""`tierzero bench train`: the two contenders train the same model on the same batches, so their
+parameters agree at the end (fp32: to float rounding), and --dtype bf16 runs tierzero in bf16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierzero.bench.train_step import bench_train_step
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize(("dtype", "clip"), [("fp32", 0.0), ("fp32", 1.0), ("bf16", 0.0)])
+def test_both_contenders_train_the_same_model(dtype: str, clip: float, tmp_path: Path) -> None:
+    result = bench_train_step(
+        nvme_path=tmp_path, preset="tiny", seq=32, batch=2, steps=2, warmup=1, measure_rss=False, clip=clip, dtype=dtype
+    )
+    assert (result.dtype, result.clip, len(result.tierzero_seconds), len(result.plain_seconds)) == (dtype, clip, 2, 2)
+    # fp32: the same AdamW on the same gradients (the clip factor from another summation order);
+    # bf16 against autocast differs by bf16 rounding, which Adam blows up on zero-gradient biases
+    assert result.max_param_difference < (1e-3 if dtype == "fp32" else 1.0)
+    assert f"{dtype}, gradient clipping {clip:g}" in result.format()
