@@ -327,7 +327,9 @@ def _on_signal(signum: int, frame: Any) -> Any:
     if callable(previous):
         return previous(signum, frame)
     signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    # Raised in this thread, not the process: a process-wide signal may be delivered to
+    # another thread after kill() returns, once the line below has put this handler back.
+    signal.pthread_kill(threading.get_ident(), signum)
     signal.signal(signum, _on_signal)  # only reached where the signal is blocked
     return None
 
