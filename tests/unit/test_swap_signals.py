@@ -30,6 +30,14 @@ DRIVER = textwrap.dedent(
     base = sys.argv[1]
     report = {}
 
+    # The cases below assume a process as a terminal starts it. A suite run under nohup, or as
+    # a background job, inherits SIGHUP (or SIGINT) ignored, and an ignored signal is one the
+    # tier rightly leaves alone: the busy child would outlive its SIGHUP and hang this driver.
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     def fork(body):
         r, w = os.pipe()
         pid = os.fork()
