@@ -132,18 +132,18 @@ class PretrainedWeights:
     def read_range(
         self, names: Sequence[str], *, shape: Sequence[int], start: int, end: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """fp32 values of elements [start, end) of one tensor flattened, reading only those bytes.
+        """Elements [start, end) of one tensor flattened, in fp32 or `out`'s dtype, reading only those bytes.
 
         `names` are the tensor's aliases (the first the files hold wins), `shape` the model's.
-        `out` (fp32, end - start elements, contiguous) receives them when given: an fp32 file
-        is read straight into it.
+        `out` (end - start elements, contiguous) receives them when given: a file in its dtype
+        is read straight into it, any other converted.
         """
         info = self._find(names, shape=shape)
         if not 0 <= start <= end <= info.numel:
             raise ValueError(f"range [{start}, {end}) is outside tensor {info.name}'s {info.numel} elements")
         if out is None:
             out = torch.empty(end - start, dtype=torch.float32)
-        if info.torch_dtype == torch.float32:
+        if info.torch_dtype == out.dtype:
             return self._read_elements(info, start, end, out=out)
         return out.copy_(self._read_elements(info, start, end))
 
@@ -188,10 +188,8 @@ class PretrainedWeights:
                 target = out.narrow(0, lo - start, hi - lo)
                 if self.fresh.intersection(names):
                     target.copy_(_own_value(slot)[lo - slot.offset : hi - slot.offset])
-                elif target.dtype == torch.float32:
-                    self.read_range(names, shape=slot.shape, start=lo - slot.offset, end=hi - slot.offset, out=target)
                 else:
-                    target.copy_(self.read_range(names, shape=slot.shape, start=lo - slot.offset, end=hi - slot.offset))
+                    self.read_range(names, shape=slot.shape, start=lo - slot.offset, end=hi - slot.offset, out=target)
         # Slots lie end to end from 0 (units.py), so everything past unit.numel is padding.
         pad_from = min(end, max(start, unit.numel))
         out.narrow(0, pad_from - start, end - pad_from).zero_()
