@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -10,16 +12,8 @@ from torch.nn import functional as F
 
 import tierzero
 
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from harness import Block  # noqa: E402
 
 
 class Stack(nn.Module):
