@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# tests/gpu and `bench train --device cuda`, one JSON of results (gpu-check.json); fails
+# without CUDA. `make gpu-check DRY_RUN=1` runs the same code on the CPU to check the report.
+gpu-check: install
+	$(BIN)/tierzero bench gpu-check --out gpu-check.json $(if $(DRY_RUN),--dry-run)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -55,7 +55,17 @@ class Transfer(Generic[T]):
         return self._future
 
     def done(self) -> bool:
-        return self._future.done()
+        """Whether the bytes have landed: the host side has finished, and so has its last CUDA copy.
+
+        A host-to-device copy is done on the host once queued; a prefetch counted done then
+        would be a hit while its copy still runs. `Event.query()` never blocks.
+        """
+        if not self._future.done():
+            return False
+        if self._future.cancelled() or self._future.exception() is not None:
+            return True
+        event = self._future.result().event
+        return event is None or event.query()
 
     def wait(self, timeout: float | None = None) -> T:
         return self._consume(self._future.result(timeout))

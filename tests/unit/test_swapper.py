@@ -20,6 +20,7 @@ from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
 from tierzero.slices import IO_ALIGNMENT, Tier
 from tierzero.swapper import Swapper
+from tierzero.transfer import Transfer, TransferOutcome
 
 
 class GatedNvme(NvmeTier):
@@ -303,8 +304,6 @@ async def _awaited(transfer):
 
 
 def test_ctrl_c_in_a_callback_run_by_the_main_thread_is_not_swallowed() -> None:
-    from tierzero.transfer import Transfer
-
     def interrupted(_: object) -> None:
         raise KeyboardInterrupt
 
@@ -324,3 +323,27 @@ def test_ctrl_c_in_a_callback_run_by_the_main_thread_is_not_swallowed() -> None:
     # One stored by the transfer it follows is passed on to the waiter, not raised here.
     chained = Transfer(failed).then(lambda value: value)
     assert isinstance(chained.future.exception(), KeyboardInterrupt)
+
+
+class _CopyEvent:
+    """Stands in for the `torch.cuda.Event` a host-to-device copy ends with: only `query()` is asked."""
+
+    fired = False
+
+    def query(self) -> bool:
+        return self.fired
+
+
+def test_a_transfer_is_done_once_its_copy_event_has_fired() -> None:
+    """On CUDA the host side of a copy ends when it is queued; a prefetch is a hit only once the copy ran."""
+    event = _CopyEvent()
+    queued: Future = Future()
+    queued.set_result(TransferOutcome(value=1, event=event))
+    transfer = Transfer(queued)
+    mapped = transfer.then(lambda value: value)
+    assert transfer.future.done() and not transfer.done() and not mapped.done()
+    event.fired = True
+    assert transfer.done() and mapped.done()
+    failed: Future = Future()
+    failed.set_exception(OSError("disk"))
+    assert Transfer(failed).done()

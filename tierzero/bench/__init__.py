@@ -1,8 +1,9 @@
 """`tierzero bench`: the NVMe tier against fio (`nvme`), the swapper under stress (`swap`),
-CPU Adam (`adam`), an offloaded training step against plain PyTorch (`train`), the
-ZeRO stages against plain PyTorch and DistributedDataParallel (`zero`), and a
-pretrained checkpoint streamed into the engine (`load`), activation checkpointing with
-and without offload (`activations`).
+CPU Adam (`adam`), an offloaded training step against plain PyTorch (`train`, on the CPU
+or `--device cuda`), the ZeRO stages against plain PyTorch and DistributedDataParallel
+(`zero`), and a pretrained checkpoint streamed into the engine (`load`), activation
+checkpointing with and without offload (`activations`), and the CUDA tests and bench in
+one report (`gpu-check`).
 
 matplotlib is imported only when a plot is written.
 """
@@ -13,8 +14,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from tierzero.bench import activations, load, nvme, swap
+from tierzero.bench import activations, gpu_check, load, nvme, swap
 from tierzero.bench.adam import bench_cpu_adam
+from tierzero.bench.contenders import PLACEMENTS
+from tierzero.bench.gpu import bench_train_device
 from tierzero.bench.train_step import bench_train_step
 from tierzero.bench.zero import bench_zero
 from tierzero.sizes import parse_size
@@ -26,12 +29,27 @@ def _run_adam(args: argparse.Namespace) -> int:
     return 0 if result.identical else 1
 
 
+_TRAIN_DEFAULTS = {"cpu": {"seq": 128, "batch": 4, "steps": 20}, "cuda": {"seq": 512, "batch": 8, "steps": 10}}
+"""`bench train`'s shape where the command line names none, per --device."""
+
+
 def _run_train(args: argparse.Namespace) -> int:
-    result = bench_train_step(
-        nvme_path=args.nvme_path, preset=args.preset, seq=args.seq, batch=args.batch,
-        steps=args.steps, warmup=args.warmup, measure_rss=not args.no_rss, clip=args.clip, dtype=args.dtype,
+    given = {name: getattr(args, name) for name in ("seq", "batch", "steps")}
+    shape = {name: value if given[name] is None else given[name] for name, value in _TRAIN_DEFAULTS[args.device].items()}
+    if args.device == "cpu":
+        result = bench_train_step(
+            nvme_path=args.nvme_path, preset=args.preset, warmup=args.warmup, measure_rss=not args.no_rss,
+            clip=args.clip, dtype=args.dtype, **shape,
+        )
+        print(result.format())
+        return 0
+    device_result = bench_train_device(
+        device=args.device, nvme_path=args.nvme_path, placement=args.placement, preset=args.preset,
+        warmup=args.warmup, clip=args.clip, dtype=args.dtype, **shape,
     )
-    print(result.format())
+    print(device_result.format())
+    if args.json:
+        Path(args.json).write_text(device_result.to_json() + "\n")
     return 0
 
 
@@ -47,7 +65,7 @@ def _run_zero(args: argparse.Namespace) -> int:
 
 
 def add_bench_commands(subparsers: Any) -> None:
-    """Adds `bench` and its subcommands (nvme, swap, adam, train, zero) to the `tierzero` command's sub-parsers."""
+    """Adds `bench` and its subcommands (nvme, swap, adam, train, zero, ...) to the `tierzero` command's sub-parsers."""
     bench = subparsers.add_parser("bench", help="measure the NVMe tier and stress the swapper")
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     nvme_parser = commands.add_parser(
@@ -73,15 +91,26 @@ def add_bench_commands(subparsers: Any) -> None:
     train = commands.add_parser(
         "train", help="a training step with params and optimizer on NVMe beside plain in-memory PyTorch",
         description="Stage 3 with params and optimizer states on NVMe against plain PyTorch on the same "
-        "GPT, alternating step by step: step-time ratio, prefetch hit rate, peak RSS of each.",
+        "GPT, alternating step by step: step-time ratio, prefetch hit rate, peak RSS of each. "
+        "--device cuda: model TFLOPS (6 x parameters x tokens / step time), host<->device GB/s against "
+        "a pinned-memory copy's peak, prefetch hit rate.",
     )
     train.add_argument("--nvme-path", required=True, help="directory for the swap files")
+    train.add_argument(
+        "--device", choices=tuple(_TRAIN_DEFAULTS), default="cpu",
+        help="cpu (default): step ratio and peak RSS; cuda: TFLOPS, host<->device GB/s against pinned peak, hit rate",
+    )
+    train.add_argument(
+        "--placement", choices=tuple(PLACEMENTS), default="params-optimizer-nvme",
+        help="--device cuda: where tierzero keeps its state (default params-optimizer-nvme, as on cpu)",
+    )
     train.add_argument("--preset", default="30m", help="built-in GPT size (tierzero.models.PRESETS; default 30m)")
-    train.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
-    train.add_argument("--batch", type=int, default=4, help="micro-batch size (default 4)")
-    train.add_argument("--steps", type=int, default=20, help="timed steps of each (default 20)")
+    train.add_argument("--seq", type=int, help="sequence length (default 128 on cpu, 512 on cuda)")
+    train.add_argument("--batch", type=int, help="micro-batch size (default 4 on cpu, 8 on cuda)")
+    train.add_argument("--steps", type=int, help="timed steps of each (default 20 on cpu, 10 on cuda)")
     train.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    train.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs in fresh processes")
+    train.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs in fresh processes (cpu)")
+    train.add_argument("--json", help="--device cuda: also write the result here")
     train.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: tierzero's bf16 beside autocast")
     train.add_argument(
         "--clip", type=float, default=0.0, help="gradient clipping of both (tierzero's gradient_clipping, torch's clip_grad_norm_)"
@@ -113,3 +142,10 @@ def add_bench_commands(subparsers: Any) -> None:
     zero.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1: two ranks, two cores)")
     zero.add_argument("--json", help="also write the result here")
     zero.set_defaults(func=_run_zero)
+    check = commands.add_parser(
+        "gpu-check", help="tests/gpu and bench train --device cuda in one run, one JSON of results (make gpu-check)",
+        description="Run the CUDA tests and the CUDA training bench, and write what they found, with the torch and "
+        "CUDA versions and the device, to one JSON file. Fails without CUDA unless --dry-run.",
+    )
+    gpu_check.add_arguments(check)
+    check.set_defaults(func=gpu_check.command)

@@ -24,10 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from tierzero.api import initialize
-from tierzero.models import GPT, PRESETS
+from tierzero.bench.contenders import (
+    PLACEMENTS,
+    EngineTraining,
+    PlainTraining,
+    engine_config,
+    max_param_difference,
+    token_batch,
+)
 from tierzero.sizes import format_size
 
 __all__ = ["TrainStepResult", "bench_train_step", "peak_rss"]
@@ -88,60 +92,15 @@ class TrainStepResult:
         return "\n".join(lines)
 
 
-def _config(nvme_path: str, clip: float, dtype: str) -> dict[str, Any]:
-    return {
-        "zero": {"stage": 3},
-        "precision": {"param_dtype": dtype},
-        "gradient_clipping": clip,
-        "optimizer": {"type": "adamw", "lr": 1e-3, "weight_decay": 0.0},
-        "offload": {"params": "nvme", "optimizer": "nvme"},
-        "tiers": {"nvme": {"path": nvme_path}},
-    }
+_PLACEMENT = PLACEMENTS["params-optimizer-nvme"]
 
 
-def _model(preset: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return GPT(PRESETS[preset])
+def _plain(preset: str, clip: float, dtype: str = "fp32") -> PlainTraining:
+    return PlainTraining(preset, clip=clip, dtype=dtype)
 
 
-def _batch(step: int, *, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, 256, (batch, seq + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-class _Plain:
-    def __init__(self, preset: str, clip: float, dtype: str = "fp32") -> None:
-        self.model = _model(preset)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
-        self.clip, self.autocast = clip, dtype == "bf16"
-
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
-            _, loss = self.model(tokens, targets)
-        loss.backward()
-        if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    def close(self) -> None:
-        pass
-
-
-class _Tierzero:
-    def __init__(self, preset: str, nvme_path: str, clip: float, dtype: str = "fp32") -> None:
-        self.engine = initialize(_model(preset), _config(nvme_path, clip, dtype))
-
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        _, loss = self.engine(tokens, targets)
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss.item()
-
-    def close(self) -> None:
-        self.engine.close()
+def _tierzero(preset: str, nvme_path: str, clip: float, dtype: str = "fp32") -> EngineTraining:
+    return EngineTraining(preset, engine_config(stage=3, placement=_PLACEMENT, nvme_path=nvme_path, clip=clip, dtype=dtype))
 
 
 def bench_train_step(
@@ -161,28 +120,24 @@ def bench_train_step(
     if steps < 1 or warmup < 0:
         raise ValueError(f"bench needs steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     Path(nvme_path).mkdir(parents=True, exist_ok=True)
-    plain, tz = _Plain(preset, clip, dtype), _Tierzero(preset, str(nvme_path), clip, dtype)
+    plain, tz = _plain(preset, clip, dtype), _tierzero(preset, str(nvme_path), clip, dtype)
     times: dict[str, list[float]] = {"plain": [], "tierzero": []}
     hits: list[float] = []
     waited: list[float] = []
     try:
         for step in range(warmup + steps):
-            tokens, targets = _batch(step, batch=batch, seq=seq)
+            tokens, targets = token_batch(step, batch=batch, seq=seq)
             order = [("plain", plain), ("tierzero", tz)]
             for name, runner in order if step % 2 == 0 else order[::-1]:
                 started = time.perf_counter()
-                runner.step(tokens, targets)
+                runner.step(tokens, targets).item()  # a training loop reads its loss
                 if step >= warmup:
                     times[name].append(time.perf_counter() - started)
             report = tz.engine.prefetch_report()
             if step >= 1 and report is not None:
                 hits.append(report.hit_rate)
                 waited.append(report.waited_s)
-        state = tz.engine.full_state_dict()
-        assert state is not None
-        difference = max(
-            float((state[name] - p.detach()).norm() / p.detach().norm()) for name, p in plain.model.named_parameters()
-        )
+        difference = max_param_difference(tz.engine, plain.model)
     finally:
         plain.close()
         tz.close()
@@ -222,10 +177,10 @@ def peak_rss(which: str, *, preset: str, seq: int, batch: int, steps: int, nvme_
 def _rss_child(args_json: str) -> None:
     args = json.loads(args_json)
     clip = args.get("clip", 0.0)
-    runner: Any = _Plain(args["preset"], clip) if args["which"] == "plain" else _Tierzero(args["preset"], args["nvme_path"], clip)
+    runner: Any = _plain(args["preset"], clip) if args["which"] == "plain" else _tierzero(args["preset"], args["nvme_path"], clip)
     try:
         for step in range(args["steps"]):
-            runner.step(*_batch(step, batch=args["batch"], seq=args["seq"]))
+            runner.step(*token_batch(step, batch=args["batch"], seq=args["seq"]))
     finally:
         runner.close()
     # Linux reports ru_maxrss in KiB.
