@@ -4,8 +4,10 @@ Mechanism only: the store (and through it the prefetcher) says what to move; the
 swapper says how. Three paths, chosen from where the two sides live:
 
 - memory <-> memory (device <-> cpu): one tensor copy; on CUDA it runs on a
-  dedicated copy stream and a host-to-device copy completes with an event that
-  `Transfer.wait()` makes the caller's stream wait on, so the host never blocks.
+  dedicated copy stream, and the worker thread (never the caller) waits for its
+  event, so that a transfer is done only once its bytes have moved and its host side
+  may be freed; a host-to-device copy also hands the event to `Transfer.wait()`,
+  which makes the caller's stream wait on it.
 - cpu <-> nvme: direct; CPU-tier buffers are 4096-aligned, so the NVMe tier reads
   and writes them with direct I/O and no bounce copy.
 - device <-> nvme: staged, chunk by chunk through the pool (see the note below);
@@ -113,6 +115,40 @@ class Swapper:
             return self._schedule(key, True, lambda: self._staged_write(storage, region, src, produced))
         return self._schedule(key, True, lambda: self._direct(storage.write, region, src, reading=False, produced=produced))
 
+    def copy(self, *, key: Hashable, src: torch.Tensor, dst: torch.Tensor) -> Transfer:
+        """Copy `src` into `dst`, 1-D uint8 tensors of one size in memory (device or host), after the
+        key's previous operation. Done once the bytes have moved, on CUDA too: `src` may go then."""
+        if self._closed:
+            raise ValueError("the swapper is closed; open a new TieredStore to move more bytes")
+        if src.dtype != torch.uint8 or dst.dtype != torch.uint8 or src.shape != dst.shape or src.dim() != 1:
+            raise ValueError(f"copy needs two 1-D uint8 tensors of one size, got {tuple(src.shape)} and {tuple(dst.shape)}")
+        produced = self._record_current_stream() if src.is_cuda or dst.is_cuda else None
+        return self._schedule(key, False, lambda: self._memory_copy(src, dst, produced))
+
+    def _memory_copy(self, src: torch.Tensor, dst: torch.Tensor, produced: torch.cuda.Event | None) -> TransferOutcome:
+        if self._copy_stream is None or produced is None:
+            dst.copy_(src)
+            return TransferOutcome()
+        return self._stream_copy(dst, src, produced)
+
+    def _stream_copy(self, dst: torch.Tensor, src: torch.Tensor, produced: torch.cuda.Event | None) -> TransferOutcome:
+        """`dst.copy_(src)` on the copy stream, after `produced`; done once the bytes have moved."""
+        assert self._copy_stream is not None
+        with torch.cuda.stream(self._copy_stream):
+            if produced is not None:
+                self._copy_stream.wait_event(produced)
+            dst.copy_(src, non_blocking=True)
+            for t in (dst, src):
+                if t.is_cuda:
+                    # The caching allocator must not hand this block to another stream before the copy ran.
+                    t.record_stream(self._copy_stream)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        # Waited for here, in the worker (an event wait, which no sync check flags), not by the
+        # caller: once the transfer is done, its host side may be read, freed and reused.
+        event.synchronize()
+        return TransferOutcome(event=event if dst.is_cuda else None)
+
     def close(self) -> None:
         """Wait for every submitted transfer, then release the staging buffers. Idempotent."""
         if self._closed:
@@ -201,21 +237,7 @@ class Swapper:
             move(region, tensor)  # the tier's own blocking read or write
             return TransferOutcome()
         dst, src = (tensor, memory) if reading else (memory, tensor)
-        with torch.cuda.stream(self._copy_stream):
-            if produced is not None:
-                self._copy_stream.wait_event(produced)
-            dst.copy_(src, non_blocking=True)
-            for t in (dst, src):
-                if t.is_cuda:
-                    # The caching allocator must not hand this block to another stream before the copy ran.
-                    t.record_stream(self._copy_stream)
-            event = torch.cuda.Event()
-            event.record(self._copy_stream)
-        if not dst.is_cuda:
-            # Host memory is read by the host as soon as the transfer is done.
-            event.synchronize()
-            return TransferOutcome()
-        return TransferOutcome(event=event)
+        return self._stream_copy(dst, src, produced)
 
     def _staged_read(
         self, storage: TierStorage, region: Region, dst: torch.Tensor, produced: torch.cuda.Event | None
@@ -304,7 +326,9 @@ class Swapper:
             return
         with torch.cuda.stream(self._copy_stream):
             dst.copy_(src, non_blocking=True)
-        self._copy_stream.synchronize()
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        done.synchronize()  # the chunk's own copy, not the stream's (nor a sync check's) business
 
     @staticmethod
     def _record_current_stream() -> torch.cuda.Event:

@@ -63,6 +63,8 @@ class _Slice:
     fetched: Transfer[torch.Tensor] | None = None
     home_tensor: torch.Tensor | None = None
     writes: list[Future] = field(default_factory=list)
+    inherited: tuple[Future, ...] = ()
+    """Writes from a copy `adopt` moved away, which the copy now held does not wait for."""
 
     @property
     def nbytes(self) -> int:
@@ -127,6 +129,23 @@ class CountingStore:
             write.result()  # a read is ordered after the key's pending writes
         return record.fetched
 
+    def adopt(self, key: SliceKey, *, to: Tier, src: torch.Tensor | None = None) -> Transfer[torch.Tensor]:
+        record = self._slices[key]
+        if to is record.home:
+            raise ValueError(f"{key} lives on {to.value}: fetch it there instead")
+        if src is None:
+            if record.fetched is None:
+                raise ValueError(f"cannot move {key}: it is not fetched")
+            if record.copy_tier is to:
+                return record.fetched
+            self.release(key)  # the old copy goes once its writes land, as a release's
+        elif record.fetched is not None:
+            raise ValueError(f"cannot adopt a copy of {key}: it is fetched to {record.copy_tier}")
+        record.copy_tier, record.inherited = to, tuple(record.writes)
+        self._add(to, key.kind, Use.FETCHED, record.nbytes, "fetched")
+        record.fetched = Transfer.ready(record.tensor())
+        return record.fetched
+
     def write_back(self, key: SliceKey, src: torch.Tensor | None = None) -> Transfer[None]:
         record = self._slices[key]
         if src is None and (record.fetched is None or record.copy_tier is record.home):
@@ -153,7 +172,8 @@ class CountingStore:
         if tier is record.home:
             return
         assert tier is not None
-        pending = list(record.writes)
+        pending = [w for w in record.writes if not any(w is old for old in record.inherited)]
+        record.inherited = ()
         left = [len(pending)]
 
         def free(_: object = None) -> None:

@@ -29,6 +29,10 @@ class SliceStore(Protocol):
     def fetch(self, key: SliceKey, *, to: Tier) -> Transfer[torch.Tensor]:
         """Bring the slice to `to` (idempotent while fetched); `.wait()` gives a typed 1-D tensor."""
 
+    def adopt(self, key: SliceKey, *, to: Tier, src: torch.Tensor | None = None) -> Transfer[torch.Tensor]:
+        """A fetched copy on `to` made from memory: from `src` (the new value just written home)
+        or from the caller's copy on another tier, which moves; not read from the home."""
+
     def write_back(self, key: SliceKey, src: torch.Tensor | None = None) -> Transfer[None]:
         """Copy the fetched copy, or `src`, to the slice's home."""
 

@@ -16,9 +16,7 @@ never frees memory a transfer still reads.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import threading
-from dataclasses import dataclass, field
 
 import torch
 
@@ -29,58 +27,11 @@ from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
 from tierzero.slices import MODEL_STATE_KINDS, Kind, SliceKey, Tier
 from tierzero.store.ledger import Ledger, StoreReport, Use
+from tierzero.store.records import FETCHED_STATES, ScratchRecord, SliceRecord, SliceState
 from tierzero.swapper import Swapper
 from tierzero.transfer import Transfer
 
 __all__ = ["SliceState", "TieredStore"]
-
-
-class SliceState(enum.Enum):
-    HOME = "home"
-    """Only the home copy exists."""
-    FETCHING = "fetching"
-    FETCHED = "fetched"
-    WRITING = "writing"
-    """Fetched, with a write-back to the home still in flight."""
-
-
-_FETCHED_STATES = (SliceState.FETCHING, SliceState.FETCHED, SliceState.WRITING)
-
-
-@dataclass(slots=True, kw_only=True)
-class SliceRecord:
-    key: SliceKey
-    numel: int
-    dtype: torch.dtype
-    home: Region
-    state: SliceState = SliceState.HOME
-    copy_tier: Tier | None = None
-    copy: Region | None = None
-    """The fetched copy; None while fetched to the home tier (the home tensor is the copy)."""
-    fetch: Transfer[torch.Tensor] | None = None
-    writes: list[Transfer[None]] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return self.home.nbytes
-
-    def settle(self) -> None:
-        self.writes = [w for w in self.writes if not w.done()]
-        if self.state is SliceState.FETCHING and self.fetch is not None and self.fetch.done():
-            self.state = SliceState.FETCHED
-        if self.state is SliceState.WRITING and not self.writes:
-            self.state = SliceState.FETCHED
-
-    def require(self, *states: SliceState, action: str) -> None:
-        if self.state not in states:
-            wanted = " or ".join(s.value for s in states)
-            raise ValueError(f"cannot {action} {self.key}: it is {self.state.value}, expected {wanted}")
-
-
-@dataclass(slots=True, kw_only=True)
-class ScratchRecord:
-    kind: Kind
-    region: Region
 
 
 class TieredStore:
@@ -170,7 +121,7 @@ class TieredStore:
         with self._lock:
             record = self._record(key)
             record.settle()
-            if record.state in _FETCHED_STATES:
+            if record.state in FETCHED_STATES:
                 if record.copy_tier is not to:
                     raise ValueError(
                         f"{key} is already fetched to {record.copy_tier.value}, asked for {to.value}: release it first"
@@ -202,13 +153,57 @@ class TieredStore:
         record.copy_tier, record.copy = to, copy
         return transfer.then(lambda _: _typed(copy.buffer, record.dtype, record.numel))
 
+    def adopt(self, key: SliceKey, *, to: Tier, src: torch.Tensor | None = None) -> Transfer[torch.Tensor]:
+        """A fetched copy of `key` on `to`, made from memory instead of read from the home.
+
+        From `src`, the slice's new value just written home (the slice is at home then), or,
+        without it, from the copy the caller holds on another tier, which then moves: the old
+        copy goes once its transfers are done and the caller holds the new one (release it
+        as usual). The optimizer step hands its new parameters up to the device this way, so
+        that they cross the disk once, on their way home.
+        """
+        with self._lock:
+            record = self._record(key)
+            record.settle()
+            if to is Tier.NVME or to is record.home.tier:
+                raise ValueError(f"cannot adopt a copy of {key} on {to.value}: it lives on {record.home.tier.value}")
+            old, old_tier = record.copy, record.copy_tier
+            if src is None:
+                record.require(*FETCHED_STATES, action="move")
+                if old_tier is to:
+                    assert record.fetch is not None
+                    return record.fetch
+                holder = old if old is not None else record.home
+                assert holder.buffer is not None
+                source = holder.buffer[: record.numel * record.dtype.itemsize]
+                pending = [t for t in (record.fetch, *record.writes) if t is not None]
+            else:
+                record.require(SliceState.HOME, action="adopt a copy of")
+                source, _ = self._source_bytes(record, src)
+                old, pending = None, []
+            copy = self._storage(to, what=f"a copy of {key}").allocate(record.nbytes, label=f"{key} fetched")
+            try:
+                moved = self._swapper.copy(key=(key, "adopt"), src=source, dst=copy.buffer[: source.numel()])
+            except BaseException:
+                self._tiers[to].free(copy)
+                raise
+            self._ledger.add(to, key.kind, Use.FETCHED, copy.nbytes)
+            record.copy_tier, record.copy, record.state = to, copy, SliceState.FETCHING
+            record.fetch = moved.then(lambda _: _typed(copy.buffer, record.dtype, record.numel))
+            record.inherited = tuple(record.writes)
+            fetched = record.fetch
+        if old is not None:
+            assert old_tier is not None
+            self._free_when_done(old, old_tier, key.kind, [*pending, moved])
+        return fetched
+
     def write_back(self, key: SliceKey, src: torch.Tensor | None = None) -> Transfer[None]:
         """Copy the fetched copy, or `src` (same numel and dtype), to the home. Ordered after the key's fetch."""
         with self._lock:
             record = self._record(key)
             record.settle()
             if src is None:
-                record.require(*_FETCHED_STATES, action="write back")
+                record.require(*FETCHED_STATES, action="write back")
                 if record.copy is None:
                     return Transfer.ready()
                 source, source_tier = record.copy.buffer, record.copy_tier
@@ -228,9 +223,11 @@ class TieredStore:
         with self._lock:
             record = self._record(key)
             record.settle()
-            record.require(*_FETCHED_STATES, action="release")
-            copy, tier, pending = record.copy, record.copy_tier, [record.fetch, *record.writes]
+            record.require(*FETCHED_STATES, action="release")
+            own = [w for w in record.writes if not any(w is old for old in record.inherited)]
+            copy, tier, pending = record.copy, record.copy_tier, [record.fetch, *own]
             record.state, record.copy, record.copy_tier, record.fetch = SliceState.HOME, None, None, None
+            record.inherited = ()
         if copy is not None:
             assert tier is not None
             self._free_when_done(copy, tier, key.kind, [t for t in pending if t is not None])

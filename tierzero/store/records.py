@@ -1,0 +1,64 @@
+"""What the store keeps per slice and per scratch buffer (see [Note: slice lifecycle] in tiered.py)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from tierzero.offload.base import Region
+from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.transfer import Transfer
+
+__all__ = ["FETCHED_STATES", "ScratchRecord", "SliceRecord", "SliceState"]
+
+
+class SliceState(enum.Enum):
+    HOME = "home"
+    """Only the home copy exists."""
+    FETCHING = "fetching"
+    FETCHED = "fetched"
+    WRITING = "writing"
+    """Fetched, with a write-back to the home still in flight."""
+
+
+FETCHED_STATES = (SliceState.FETCHING, SliceState.FETCHED, SliceState.WRITING)
+
+
+@dataclass(slots=True, kw_only=True)
+class SliceRecord:
+    key: SliceKey
+    numel: int
+    dtype: torch.dtype
+    home: Region
+    state: SliceState = SliceState.HOME
+    copy_tier: Tier | None = None
+    copy: Region | None = None
+    """The fetched copy; None while fetched to the home tier (the home tensor is the copy)."""
+    fetch: Transfer[torch.Tensor] | None = None
+    writes: list[Transfer[None]] = field(default_factory=list)
+    inherited: tuple[Transfer[None], ...] = ()
+    """Writes from a copy `adopt` moved away: the copy now held does not wait for them to go."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.home.nbytes
+
+    def settle(self) -> None:
+        self.writes = [w for w in self.writes if not w.done()]
+        if self.state is SliceState.FETCHING and self.fetch is not None and self.fetch.done():
+            self.state = SliceState.FETCHED
+        if self.state is SliceState.WRITING and not self.writes:
+            self.state = SliceState.FETCHED
+
+    def require(self, *states: SliceState, action: str) -> None:
+        if self.state not in states:
+            wanted = " or ".join(s.value for s in states)
+            raise ValueError(f"cannot {action} {self.key}: it is {self.state.value}, expected {wanted}")
+
+
+@dataclass(slots=True, kw_only=True)
+class ScratchRecord:
+    kind: Kind
+    region: Region
