@@ -222,6 +222,9 @@ class Engine:
             # gradient is complete, overlapping the rest of backward; step() then only counts.
             grad_scale = 1.0 / (self.comm.world_size * self.cfg.gradient_accumulation_steps * scale)
             self.stage.begin_backward_step(self._scalars(grad_scale))
+        elif self.stage.last_micro_step and isinstance(self.stage, Stage3) and self.cfg.zero.overlap_step:
+            # The step waits for every gradient: its first units' states are read while backward ends.
+            self.stage.begin_step_ahead(in_forward=self.cfg.zero.step_in_forward)
         (loss * scale if scale != 1.0 else loss).backward()
         self.stage.after_backward()
 

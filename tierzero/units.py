@@ -112,6 +112,11 @@ class Unit:
         return out
 
 
+def is_root(unit: Unit) -> bool:
+    """The root unit or its frozen companion: gathered all through forward and backward (stage 3)."""
+    return unit.name.removesuffix(FROZEN_SUFFIX) == ROOT
+
+
 def plan_units(
     model: nn.Module,
     *,

@@ -225,6 +225,9 @@ def test_nvme_slices_are_streamed_one_at_a_time_and_released(tmp_path: Path) -> 
     offload = {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}
     with tierzero.initialize(make_model(), config(3, dtype="bf16", offload=offload, swap=swap)) as engine:
         train(engine, 0, 1)
+        # The step the next forward would take settles first (a save does so too), then the save streams.
+        engine.stage.settle_step()
+        engine.stage.last_step_report.wait()
         engine.store.reset_peaks()
         save_checkpoint(engine, tmp_path / "ckpt")
         cpu = engine.store.report().tiers[Tier.CPU]

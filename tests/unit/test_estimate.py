@@ -20,6 +20,7 @@ from tierzero.models import GPT, ModelSpec, count_parameters
 from tierzero.offload.base import TierCapacityError
 from tierzero.sizes import format_size
 from tierzero.slices import MODEL_STATE_KINDS, Kind, Tier
+from tierzero.stages import Stage3
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -239,6 +240,9 @@ def test_estimate_follows_a_changed_step_order(tmp_path: Path, monkeypatch: pyte
     in_backward = estimate(load_config(raw))
     # Stage 3 without clipping steps each unit inside backward; make it step after backward instead.
     monkeypatch.setattr(Engine, "_steps_in_backward", lambda self: False)
+    # ... reading nothing ahead, and sending the new parameters home only (read back by the forward).
+    monkeypatch.setattr(Stage3, "begin_step_ahead", lambda self, **_: None)
+    monkeypatch.setattr(Stage3, "_wants_new_param", lambda self, unit: False)
     after_backward = estimate(load_config(raw))
     figures = [(t.peak, t.working) for t in after_backward.tiers.values()], after_backward.nvme_read
     assert figures != ([(t.peak, t.working) for t in in_backward.tiers.values()], in_backward.nvme_read)

@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import tierzero
+from tierzero.offload.step_pipeline import MAX_RESIDENT_GROUPS
 from tierzero.slices import Kind
 from tierzero.stages.step import ForwardStep
 
@@ -109,3 +110,41 @@ def test_with_clipping_stage_3_steps_each_unit_in_the_next_forward(tmp_path: Pat
         with torch.no_grad():
             engine(tokens)
         assert all(torch.equal(before[n], v) for n, v in engine.full_state_dict().items())
+
+
+@pytest.mark.parametrize("in_forward", [False, True], ids=["after-backward", "in-forward"])
+def test_the_first_units_states_are_read_while_backward_ends_with_the_same_bits(tmp_path: Path, in_forward: bool) -> None:
+    def train(overlap: bool) -> tuple[dict[str, torch.Tensor], list[int]]:
+        cfg = {
+            "zero": {"stage": 3, "overlap_step": overlap, "step_in_forward": in_forward},
+            "optimizer": {"type": "adamw", "lr": 1e-2},
+            "gradient_clipping": 1.0,
+            "offload": {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"},
+            "tiers": {"nvme": {"path": str(tmp_path)}},
+        }
+        read_in_backward: list[int] = []
+        with tierzero.initialize(Stack(), cfg) as engine:
+            fetch, reads = engine.store.fetch, Counter[Kind]()
+
+            def counting(key: Any, **kwargs: Any) -> Any:
+                reads[key.kind] += 1
+                return fetch(key, **kwargs)
+
+            engine.store.fetch = counting
+            for step in range(4):
+                loss = engine(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step)))
+                reads.clear()
+                engine.backward(loss)
+                read_in_backward.append(reads[Kind.EXP_AVG])
+                engine.step()
+            state = engine.full_state_dict()
+        assert state is not None
+        return state, read_in_backward
+
+    reference, none_ahead = train(overlap=False)
+    state, ahead = train(overlap=True)
+    assert none_ahead == [0] * 4  # without the overlap, every state is read after backward
+    # From the second step on (the first learns the order) the step's first blocks, not the
+    # root, have their states read as their backward starts: at most the pipeline's bound.
+    assert all(1 <= n <= MAX_RESIDENT_GROUPS for n in ahead[1:]), ahead
+    assert [name for name in reference if not torch.equal(state[name], reference[name])] == []

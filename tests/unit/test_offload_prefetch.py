@@ -20,10 +20,14 @@ from harness import Case  # noqa: E402
 NVME = {"params": "nvme", "optimizer": "nvme"}
 
 
-def _engine(case: Case, swap: Path, *, offload: dict[str, str], prefetch: dict[str, int] | None = None) -> Any:
+def _engine(
+    case: Case, swap: Path, *, offload: dict[str, str], prefetch: dict[str, int] | None = None, zero: dict[str, Any] | None = None
+) -> Any:
     config = case.config() | {"offload": offload, "tiers": {"nvme": {"path": str(swap)}}}
     if prefetch is not None:
         config["prefetch"] = prefetch
+    if zero is not None:
+        config["zero"] = config["zero"] | zero
     return tierzero.initialize(case.model(), config)
 
 
@@ -44,7 +48,8 @@ def _case() -> Case:
 
 def test_order_of_step_one_is_learned_and_followed(tmp_path: Path) -> None:
     case = _case()
-    with _engine(case, tmp_path, offload={}) as engine:
+    # Stepped after backward: in the next forward a unit's slice would wait for its step's write.
+    with _engine(case, tmp_path, offload={}, zero={"stage": 3, "step_in_forward": False}) as engine:
         assert engine.prefetch_report() is None
         reports = _train(engine, case, steps=3)
         order = engine.stage.param_prefetch.policy.order

@@ -77,7 +77,9 @@ def test_placement_changes_no_bit_after_ten_steps(
 def test_nvme_states_are_read_into_host_memory_three_units_at_most(tmp_path: Path) -> None:
     case = Case(stage=3, optimizer="adamw", steps=2, dtype="bf16", accumulation=1, global_batch=4)
     offload = {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}
-    engine = tierzero.initialize(case.model(), case.config() | {"offload": offload, "tiers": {"nvme": {"path": str(tmp_path)}}})
+    config = case.config() | {"offload": offload, "tiers": {"nvme": {"path": str(tmp_path)}}}
+    config["zero"] = config["zero"] | {"step_in_forward": False}  # the step after backward, whole
+    engine = tierzero.initialize(case.model(), config)
     with engine:
         engine.backward(engine(*case.batch(0)))
         engine.store.reset_peaks()

@@ -75,15 +75,14 @@ class ZeroConfig(Section):
     """Overlap collectives with compute instead of running them inline."""
     overlap_step: bool = setting(True, BOOL)
     """Stage 3 without clipping or fp16 overflow checks: each unit steps during backward, once
-    its gradient is complete, its states read while backward goes on. The same bits as
-    stepping after backward (false)."""
-    step_in_forward: bool = setting(False, BOOL)
+    its gradient is complete, its states read while backward goes on. With them, the states
+    of the units that step first are read while backward ends. The same bits as stepping
+    after backward (false)."""
+    step_in_forward: bool = setting(True, BOOL)
     """Stage 3 with clipping or fp16 overflow checks: step each unit in the next forward, just
-    before its gather (the next unit stepped ahead, its states read meanwhile), not after
-    backward. The same bits. Off by default: on a CPU-only machine the step's compute cannot
-    run beside the forward's (bench train --clip: 1.32x plain against 1.38x, within noise), and
-    `tierzero estimate` over-counts its host peak by up to a tenth; it is meant for GPUs, where
-    the host step overlaps device compute."""
+    before its gather (the units after it stepped ahead, their states read meanwhile), not
+    after backward. The same bits. Off by default: `tierzero estimate` over-counts its host
+    peak by up to a quarter (write-backs held longer in its model than on a disk)."""
     gather_ahead: int = setting(1, int_check(1, limit=64))
     """Stage 3: block units all-gathered ahead of the one computing, in the order of the last
     forward (and reversed in backward); beyond the first, only while their gathered bytes fit in

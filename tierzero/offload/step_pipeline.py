@@ -40,7 +40,7 @@ from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.store.protocol import SliceStore
 from tierzero.transfer import Transfer
 
-__all__ = ["MAX_RESIDENT_GROUPS", "PendingWrite", "SliceGroup", "StepPipeline", "PipelineReport", "step_tier"]
+__all__ = ["MAX_RESIDENT_GROUPS", "PendingWrite", "PipelineReport", "Prepared", "SliceGroup", "StepPipeline", "step_tier"]
 
 #: Groups whose slices are in host memory at once: one read ahead, one computing, one writing.
 MAX_RESIDENT_GROUPS = 3
@@ -114,6 +114,9 @@ class PipelineReport:
             self.unfinished.pop(0).wait()
 
 
+#: A group and the reads started for it, by kind.
+Prepared = tuple[SliceGroup, dict[Kind, Transfer[torch.Tensor]]]
+
 #: One group's compute: the fetched slices by kind in, the writes it started out.
 Compute = Callable[[SliceGroup, dict[Kind, torch.Tensor]], Sequence[PendingWrite]]
 
@@ -134,16 +137,22 @@ class StepPipeline:
         *,
         written: Callable[[SliceGroup], None] | None = None,
         max_resident: int = MAX_RESIDENT_GROUPS,
+        prepared: Sequence[Prepared] = (),
+        hand_off: Callable[[SliceKey], bool] | None = None,
     ) -> None:
         """`written(group)` is told once the group's write-backs are queued: a read of its slices
         submitted after that sees the new bytes, as the swapper orders a key's operations.
-        `max_resident` lowers the bound on groups held at once (a step that shares memory with a forward)."""
+        `max_resident` lowers the bound on groups held at once (a step that shares memory with a forward).
+        `prepared` takes over the reads another pipeline started (its `hand_over`).
+        `hand_off(key)` is offered each fetched slice of a stepped group once its write-back is
+        queued: True when it took the copy over (`SliceStore.adopt`), which is then not released."""
         self._store, self._compute, self._written = store, compute, written
+        self._hand_off = hand_off
         self._max_resident = max_resident
         self._writing: deque[_Writing] = deque()
-        self._waiting: tuple[SliceGroup, dict[Kind, Transfer[torch.Tensor]]] | None = None
-        self._prepared: list[tuple[SliceGroup, dict[Kind, Transfer[torch.Tensor]]]] = []
-        self.report = PipelineReport()
+        self._waiting: Prepared | None = None
+        self._prepared: list[Prepared] = list(prepared)
+        self.report = PipelineReport(prepared=len(self._prepared))
 
     def prepare(self, group: SliceGroup) -> None:
         """Start reading `group`'s slices but its gradient (which backward is still producing)
@@ -165,6 +174,12 @@ class StepPipeline:
         self.report.prepared += 1
         self._note_resident()
 
+    def hand_over(self) -> list[Prepared]:
+        """The groups prepared and not pushed, for a pipeline built later to push (`prepared=`):
+        a step whose scalars are known only after backward, whose reads started during it."""
+        held, self._prepared = self._prepared, []
+        return held
+
     def push(self, group: SliceGroup) -> None:
         """Start reading `group` (what `prepare` did not), then compute the group pushed before it."""
         prepared = next((reads for held, reads in self._prepared if held == group), None)
@@ -185,6 +200,11 @@ class StepPipeline:
         """Record the groups held now (`extra`: one about to compute, besides those counted)."""
         resident = len(self._writing) + (self._waiting is not None) + len(self._prepared) + extra
         self.report.peak_resident_groups = max(self.report.peak_resident_groups, resident)
+
+    def drain(self, *, keep: int) -> None:
+        """Wait until at most `keep` groups are still writing back (the oldest land first)."""
+        while len(self._writing) > keep:
+            self._writing.popleft().wait()
 
     def _make_room(self) -> None:
         """Drain write-backs until one more group fits in the bound."""
@@ -252,7 +272,8 @@ class StepPipeline:
         transfers = [w.transfer for w in writes]
         for key in group.keys():
             transfer = store.write_back(key)
-            store.release(key)
+            if self._hand_off is None or not self._hand_off(key):
+                store.release(key)
             # Registered after the release's own callback, so this one fires after the free.
             transfers.append(transfer)
         job.transfers = transfers

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -30,7 +30,7 @@ import torch
 
 from tierzero import comm as C
 from tierzero.activations import SavedActivations, recomputing
-from tierzero.offload.step_pipeline import PendingWrite, PipelineReport
+from tierzero.offload.step_pipeline import PendingWrite, PipelineReport, Prepared
 from tierzero.optim import FlatOptimizer
 from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.binding import UnitParams, bind
@@ -339,17 +339,18 @@ class Stage(ABC):
             with self.slice(unit, Kind.GRAD, write=True) as grads:
                 grads.zero_()
 
-    def step(self, scalars: StepScalars, *, clip_coef: float) -> None:
+    def step(self, scalars: StepScalars, *, clip_coef: float, prepared: Sequence[Prepared] = ()) -> None:
         """Step every unit with gradients where the optimizer states live (stages/step.py)."""
         self._land_last_step()
-        report = run_step(self, scalars, clip_coef=clip_coef, **self._step_hooks())
+        report = run_step(self, scalars, clip_coef=clip_coef, prepared=prepared, **self._step_hooks())
         if report.groups or self.last_step_report is None:
             self.last_step_report = report
 
     def begin_backward_step(self, scalars: StepScalars) -> None:
         """Step each unit during the coming backward, as soon as its gradient is complete (stage 3)."""
         self._land_last_step()
-        self._backward_step = BackwardStep(self, scalars, written=self._step_hooks().get("written"))
+        hooks = self._step_hooks()
+        self._backward_step = BackwardStep(self, scalars, written=hooks.get("written"), hand_off=hooks.get("hand_off"))
 
     def finish_backward_step(self) -> None:
         """Step the last unit of the backward step (after every gradient has landed)."""

@@ -60,15 +60,25 @@ class ParamPrefetch:
         self._issue()
         self._drop_early()  # a warm fetch the plan did not want (the order's first unit changed)
 
+    def can_warm(self, unit: str) -> bool:
+        """Whether `unit`, one of the next step's first, may start up now: between steps, or once
+        every unit of this step has run (the backward's last optimizer steps), and not yet started."""
+        return not ((self._in_step and not self.policy.exhausted) or unit in self._early or self.blocked(unit))
+
     def warm(self, unit: str) -> None:
-        """Start fetching `unit`, one of the next step's first, before that step opens: between
-        steps, or once every unit of this step has run (the backward's last optimizer steps)."""
+        """Start fetching `unit` ahead of the next step, if `can_warm`."""
         key = SliceKey(unit, Kind.PARAM)
-        if (self._in_step and not self.policy.exhausted) or unit in self._early or not self.store.at_home(key):
-            return
-        if self.blocked(unit):
-            return
-        self._early[unit] = self.store.fetch(key, to=Tier.DEVICE)
+        if self.can_warm(unit) and self.store.at_home(key):
+            self._early[unit] = self.store.fetch(key, to=Tier.DEVICE)
+
+    def wants(self, unit: str) -> bool:
+        """Whether the open step's plan would fetch `unit` now, within its budgets."""
+        return self._in_step and any(request.unit == unit for request in self.policy.plan())
+
+    def adopt(self, unit: str, transfer: Transfer[torch.Tensor]) -> None:
+        """`unit`'s new PARAM slice, coming up to the device from the optimizer step's memory
+        (`SliceStore.adopt`) rather than from its home: taken as a fetch started early."""
+        self._early[unit] = transfer
 
     def acquire(self, unit: str, phase: Phase) -> torch.Tensor:
         """The unit's PARAM slice on the device: prefetched (a hit if it already landed) or fetched now."""
@@ -82,6 +92,8 @@ class ParamPrefetch:
         if transfer is None and unit in self._kept:
             self._kept.discard(unit)
             transfer = self.store.fetch(key, to=Tier.DEVICE)  # still fetched: hands back the same copy
+        if transfer is None:
+            transfer = self._early.pop(unit, None)  # started early, and the plan has not come to it
         ready = transfer is not None and transfer.done()
         if transfer is None:
             transfer = self.store.fetch(key, to=Tier.DEVICE)

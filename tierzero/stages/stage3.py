@@ -39,8 +39,9 @@ from tierzero.slices import Kind, SliceKey, Tier, storage_id
 from tierzero.stages.base import Stage, mark_state
 from tierzero.stages.binding import bind
 from tierzero.stages.param_prefetch import ParamPrefetch
-from tierzero.stages.step import ForwardStep, StepScalars
-from tierzero.units import FROZEN_SUFFIX, ROOT, Unit, UnitState
+from tierzero.stages.stage3_step import StepInTime
+from tierzero.stages.step import ForwardStep, StepAhead
+from tierzero.units import Unit, UnitState, is_root
 
 #: `prefetch.max_live_bytes`'s default, for stages built without a config.
 DEFAULT_GATHER_BUDGET = 2**30
@@ -57,7 +58,7 @@ class SavedView:
     stride: tuple[int, ...]
 
 
-class Stage3(Stage):
+class Stage3(StepInTime, Stage):
     number = 3
     shards_grads = True
     shards_params = True
@@ -92,6 +93,10 @@ class Stage3(Stage):
         self._phase = Phase.FORWARD
         self._forward_step: ForwardStep | None = None
         """An optimizer step deferred into the next forward (`defer_step`)."""
+        self._stepping_in_forward = False
+        """Whether a `ForwardStep` steps units now (it hands each unit's new parameters to the forward)."""
+        self._step_ahead: StepAhead | None = None
+        """The first reads of a step that waits for the end of backward (`begin_step_ahead`)."""
         if param_prefetch is not None:
             param_prefetch.blocked = self._awaits_step
 
@@ -149,7 +154,7 @@ class Stage3(Stage):
         if unit not in self._order:
             return
         index = self._order.index(unit) + step
-        if _is_root(unit) and step < 0:
+        if is_root(unit) and step < 0:
             index = len(self._order) - 1  # backward starts at the root, then the last block
         while 0 <= index < len(self._order):
             target = self._order[index]
@@ -162,7 +167,7 @@ class Stage3(Stage):
             ]  # fmt: skip
             # A module's trained and frozen units are gathered together: they take one place ahead.
             modules = {id(u.module) for u in ahead}
-            if _is_root(target) or (id(target.module) not in modules and len(modules) >= self.gather_ahead):
+            if is_root(target) or (id(target.module) not in modules and len(modules) >= self.gather_ahead):
                 return
             # In the order their hooks ran first, so that the prefetcher sees the order it learned.
             group = [u for u in self._order if u.module is target.module]
@@ -174,7 +179,7 @@ class Stage3(Stage):
 
     def _counts_ahead(self, unit: Unit) -> bool:
         """Whether a gathered unit counts against the gather-ahead bounds (not the root, not a persistent one)."""
-        return not _is_root(unit) and not self._persists(unit)
+        return not is_root(unit) and not self._persists(unit)
 
     # ---- hooks --------------------------------------------------------------------
 
@@ -218,11 +223,13 @@ class Stage3(Stage):
     def pre_backward(self, unit: Unit) -> None:
         self._phase = Phase.BACKWARD
         self.unshard(unit)
-        if self._backward_step is not None and self.last_micro_step and unit.pending_uses == 1 and not _is_root(unit):
+        if self._backward_step is not None and self.last_micro_step and unit.pending_uses == 1 and not is_root(unit):
             # The unit's last use: it steps once this backward ends, so its states (and, now
             # that the gather has read it, its PARAM slice) can come up already. Not the
             # root, whose backward starts first and ends last: it would hold a group all along.
             self._backward_step.expect(unit)
+        elif self._step_ahead is not None and self.last_micro_step and unit.pending_uses == 1:
+            self._step_ahead.expect(unit)
         # Activation checkpointing (non-reentrant) re-runs the unit's forward without its
         # module hooks: it must find the weights bound, and requiring grad as in the first
         # forward (it checks that the same tensors get saved). Its gradients flow through
@@ -251,61 +258,16 @@ class Stage3(Stage):
                 # its first units can start coming up now.
                 self.param_prefetch.begin_step()
 
-    def step(self, scalars: StepScalars, *, clip_coef: float) -> None:
-        super().step(scalars, clip_coef=clip_coef)
-        if self.param_prefetch is not None and self.param_prefetch.policy.order:
-            # Fetch the next forward's first units while the caller gets the next batch.
-            self.param_prefetch.begin_step()
-
-    def defer_step(self, scalars: StepScalars, *, clip_coef: float) -> None:
-        """Step each unit in the next forward, just before its gather (stages/step.py `ForwardStep`)."""
-        self._land_last_step()
-        if not any(unit.has_grads for unit in self.units):
-            self.step(scalars, clip_coef=clip_coef)  # nothing to step (it ran in backward): start the next fetches
-            return
-        self._forward_step = ForwardStep(self, scalars, clip_coef=clip_coef, order=self._order, written=self._stepped)
-        if self.param_prefetch is not None and self.param_prefetch.policy.order:
-            # The first units stepped already: their new slices start up while the caller gets the next batch.
-            self.param_prefetch.begin_step()
-
-    def settle_step(self) -> None:
-        """Finish a deferred step: before backward, a checkpoint, or any read of the parameters."""
-        job, self._forward_step = self._forward_step, None
-        if job is not None:
-            self.last_step_report = job.finish()
-
-    def drop_step(self) -> None:
-        """Forget a deferred step (the engine closes: its slices are about to go)."""
-        job, self._forward_step = self._forward_step, None
-        if job is not None:
-            job.abort()
-
-    def _awaits_step(self, name: str) -> bool:
-        job = self._forward_step
-        return job is not None and any(job.pending(u) for u in self.units if u.name == name)
-
-    def _stepped(self, name: str) -> None:
-        if self.param_prefetch is not None:
-            self.param_prefetch.resume()
-
     def gather_fp32(self, unit: Unit) -> torch.Tensor:
         self.settle_step()
         if self.param_prefetch is not None:
             self.param_prefetch.end_step()  # it reads the slices itself: drop the copies fetched ahead
         return super().gather_fp32(unit)
 
-    def _step_hooks(self) -> dict[str, Any]:
-        prefetch = self.param_prefetch
-        if prefetch is None or not prefetch.policy.order:
-            return {}
-        # The next forward's first units step first, and their new slices start coming up
-        # while the other units step: otherwise nothing could hide their reads.
-        first = prefetch.policy.first_units()
-        return {"first": first, "written": lambda unit: prefetch.warm(unit) if unit in first else None}
-
     def finish(self, *, closing: bool = False) -> None:
         try:
             # A save or an export must see the deferred step; at close nothing can read it any more.
+            self.drop_step_ahead()
             if closing:
                 self.drop_step()
             else:
@@ -358,13 +320,13 @@ class Stage3(Stage):
         if not self.mixed:
             return []  # the PARAM slice is its own master: the step pipeline writes it home
         # Straight to the home tier in the compute dtype, without reading the old slice first.
+        key = SliceKey(unit.name, Kind.PARAM)
         value = master.to(self.param_dtype)
-        return [PendingWrite(self.store.write_back(SliceKey(unit.name, Kind.PARAM), value), value)]
-
-
-def _is_root(unit: Unit) -> bool:
-    """The root unit or its frozen companion: gathered all through forward and backward."""
-    return unit.name.removesuffix(FROZEN_SUFFIX) == ROOT
+        written = PendingWrite(self.store.write_back(key, value), value)
+        if self._wants_new_param(unit.name):
+            assert self.param_prefetch is not None
+            self.param_prefetch.adopt(unit.name, self.store.adopt(key, to=Tier.DEVICE, src=value))
+        return [written]
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

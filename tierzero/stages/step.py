@@ -9,7 +9,7 @@ the states; so device, CPU and NVMe homes give identical bits.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,17 +20,22 @@ from tierzero.offload.step_pipeline import (
     MAX_RESIDENT_GROUPS,
     PendingWrite,
     PipelineReport,
+    Prepared,
     SliceGroup,
     StepPipeline,
     step_tier,
 )
 from tierzero.optim import FlatOptimizer, SliceLayout
-from tierzero.slices import Kind, Tier
+from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.plan import Homes
 from tierzero.store.protocol import SliceStore
 from tierzero.units import Unit
 
-__all__ = ["BackwardStep", "ForwardStep", "StepScalars", "Steppable", "run_step", "slice_group"]
+__all__ = ["BackwardStep", "ForwardStep", "HandOff", "StepAhead", "StepScalars", "Steppable", "run_step", "slice_group"]
+
+
+#: Offered each stepped slice: True when it took the fetched copy over (`StepPipeline`'s `hand_off`).
+HandOff = Callable[[SliceKey], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +90,8 @@ def run_step(
     clip_coef: float,
     first: list[str] | None = None,
     written: Callable[[str], None] | None = None,
+    prepared: Sequence[Prepared] = (),
+    hand_off: HandOff | None = None,
 ) -> PipelineReport:
     """Step every unit that has gradients, in unit order, through the pipeline.
 
@@ -92,14 +99,16 @@ def run_step(
     torch.optim skips parameters whose .grad is None. Every rank runs the same modules
     (ZeRO's collectives assume it), so every rank skips the same units. The units in
     `first` step first, in that order, and `written(unit)` is told as soon as a unit's
-    new parameters are on their way home.
+    new parameters are on their way home. `prepared`: reads a `StepAhead` started.
     """
     units = [unit for unit in stage.units if unit.has_grads]
     for unit in stage.units:
         unit.has_grads = False
-    head = [unit for name in first or () for unit in units if unit.name == name]
-    ordered = head + [unit for unit in units if unit not in head]
-    pipeline = _pipeline(stage, scalars, clip_coef=clip_coef, written=written)
+    # The groups read ahead step first, so that they never stay held beside the bound's groups.
+    ahead = [group.unit for group, _ in prepared]
+    head = [unit for name in [*ahead, *(first or ())] for unit in units if unit.name == name]
+    ordered = list(dict.fromkeys(head)) + [unit for unit in units if unit not in head]
+    pipeline = _pipeline(stage, scalars, clip_coef=clip_coef, written=written, prepared=prepared, hand_off=hand_off)
     # Drained: the step leaves no host copy behind, so the next step's memory starts from zero.
     return pipeline.run([slice_group(stage, unit) for unit in ordered])
 
@@ -114,9 +123,10 @@ class BackwardStep:
     the bits are the same as stepping after backward.
     """
 
-    def __init__(self, stage: Steppable, scalars: StepScalars, *, written: Callable[[str], None] | None = None) -> None:
+    def __init__(self, stage: Steppable, scalars: StepScalars, *, written: Callable[[str], None] | None = None,
+                 hand_off: HandOff | None = None) -> None:  # fmt: skip
         self._stage = stage
-        self._pipeline = _pipeline(stage, scalars, clip_coef=1.0, written=written)
+        self._pipeline = _pipeline(stage, scalars, clip_coef=1.0, written=written, hand_off=hand_off)
 
     def expect(self, unit: Unit) -> None:
         """`unit`'s backward has started: read its states now, ahead of its gradient."""
@@ -135,6 +145,40 @@ class BackwardStep:
         self._pipeline.abort()
 
 
+class StepAhead:
+    """The first reads of a step that waits for every gradient, started while backward ends.
+
+    With clipping or fp16 overflow checks no unit can step before backward has ended,
+    but the units that step first (the next forward's first) end their backward last:
+    their states are read as their backward starts, while it and the units after it
+    compute, so the step begins with them in memory. Reads only, the same bytes the
+    step would read: `hand_over` gives them to the step's pipeline, which adds the
+    gradients (`StepPipeline.prepare`).
+    """
+
+    def __init__(self, stage: Steppable, head: list[Unit], *, max_resident: int = MAX_RESIDENT_GROUPS) -> None:
+        """`head`: the units the step pushes first, within the step pipeline's `max_resident` groups."""
+        assert len(head) <= max_resident, head
+        self._stage = stage
+        self._head = head
+
+        def compute(group: SliceGroup, fetched: dict[Kind, torch.Tensor]) -> list[PendingWrite]:
+            raise AssertionError(f"{group.unit}: a StepAhead only reads; its step's pipeline computes")
+
+        self._pipeline = StepPipeline(stage.store, compute, max_resident=max_resident)
+
+    def expect(self, unit: Unit) -> None:
+        """`unit`'s backward has started and is its last this step: read its states if it steps first."""
+        if unit in self._head:
+            self._pipeline.prepare(slice_group(self._stage, unit))
+
+    def hand_over(self) -> list[Prepared]:
+        return self._pipeline.hand_over()
+
+    def abort(self) -> None:
+        self._pipeline.abort()
+
+
 class ForwardStep:
     """The optimizer step run in the next forward's order: each unit steps just before its gather.
 
@@ -148,9 +192,12 @@ class ForwardStep:
 
     LOOKAHEAD = 2
     """Units stepped ahead of the one the forward reaches: time for their writes to land."""
+    MAX_RESIDENT = 3
+    """Groups held at once beside the forward's own memory: read ahead, computing, writing."""
 
     def __init__(self, stage: Steppable, scalars: StepScalars, *, clip_coef: float, order: list[Unit],
-                 written: Callable[[str], None] | None = None) -> None:  # fmt: skip
+                 written: Callable[[str], None] | None = None, prepared: Sequence[Prepared] = (),
+                 hand_off: HandOff | None = None) -> None:  # fmt: skip
         units = [unit for unit in stage.units if unit.has_grads]
         for unit in stage.units:
             unit.has_grads = False
@@ -166,8 +213,10 @@ class ForwardStep:
             if written is not None:
                 written(unit)
 
-        # Two groups at most: one read ahead and one computing or writing, beside the forward's own memory.
-        self._pipeline = _pipeline(stage, scalars, clip_coef=clip_coef, written=stepped, max_resident=2)
+        self._pipeline = _pipeline(
+            stage, scalars, clip_coef=clip_coef, written=stepped, prepared=prepared, hand_off=hand_off,
+            max_resident=self.MAX_RESIDENT,
+        )  # fmt: skip
         if self._queue:
             # The forward's first units step now, while the caller gets the next batch, so that
             # their new parameters can come up before the forward starts.
@@ -182,6 +231,10 @@ class ForwardStep:
         it: their new parameters are then written and come up (the prefetcher) while `unit` computes."""
         if unit not in self._queue:
             return
+        # The units stepped so far had the forward's last unit to land their write-backs: waiting
+        # for them bounds the host copies by the groups read and computing (on a disk that keeps
+        # up, as `tierzero estimate` counts them), at no cost (bench train --clip: within noise).
+        self._pipeline.drain(keep=0)
         index = self._queue.index(unit)
         target = self._queue[min(index + self.LOOKAHEAD, len(self._queue) - 1)]
         while self.pending(target):
@@ -212,6 +265,8 @@ def _pipeline(
     *,
     clip_coef: float,
     written: Callable[[str], None] | None,
+    prepared: Sequence[Prepared] = (),
+    hand_off: HandOff | None = None,
     max_resident: int = MAX_RESIDENT_GROUPS,
 ) -> StepPipeline:
     by_name = {unit.name: unit for unit in stage.units}
@@ -220,7 +275,9 @@ def _pipeline(
         return _step_unit(stage, by_name[group.unit], fetched, scalars, clip_coef=clip_coef)
 
     told = None if written is None else (lambda group: written(group.unit))
-    return StepPipeline(stage.store, compute, written=told, max_resident=max_resident)
+    return StepPipeline(
+        stage.store, compute, written=told, prepared=prepared, hand_off=hand_off, max_resident=max_resident
+    )
 
 
 def _step_unit(

@@ -1,0 +1,143 @@
+"""The step's new parameters go up to the device from the step's memory (`SliceStore.adopt`), not
+read back from NVMe: the bytes and bits a read would give, one disk crossing fewer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_grad_norm import Stack
+
+import tierzero
+from tierzero.offload.cpu import CpuTier
+from tierzero.offload.device import DeviceTier
+from tierzero.offload.nvme import NvmeTier
+from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.stages import Stage3
+from tierzero.store import SliceState, TieredStore
+from tierzero.store.ledger import Use
+from tierzero.swapper import Swapper
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _store(tmp_path: Path) -> tuple[TieredStore, list[SliceKey]]:
+    cpu = CpuTier(capacity=64 << 20, reuse_limit=0)
+    tiers = {
+        Tier.DEVICE: DeviceTier(capacity=64 << 20),
+        Tier.CPU: cpu,
+        Tier.NVME: NvmeTier(tmp_path, capacity=16 << 20, block_size=64 << 10, queue_depth=4, threads=2),
+    }
+    store = TieredStore(tiers=tiers, swapper=Swapper(buffer_size=8192, buffer_count=2, host=cpu))
+    reads: list[SliceKey] = []
+    read = store.swapper.read
+
+    def counting(**kwargs: Any) -> Any:
+        reads.append(kwargs["key"])
+        return read(**kwargs)
+
+    store.swapper.read = counting  # type: ignore[method-assign]
+    return store, reads
+
+
+def test_a_new_value_written_home_is_adopted_on_the_device_without_a_read(tmp_path: Path) -> None:
+    store, reads = _store(tmp_path)
+    with store:
+        key = SliceKey("u", Kind.PARAM)
+        store.register(key, numel=5000, dtype=torch.bfloat16, home=Tier.NVME)
+        value = torch.randn(5000).to(torch.bfloat16)
+        store.write_back(key, value)
+        on_device = store.adopt(key, to=Tier.DEVICE, src=value).wait()
+        assert torch.equal(on_device, value) and on_device.data_ptr() != value.data_ptr()
+        assert reads == [] and store.state(key) is not SliceState.HOME
+        store.release(key)
+        assert torch.equal(store.fetch(key, to=Tier.DEVICE).wait(), value)  # the write landed home
+        assert reads == [key]
+
+
+def test_a_fetched_copy_moves_up_a_tier_and_the_old_one_goes(tmp_path: Path) -> None:
+    store, reads = _store(tmp_path)
+    with store:
+        key = SliceKey("u", Kind.MASTER)
+        store.register(key, numel=3000, dtype=torch.float32, home=Tier.NVME)
+        store.write_back(key, torch.zeros(3000)).wait()
+        host = store.fetch(key, to=Tier.CPU).wait()
+        host.add_(torch.arange(3000.0))  # the step, in place
+        store.write_back(key)
+        moved = store.adopt(key, to=Tier.DEVICE)  # the caller now holds the device copy, not the host one
+        assert torch.equal(moved.wait(), torch.arange(3000.0))
+        store.swapper.close()  # every transfer has run: the host copy's release is due
+        cpu = store.report().tiers[Tier.CPU]
+        assert cpu.current_by_kind.get(Kind.MASTER, 0) == 0
+        assert store.report().tiers[Tier.DEVICE].current_by_kind[Kind.MASTER] >= 3000 * 4
+        assert reads == [key]  # the first fetch only
+
+
+def test_adopt_refuses_what_it_cannot_do_and_changes_nothing(tmp_path: Path) -> None:
+    store, _ = _store(tmp_path)
+    with store:
+        key = SliceKey("u", Kind.PARAM)
+        store.register(key, numel=100, dtype=torch.float32, home=Tier.NVME)
+        with pytest.raises(ValueError, match="cannot adopt a copy of .* on nvme"):
+            store.adopt(key, to=Tier.NVME, src=torch.zeros(100))
+        with pytest.raises(ValueError, match="cannot move .* it is home"):
+            store.adopt(key, to=Tier.DEVICE)
+        with pytest.raises(ValueError, match="expects 100 elements of torch.float32"):
+            store.adopt(key, to=Tier.DEVICE, src=torch.zeros(99))
+        store.fetch(key, to=Tier.CPU).wait()
+        with pytest.raises(ValueError, match="cannot adopt a copy of .* it is fetched"):
+            store.adopt(key, to=Tier.DEVICE, src=torch.zeros(100))
+        assert store.state(key) is SliceState.FETCHED
+        assert store.report().tiers[Tier.DEVICE].current_by_kind.get(Kind.PARAM, 0) == 0
+        assert store.report().tiers[Tier.DEVICE].current_by_use.get(Use.FETCHED, 0) == 0
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_next_forward_reads_no_parameter_back_from_nvme(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    def train(hand_off: bool) -> tuple[dict[str, torch.Tensor], list[int]]:
+        if not hand_off:
+            monkeypatch.setattr(Stage3, "_wants_new_param", lambda self, unit: False)
+        cfg = {
+            "zero": {"stage": 3, "step_in_forward": True},
+            "precision": {"param_dtype": dtype},
+            "optimizer": {"type": "adamw", "lr": 1e-2},
+            "gradient_clipping": 1.0,
+            "offload": {"params": "nvme", "optimizer": "nvme"},
+            "tiers": {"nvme": {"path": str(tmp_path)}},
+        }
+        read_in_forward: list[int] = []
+        with tierzero.initialize(Stack(), cfg) as engine:
+            fetch, store = engine.store.fetch, engine.store
+            reads = [0]
+
+            def counting(key: SliceKey, *, to: Tier) -> Any:
+                if key.kind is Kind.PARAM and store.at_home(key):
+                    reads[0] += 1  # a real read from the home; an adopted copy is fetched already
+                return fetch(key, to=to)
+
+            engine.store.fetch = counting
+            for step in range(4):
+                reads[0] = 0
+                loss = engine(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step)))
+                read_in_forward.append(reads[0])
+                engine.backward(loss)
+                engine.step()
+            state = engine.full_state_dict()
+        monkeypatch.undo()
+        assert state is not None
+        return state, read_in_forward
+
+    reference, read_back = train(hand_off=False)
+    state, handed = train(hand_off=True)
+    units = len(read_back) and read_back[-1]
+    assert units == 4  # root and three blocks, each read back in every forward
+    # From the third step on (the first learns the order, the second's step opens the
+    # prefetcher's plan) the forward reads nothing: every stepped unit was handed up.
+    assert handed[2:] == [0, 0], handed
+    assert [name for name in reference if not torch.equal(state[name], reference[name])] == []

@@ -1,0 +1,148 @@
+"""Stage 3's optimizer step placed in time: read ahead as backward ends, run in the next forward,
+and its new parameters handed up to the device instead of read back.
+
+With clipping or fp16 overflow checks, no unit can step before backward has ended. The
+units the step takes first have their states read while their backward runs
+(`StepAhead`); with `zero.step_in_forward` each unit then steps in the next forward,
+just before its gather (`ForwardStep`). Either way, the new parameters of the units the
+next forward wants soon go up to the device from the step's memory (`hand_off`,
+`SliceStore.adopt`): they cross the disk once, on their way home. Stage 3 mixes this in;
+the arithmetic is `stages/step.py`'s, so none of it changes a bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tierzero.offload.step_pipeline import MAX_RESIDENT_GROUPS, Prepared
+from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.stages.param_prefetch import ParamPrefetch
+from tierzero.stages.step import ForwardStep, StepAhead, StepScalars
+from tierzero.units import Unit, is_root
+
+__all__ = ["StepInTime"]
+
+
+class StepInTime:
+    """The step-timing half of `Stage3` (a mixin: it uses the stage's units, order, store and prefetcher)."""
+
+    units: list[Unit]
+    trained: list[Unit]
+    store: Any
+    homes: Any
+    param_prefetch: ParamPrefetch | None
+    last_step_report: Any
+    _order: list[Unit]
+    _forward_step: ForwardStep | None
+    _stepping_in_forward: bool
+    _step_ahead: StepAhead | None
+
+    def begin_step_ahead(self, *, in_forward: bool) -> None:
+        """The coming backward's step waits for every gradient: read the states of the units it
+        steps first while their backward runs (`StepAhead`); `in_forward`: it is a `defer_step`."""
+        self.drop_step_ahead()
+        if in_forward:
+            order, bound = [u for u in self._order if u.trainable], ForwardStep.MAX_RESIDENT
+        else:
+            first = self._step_hooks().get("first", [])
+            order = [u for name in first for u in self.units if u.name == name] + self.trained
+            bound = MAX_RESIDENT_GROUPS
+        # The groups the step holds first; not the root's, whose backward starts first and ends
+        # last (it would be held all along): the step reads it when it comes to it.
+        head = [unit for unit in list(dict.fromkeys(order))[:bound] if not is_root(unit)]
+        self._step_ahead = StepAhead(self, head, max_resident=bound)
+
+    def drop_step_ahead(self) -> None:
+        """Forget the reads started ahead (a step skipped for overflow, or the engine closes)."""
+        ahead, self._step_ahead = self._step_ahead, None
+        if ahead is not None:
+            ahead.abort()
+
+    def _prepared_reads(self) -> list[Prepared]:
+        ahead, self._step_ahead = self._step_ahead, None
+        return [] if ahead is None else ahead.hand_over()
+
+    def zero_grads(self) -> None:
+        self.drop_step_ahead()
+        super().zero_grads()
+
+    def step(self, scalars: StepScalars, *, clip_coef: float, prepared: Sequence[Prepared] = ()) -> None:
+        super().step(scalars, clip_coef=clip_coef, prepared=[*prepared, *self._prepared_reads()])
+        if self.param_prefetch is not None and self.param_prefetch.policy.order:
+            # Fetch the next forward's first units while the caller gets the next batch.
+            self.param_prefetch.begin_step()
+
+    def defer_step(self, scalars: StepScalars, *, clip_coef: float) -> None:
+        """Step each unit in the next forward, just before its gather (stages/step.py `ForwardStep`)."""
+        self._land_last_step()
+        if not any(unit.has_grads for unit in self.units):
+            self.step(scalars, clip_coef=clip_coef)  # nothing to step (it ran in backward): start the next fetches
+            return
+        self._stepping_in_forward = True
+        if self.param_prefetch is not None and self.param_prefetch.policy.order:
+            # Open the next forward's prefetch step now: the first units step right away, and their new
+            # slices go up (within its budgets) while the caller gets the next batch.
+            self.param_prefetch.begin_step()
+        self._forward_step = ForwardStep(
+            self, scalars, clip_coef=clip_coef, order=self._order, written=self._stepped,
+            prepared=self._prepared_reads(), hand_off=self.hand_off,
+        )  # fmt: skip
+
+    def settle_step(self) -> None:
+        """Finish a deferred step: before backward, a checkpoint, or any read of the parameters."""
+        job = self._forward_step
+        # What the forward did not reach steps now, for the backward: its slices only go home,
+        # and stay blocked from the prefetcher until stepped (the job stays attached meanwhile).
+        self._stepping_in_forward = False
+        if job is not None:
+            try:
+                self.last_step_report = job.finish()
+            finally:
+                self._forward_step = None
+
+    def drop_step(self) -> None:
+        """Forget a deferred step (the engine closes: its slices are about to go)."""
+        job, self._forward_step = self._forward_step, None
+        self._stepping_in_forward = False
+        if job is not None:
+            job.abort()
+
+    def _awaits_step(self, name: str) -> bool:
+        job = self._forward_step
+        if job is None:
+            return self._stepping_in_forward  # being set up: what it steps is handed over (`hand_off`)
+        return any(job.pending(u) for u in self.units if u.name == name)
+
+    def _stepped(self, name: str) -> None:
+        if self.param_prefetch is not None:
+            self.param_prefetch.resume()
+
+    def _step_hooks(self) -> dict[str, Any]:
+        prefetch = self.param_prefetch
+        if prefetch is None or not prefetch.policy.order:
+            return {}
+        # The next forward's first units step first, and their new slices start coming up
+        # while the other units step: otherwise nothing could hide their reads.
+        first = prefetch.policy.first_units()
+        return {"first": first, "written": lambda unit: prefetch.warm(unit) if unit in first else None,
+                "hand_off": self.hand_off}  # fmt: skip
+
+    def hand_off(self, key: SliceKey) -> bool:
+        """Take the stepped unit's PARAM slice (fp32: the master the step fetched) up to the device
+        from the step's memory, if the next forward wants it soon: it crosses the disk once."""
+        if key.kind is not Kind.PARAM or not self._wants_new_param(key.unit):
+            return False
+        assert self.param_prefetch is not None
+        self.param_prefetch.adopt(key.unit, self.store.adopt(key, to=Tier.DEVICE))
+        return True
+
+    def _wants_new_param(self, unit: str) -> bool:
+        """Whether the next forward takes `unit`'s new parameters soon, within the prefetcher's
+        budgets: a unit the forward's plan fetches now, or one of its first units between steps."""
+        prefetch = self.param_prefetch
+        if prefetch is None or self.homes.params is not Tier.NVME:
+            return False
+        if self._stepping_in_forward:
+            return prefetch.wants(unit)
+        return unit in prefetch.policy.first_units() and prefetch.can_warm(unit)
