@@ -81,8 +81,9 @@ class ZeroConfig(Section):
     step_in_forward: bool = setting(True, BOOL)
     """Stage 3 with clipping or fp16 overflow checks: step each unit in the next forward, just
     before its gather (the units after it stepped ahead, their states read meanwhile), not
-    after backward. The same bits. Off by default: `tierzero estimate` over-counts its host
-    peak by up to a quarter (write-backs held longer in its model than on a disk)."""
+    after backward, and its new parameters go up from the step's memory instead of being read
+    back. The same bits (bench train --clip 1.0, 30M GPT on NVMe: 1.2x plain, 1.38x after
+    backward)."""
     gather_ahead: int = setting(1, int_check(1, limit=64))
     """Stage 3: block units all-gathered ahead of the one computing, in the order of the last
     forward (and reversed in backward); beyond the first, only while their gathered bytes fit in
