@@ -1,8 +1,10 @@
 """`tierzero bench activations`: activation checkpointing alone against checkpointing with offload.
 
-Both run stage 3 on the same GPT with parameters and optimizer states on NVMe, alternating
-step by step; each reports its median step time and the device tier's peak (what the store
-held there, activations included), beside `tierzero estimate`'s prediction of that peak.
+Both run stage 3 on the same GPT with parameters and optimizer states on NVMe and the
+gradients in host memory (`--gradients`), the placement of a run short of device memory,
+alternating step by step; each reports its median step time and the device tier's peak
+(what the store held there, activations included), beside `tierzero estimate`'s
+prediction of that peak.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ class ModeResult:
     predicted_peak: int
 
 
-def _config(nvme_path: str, activations: dict[str, Any], *, seq: int, batch: int, preset: str) -> dict[str, Any]:
+def _config(
+    nvme_path: str, activations: dict[str, Any], *, seq: int, batch: int, preset: str, gradients: str
+) -> dict[str, Any]:
     spec = PRESETS[preset]
     return {
         "zero": {"stage": 3},
@@ -44,17 +48,19 @@ def _config(nvme_path: str, activations: dict[str, Any], *, seq: int, batch: int
                   "d_ff": spec.d_ff, "max_seq_len": max(seq, spec.max_seq_len)},
         "train": {"micro_batch_size": batch, "seq_len": seq},
         "optimizer": {"type": "adamw", "lr": 1e-4},
-        "offload": {"params": "nvme", "optimizer": "nvme"},
+        "offload": {"params": "nvme", "gradients": gradients, "optimizer": "nvme"},
         "tiers": {"nvme": {"path": nvme_path}},
         "activations": activations,
     }  # fmt: skip
 
 
-def bench_activations(*, nvme_path: str, preset: str, seq: int, batch: int, steps: int, warmup: int) -> dict[str, ModeResult]:
+def bench_activations(
+    *, nvme_path: str, preset: str, seq: int, batch: int, steps: int, warmup: int, gradients: str = "cpu"
+) -> dict[str, ModeResult]:
     Path(nvme_path).mkdir(parents=True, exist_ok=True)
     engines, configs = {}, {}
     for name, acts in MODES.items():
-        configs[name] = _config(nvme_path, acts, seq=seq, batch=batch, preset=preset)
+        configs[name] = _config(nvme_path, acts, seq=seq, batch=batch, preset=preset, gradients=gradients)
         torch.manual_seed(0)
         engines[name] = initialize(build_model(load_config(configs[name]).model), configs[name])
     times: dict[str, list[float]] = {name: [] for name in MODES}
@@ -88,17 +94,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nvme-path", required=True, help="directory for the swap files")
     parser.add_argument("--preset", default="30m", help="built-in GPT size (default 30m)")
     parser.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
-    parser.add_argument("--batch", type=int, default=2, help="micro-batch size (default 2)")
+    parser.add_argument("--batch", type=int, default=8, help="micro-batch size (default 8)")
+    parser.add_argument(
+        "--gradients", default="cpu", choices=["device", "cpu", "nvme"], help="the gradients' home tier (default cpu)"
+    )
     parser.add_argument("--steps", type=int, default=4, help="timed steps of each (default 4)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
 
 
 def command(args: argparse.Namespace) -> int:
     results = bench_activations(
-        nvme_path=args.nvme_path, preset=args.preset, seq=args.seq, batch=args.batch, steps=args.steps, warmup=args.warmup
-    )
+        nvme_path=args.nvme_path, preset=args.preset, seq=args.seq, batch=args.batch, steps=args.steps,
+        warmup=args.warmup, gradients=args.gradients,
+    )  # fmt: skip
     base = results["checkpoint"]
-    print(f"GPT {args.preset}, seq {args.seq}, batch {args.batch}: stage 3, params + optimizer on NVMe")
+    print(
+        f"GPT {args.preset}, seq {args.seq}, batch {args.batch}: stage 3, params + optimizer on NVMe, "
+        f"gradients on {args.gradients}"
+    )
     for name, r in results.items():
         print(
             f"  {name:<20} step {statistics.median(r.seconds):.2f} s "
