@@ -18,7 +18,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -35,13 +34,13 @@ from tierzero.data import batches_from_config, check_vocab
 from tierzero.lora import is_peft_model, save_adapters
 from tierzero.models import build_model, count_parameters
 from tierzero.pretrained.export import check_export, export_engine
+from tierzero.run_summary import TIERS, RunSummary
 from tierzero.sizes import format_size
 
 __all__ = ["RunSummary", "add_demo_command", "add_train_command", "run_demo", "run_train", "train"]
 
 DEMO_CONFIG = Path("configs") / "demo.yaml"
 DEMO_SWAP = Path(".tierzero-swap")
-TIERS = ("device", "cpu", "nvme")
 
 
 def add_train_command(subparsers: Any) -> None:
@@ -117,58 +116,6 @@ def _demo_config() -> Path:
 
 
 # ---------------------------------------------------------------- the loop
-
-
-@dataclass(slots=True, kw_only=True)
-class RunSummary:
-    """What one `train` call did; `format()` is the table printed at the end."""
-
-    steps: int = 0
-    planned_steps: int = 0
-    losses: list[float] = field(default_factory=list)
-    tokens: int = 0
-    """Tokens trained on, over all ranks."""
-    seconds: float = 0.0
-    """Wall time of the steps (set-up excluded)."""
-    parameters: int = 0
-    state_bytes: int = 0
-    """Model-state bytes per rank (params, grads, master, Adam states) from the engine's accounting."""
-    peak_tier_bytes: dict[str, int] = field(default_factory=dict)
-    tier_capacity: dict[str, int | None] = field(default_factory=dict)
-    peak_rss: int = 0
-    io_wait_s: float | None = None
-    interrupted: bool = False
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def format(self) -> str:
-        first = f"{self.losses[0]:.4f}" if self.losses else "-"
-        last = f"{self.losses[-1]:.4f}" if self.losses else "-"
-        rows = [
-            ("steps", f"{self.steps} of {self.planned_steps}" + (" (interrupted)" if self.interrupted else "")),
-            ("loss first -> last", f"{first} -> {last}"),
-            ("tokens/s", f"{self.tokens_per_s:,.0f}"),
-            ("time", f"{self.seconds:.1f} s"),
-            ("parameters", f"{self.parameters:,}"),
-            ("training state", format_size(self.state_bytes) + self._state_ratio()),
-            ("peak RSS", format_size(self.peak_rss)),
-        ]
-        if self.io_wait_s is not None:
-            rows.append(("I/O wait", f"{self.io_wait_s:.2f} s"))
-        lines = ["", "tierzero train summary", *(f"  {k:<20} {v}" for k, v in rows)]
-        lines += ["", f"  {'tier':<8} {'peak':>12} {'capacity':>12}"]
-        for tier in TIERS:
-            if tier in self.peak_tier_bytes:
-                capacity = self.tier_capacity.get(tier)
-                shown = format_size(capacity) if capacity is not None else "unbounded"
-                lines.append(f"  {tier:<8} {format_size(self.peak_tier_bytes[tier]):>12} {shown:>12}")
-        return "\n".join(lines) + "\n"
-
-    def _state_ratio(self) -> str:
-        capacity = self.tier_capacity.get("device")
-        return f" ({self.state_bytes / capacity:.1f}x the device capacity)" if capacity else ""
 
 
 def train(
@@ -254,11 +201,14 @@ def _loop(
     process = psutil.Process(os.getpid())
     began = time.perf_counter()
     try:
+        traffic = getattr(engine.store, "nvme_traffic", lambda: (0, 0))
         for step in range(start, cfg.train.steps):
-            t0 = time.perf_counter()
+            t0, moved = time.perf_counter(), traffic()
             loss = _train_step(engine, data, step=step, accumulation=accumulation, device=device, is_hf=cfg.model.is_transformers)
             ctrl_c.check()
             elapsed = time.perf_counter() - t0
+            summary.step_seconds.append(elapsed)
+            summary.nvme_steps.append((traffic()[0] - moved[0], traffic()[1] - moved[1]))
             summary.steps, summary.tokens = summary.steps + 1, summary.tokens + tokens_per_step
             summary.losses.append(loss)
             _note_memory(engine, summary, process)

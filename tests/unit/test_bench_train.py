@@ -19,10 +19,20 @@ def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(("dtype", "clip"), [("fp32", 0.0), ("fp32", 1.0), ("bf16", 0.0)])
 def test_both_contenders_train_the_same_model(dtype: str, clip: float, tmp_path: Path) -> None:
     result = bench_train_step(
-        nvme_path=tmp_path, preset="tiny", seq=32, batch=2, steps=2, warmup=1, measure_rss=False, clip=clip, dtype=dtype
-    )
+        nvme_path=tmp_path, preset="tiny", seq=32, batch=2, steps=2, warmup=1, measure_rss=False, clip=clip, dtype=dtype,
+        disk_bytes=1 << 20,
+    )  # fmt: skip
     assert (result.dtype, result.clip, len(result.tierzero_seconds), len(result.plain_seconds)) == (dtype, clip, 2, 2)
     # fp32: the same AdamW on the same gradients (the clip factor from another summation order);
     # bf16 against autocast differs by bf16 rounding, which Adam blows up on zero-gradient biases
     assert result.max_param_difference < (1e-3 if dtype == "fp32" else 1.0)
     assert f"{dtype}, gradient clipping {clip:g}" in result.format()
+    # Each step writes every NVMe-homed byte once (new parameters and states) and reads the
+    # states once (fp32: the parameters are the master; bf16: 2 of every 14 bytes are the
+    # parameters, which the step does not read), plus what the gathers bring up again.
+    io = result.io
+    assert io is not None and io.written_bytes == io.home_bytes > 0
+    states = io.home_bytes * (12 / 14 if dtype == "bf16" else 1)
+    assert states <= io.read_bytes <= 2 * io.home_bytes
+    assert io.read_gbs > 0 and io.write_gbs > 0 and io.serial_s >= io.overlapped_s > 0
+    assert "x the serial floor" in result.format()

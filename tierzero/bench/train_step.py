@@ -32,7 +32,10 @@ from tierzero.bench.contenders import (
     max_param_difference,
     token_batch,
 )
+from tierzero.bench.io_floor import DISK_BYTES, IoFloor, disk_bandwidth
 from tierzero.sizes import format_size
+from tierzero.slices import Tier
+from tierzero.store import Use
 
 __all__ = ["TrainStepResult", "bench_train_step", "peak_rss"]
 
@@ -56,6 +59,8 @@ class TrainStepResult:
     """Seconds stage 3 waited on parameter I/O in each of those steps."""
     plain_peak_rss: int | None
     tierzero_peak_rss: int | None
+    io: IoFloor | None = None
+    """tierzero's NVMe bytes per timed step, beside the disk's bandwidth measured after them."""
 
     @property
     def ratio(self) -> float:
@@ -83,6 +88,8 @@ class TrainStepResult:
             f"I/O wait median {statistics.median(self.waited_s or (0.0,)) * 1e3:.1f} ms/step",
             f"  parameters after the last step: largest per-tensor difference {self.max_param_difference:.2e}",
         ]
+        if self.io is not None:
+            lines += self.io.lines(statistics.median(self.tierzero_seconds))
         if self.rss_ratio is not None:
             assert self.plain_peak_rss is not None and self.tierzero_peak_rss is not None
             lines.append(
@@ -115,8 +122,10 @@ def bench_train_step(
     rss_steps: int = 3,
     clip: float = 0.0,
     dtype: str = "fp32",
+    disk_bytes: int = DISK_BYTES,
 ) -> TrainStepResult:
-    """Alternate plain and tierzero steps; `steps` timed steps each after `warmup` untimed ones."""
+    """Alternate plain and tierzero steps; `steps` timed steps each after `warmup` untimed ones; then
+    measure the disk (`disk_bytes` each way per pass) for the I/O floor of tierzero's traffic."""
     if steps < 1 or warmup < 0:
         raise ValueError(f"bench needs steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     Path(nvme_path).mkdir(parents=True, exist_ok=True)
@@ -124,8 +133,11 @@ def bench_train_step(
     times: dict[str, list[float]] = {"plain": [], "tierzero": []}
     hits: list[float] = []
     waited: list[float] = []
+    traffic = (0, 0)
     try:
         for step in range(warmup + steps):
+            if step == warmup:
+                traffic = tz.engine.store.nvme_traffic()
             tokens, targets = token_batch(step, batch=batch, seq=seq)
             order = [("plain", plain), ("tierzero", tz)]
             for name, runner in order if step % 2 == 0 else order[::-1]:
@@ -137,11 +149,19 @@ def bench_train_step(
             if step >= 1 and report is not None:
                 hits.append(report.hit_rate)
                 waited.append(report.waited_s)
+        moved = [(now - before) / steps for now, before in zip(tz.engine.store.nvme_traffic(), traffic)]
+        nvme_homes = tz.engine.store.report().tiers[Tier.NVME].current_by_use[Use.HOME]
         difference = max_param_difference(tz.engine, plain.model)
+        parameters = sum(p.numel() for p in plain.model.parameters())
     finally:
         plain.close()
         tz.close()
     shape = {"preset": preset, "seq": seq, "batch": batch, "steps": rss_steps, "nvme_path": str(nvme_path), "clip": clip}
+    read_gbs, write_gbs = disk_bandwidth(nvme_path, nbytes=disk_bytes)
+    io = IoFloor(
+        read_bytes=moved[0], written_bytes=moved[1], read_gbs=read_gbs, write_gbs=write_gbs,
+        parameters=parameters, home_bytes=nvme_homes,
+    )  # fmt: skip
     plain_rss = peak_rss("plain", **shape) if measure_rss else None
     tz_rss = peak_rss("tierzero", **shape) if measure_rss else None
     return TrainStepResult(
@@ -157,6 +177,7 @@ def bench_train_step(
         waited_s=tuple(waited),
         plain_peak_rss=plain_rss,
         tierzero_peak_rss=tz_rss,
+        io=io,
     )
 
 

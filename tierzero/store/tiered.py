@@ -46,6 +46,7 @@ class TieredStore:
         self._slices: dict[SliceKey, SliceRecord] = {}
         self._scratch: dict[int, ScratchRecord] = {}
         self._lock = threading.RLock()
+        self._nvme_read = self._nvme_written = 0
         self._closed = False
         swapper.observe_staging(self._host_pool_changed)
         observe_bounce = getattr(tiers.get(Tier.NVME), "observe_bounce", None)
@@ -150,6 +151,8 @@ class TieredStore:
             self._tiers[to].free(copy)
             raise
         self._ledger.add(to, record.key.kind, Use.FETCHED, copy.nbytes)
+        if record.home.tier is Tier.NVME:
+            self._nvme_read += record.nbytes
         record.copy_tier, record.copy = to, copy
         return transfer.then(lambda _: _typed(copy.buffer, record.dtype, record.numel))
 
@@ -214,6 +217,8 @@ class TieredStore:
                 key=key, storage=self._tiers[record.home.tier], region=record.home, src=source, src_tier=source_tier
             )
             record.writes.append(transfer)
+            if record.home.tier is Tier.NVME:
+                self._nvme_written += record.nbytes
             if record.state is not SliceState.HOME:
                 record.state = SliceState.WRITING
             return transfer
@@ -288,6 +293,11 @@ class TieredStore:
             if kept and tier in report.tiers:
                 report.tiers[tier] = dataclasses.replace(report.tiers[tier], kept=kept)
         return report
+
+    def nvme_traffic(self) -> tuple[int, int]:
+        """Bytes of NVMe-homed slices read and written so far, counted as each move is asked for."""
+        with self._lock:
+            return self._nvme_read, self._nvme_written
 
     def reset_peaks(self) -> None:
         self._ledger.reset_peaks()

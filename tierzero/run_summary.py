@@ -1,0 +1,69 @@
+"""What one `tierzero train` call did: steps, losses, throughput, memory per tier, NVMe traffic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tierzero.sizes import format_size
+
+__all__ = ["TIERS", "RunSummary"]
+
+TIERS = ("device", "cpu", "nvme")
+
+
+@dataclass(slots=True, kw_only=True)
+class RunSummary:
+    """What one `train` call did; `format()` is the table printed at the end."""
+
+    steps: int = 0
+    planned_steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    tokens: int = 0
+    """Tokens trained on, over all ranks."""
+    seconds: float = 0.0
+    """Wall time of the steps (set-up excluded)."""
+    parameters: int = 0
+    state_bytes: int = 0
+    """Model-state bytes per rank (params, grads, master, Adam states) from the engine's accounting."""
+    peak_tier_bytes: dict[str, int] = field(default_factory=dict)
+    tier_capacity: dict[str, int | None] = field(default_factory=dict)
+    peak_rss: int = 0
+    io_wait_s: float | None = None
+    interrupted: bool = False
+    step_seconds: list[float] = field(default_factory=list)
+    nvme_steps: list[tuple[int, int]] = field(default_factory=list)
+    """Bytes of NVMe-homed state each step read and wrote (this rank)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def format(self) -> str:
+        first = f"{self.losses[0]:.4f}" if self.losses else "-"
+        last = f"{self.losses[-1]:.4f}" if self.losses else "-"
+        rows = [
+            ("steps", f"{self.steps} of {self.planned_steps}" + (" (interrupted)" if self.interrupted else "")),
+            ("loss first -> last", f"{first} -> {last}"),
+            ("tokens/s", f"{self.tokens_per_s:,.0f}"),
+            ("time", f"{self.seconds:.1f} s"),
+            ("parameters", f"{self.parameters:,}"),
+            ("training state", format_size(self.state_bytes) + self._state_ratio()),
+            ("peak RSS", format_size(self.peak_rss)),
+        ]
+        if self.io_wait_s is not None:
+            rows.append(("I/O wait", f"{self.io_wait_s:.2f} s"))
+        if self.nvme_steps and any(self.nvme_steps[-1]):
+            read, written = self.nvme_steps[-1]
+            rows.append(("last step", f"{self.step_seconds[-1]:.1f} s, NVMe read {format_size(read)}, written {format_size(written)}"))
+        lines = ["", "tierzero train summary", *(f"  {k:<20} {v}" for k, v in rows)]
+        lines += ["", f"  {'tier':<8} {'peak':>12} {'capacity':>12}"]
+        for tier in TIERS:
+            if tier in self.peak_tier_bytes:
+                capacity = self.tier_capacity.get(tier)
+                shown = format_size(capacity) if capacity is not None else "unbounded"
+                lines.append(f"  {tier:<8} {format_size(self.peak_tier_bytes[tier]):>12} {shown:>12}")
+        return "\n".join(lines) + "\n"
+
+    def _state_ratio(self) -> str:
+        capacity = self.tier_capacity.get("device")
+        return f" ({self.state_bytes / capacity:.1f}x the device capacity)" if capacity else ""
