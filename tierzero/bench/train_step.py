@@ -32,7 +32,7 @@ from tierzero.bench.contenders import (
     max_param_difference,
     token_batch,
 )
-from tierzero.bench.io_floor import DISK_BYTES, IoFloor, disk_bandwidth
+from tierzero.bench.io_floor import DISK_BYTES, SETTLE_S, IoFloor, disk_bandwidth
 from tierzero.sizes import format_size
 from tierzero.slices import Tier
 from tierzero.store import Use
@@ -123,9 +123,11 @@ def bench_train_step(
     clip: float = 0.0,
     dtype: str = "fp32",
     disk_bytes: int = DISK_BYTES,
+    disk_settle_s: float = SETTLE_S,
 ) -> TrainStepResult:
     """Alternate plain and tierzero steps; `steps` timed steps each after `warmup` untimed ones; then
-    measure the disk (`disk_bytes` each way per pass) for the I/O floor of tierzero's traffic."""
+    measure the disk (`disk_bytes` each way per pass, `disk_settle_s` apart) for the I/O floor of
+    tierzero's traffic."""
     if steps < 1 or warmup < 0:
         raise ValueError(f"bench needs steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     Path(nvme_path).mkdir(parents=True, exist_ok=True)
@@ -157,7 +159,7 @@ def bench_train_step(
         plain.close()
         tz.close()
     shape = {"preset": preset, "seq": seq, "batch": batch, "steps": rss_steps, "nvme_path": str(nvme_path), "clip": clip}
-    read_gbs, write_gbs = disk_bandwidth(nvme_path, nbytes=disk_bytes)
+    read_gbs, write_gbs = disk_bandwidth(nvme_path, nbytes=disk_bytes, settle_s=disk_settle_s)
     io = IoFloor(
         read_bytes=moved[0], written_bytes=moved[1], read_gbs=read_gbs, write_gbs=write_gbs,
         parameters=parameters, home_bytes=nvme_homes,
