@@ -90,6 +90,9 @@ class Unit:
     """Forward uses in this micro-step whose backward has not run yet."""
     has_grads: bool = False
     """Some use of the unit produced gradients since the last optimizer step."""
+    grads_stale: bool = False
+    """The GRAD slice's home holds an old gradient that counts as zeros: the step left it on NVMe
+    rather than write zeros over it, and the next reduce starts from zeros instead of reading it."""
 
     @property
     def shard_numel(self) -> int:

@@ -139,15 +139,17 @@ class StepPipeline:
         max_resident: int = MAX_RESIDENT_GROUPS,
         prepared: Sequence[Prepared] = (),
         hand_off: Callable[[SliceKey], bool] | None = None,
+        keep_home: Callable[[SliceKey], bool] | None = None,
     ) -> None:
         """`written(group)` is told once the group's write-backs are queued: a read of its slices
         submitted after that sees the new bytes, as the swapper orders a key's operations.
         `max_resident` lowers the bound on groups held at once (a step that shares memory with a forward).
         `prepared` takes over the reads another pipeline started (its `hand_over`).
         `hand_off(key)` is offered each fetched slice of a stepped group once its write-back is
-        queued: True when it took the copy over (`SliceStore.adopt`), which is then not released."""
+        queued: True when it took the copy over (`SliceStore.adopt`), which is then not released.
+        `keep_home(key)`: the slice's home stays as it is, and its copy is released unwritten."""
         self._store, self._compute, self._written = store, compute, written
-        self._hand_off = hand_off
+        self._hand_off, self._keep_home = hand_off, keep_home
         self._max_resident = max_resident
         self._writing: deque[_Writing] = deque()
         self._waiting: Prepared | None = None
@@ -271,6 +273,9 @@ class StepPipeline:
         job = _Writing(sources=[w.source for w in writes])
         transfers = [w.transfer for w in writes]
         for key in group.keys():
+            if self._keep_home is not None and self._keep_home(key):
+                store.release(key)
+                continue
             transfer = store.write_back(key)
             if self._hand_off is None or not self._hand_off(key):
                 store.release(key)

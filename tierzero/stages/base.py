@@ -1,29 +1,14 @@
-"""What stages 1, 2 and 3 share: slice registration, gradient buckets, the optimizer step.
+"""What stages 1, 2 and 3 share: slice registration, the gradients' way home, the optimizer step.
 
 Parameters reach the modules through stages/binding.py ([Note: binding parameters]).
-
-[Note: gradient buckets]
-A collective has a fixed cost besides its bytes (about half a millisecond on gloo
-here), so units whose gradients are ready wait for each other: their reduce-scatters
-start together, as one exchange (`comm.reduce_scatter_many`), once `bucket_bytes`
-(`zero.reduce_bucket_size`) of them are ready, or when a unit must land; stage 1
-reduces what is left before the step. Units wait in gradient scratch while they are at most
-`MAX_REDUCES_IN_FLIGHT` or at most a bucket's bytes, so a small model reduces in one
-exchange at the end of backward, as DistributedDataParallel does, and a large one
-keeps two units in scratch. Stage 1 and 2's parameter all-gathers after the step are
-bucketed the same way. A unit as large as the bucket starts alone, at once, as before:
-big models keep their overlap, small ones stop paying a latency per unit. Every
-decision follows the order of backward and byte counts, never timing, so every rank
-forms the same buckets.
+The gradients go home through `GradBuckets` (stages/grad_buckets.py, [Note: gradient buckets]).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -34,37 +19,12 @@ from tierzero.offload.step_pipeline import PendingWrite, PipelineReport, Prepare
 from tierzero.optim import FlatOptimizer
 from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.binding import UnitParams, bind
+from tierzero.stages.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
 from tierzero.stages.grad_norm import GradNorm
 from tierzero.stages.plan import Homes, SlicePlan, SliceSpec, plan_slices
 from tierzero.stages.step import BackwardStep, StepScalars, run_step
 from tierzero.store.protocol import SliceStore
 from tierzero.units import Unit, UnitState
-
-#: Units whose gradients (stages 2, 3) may wait in scratch for their reduce-scatter at once,
-#: or more while they fit in one bucket (see [Note: gradient buckets]).
-MAX_REDUCES_IN_FLIGHT = 2
-
-#: `zero.reduce_bucket_size`'s default, for stages built without a config.
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-
-
-@dataclass(frozen=True, slots=True)
-class _GradReduce:
-    """One unit's gradient on its way to the owned slice, with the scratch it reads and writes."""
-
-    unit: Unit
-    full: torch.Tensor
-    part: torch.Tensor
-    final: bool
-    """No other use of the unit is left in this backward: its gradient is complete once this lands."""
-
-
-@dataclass(frozen=True, slots=True)
-class _ReduceBucket:
-    """Units reduce-scattered in one collective (see [Note: gradient buckets])."""
-
-    jobs: list[_GradReduce]
-    pending: C.Pending
 
 
 class Stage(ABC):
@@ -93,10 +53,9 @@ class Stage(ABC):
         self.param_dtype, self.homes, self.device, self.overlap = param_dtype, homes, device, overlap
         self.bucket_bytes = bucket_bytes
         """Collectives wait for this many bytes of ready units before they start (`zero.reduce_bucket_size`)."""
+        self._buckets = GradBuckets(self, bucket_bytes=bucket_bytes)
         self.activations = activations
         """Books (or offloads) what autograd saves in forward; None: nothing counted (tierzero/activations.py)."""
-        self._unsent: list[_GradReduce] = []
-        self._reduces: deque[_ReduceBucket] = deque()
         self.last_micro_step = True
         """Set by the engine before each backward: this micro-step ends an accumulation window."""
         self.mixed = param_dtype != torch.float32
@@ -168,6 +127,9 @@ class Stage(ABC):
     def slice(self, unit: Unit, kind: Kind, *, write: bool) -> Iterator[torch.Tensor]:
         """The slice on the compute device for the duration of the block, written home if `write`."""
         key = SliceKey(unit.name, kind)
+        if kind is Kind.GRAD and unit.grads_stale:
+            yield from self._fresh_grads(unit, key)
+            return
         tensor = self.store.fetch(key, to=Tier.DEVICE).wait()
         try:
             yield tensor
@@ -175,6 +137,22 @@ class Stage(ABC):
                 self.store.write_back(key).wait()
         finally:
             self.store.release(key)
+
+    def _fresh_grads(self, unit: Unit, key: SliceKey) -> Iterator[torch.Tensor]:
+        """A stale GRAD slice (`Unit.grads_stale`) as zeros in scratch, written home in full, unread."""
+        spec = next(spec for spec in self.slice_specs(unit) if spec.kind is Kind.GRAD)
+        zeros = self.scratch(unit, spec.numel, spec.dtype, kind=Kind.GRAD).zero_()
+        try:
+            yield zeros
+            self.store.write_back(key, zeros).wait()
+            unit.grads_stale = False
+        finally:
+            self.store.free(zeros)
+
+    def leaves_grads_stale(self) -> bool:
+        """Whether the step leaves its used GRAD slices home unzeroed (`Unit.grads_stale`): NVMe homes,
+        which the reduce reaches through `slice` only (stages 2 and 3)."""
+        return self.shards_grads and self.homes.grads is Tier.NVME
 
     def scratch(self, unit: Unit, numel: int, dtype: torch.dtype, *, kind: Kind = Kind.GATHERED) -> torch.Tensor:
         """Device memory for the unit's full parameters (GATHERED) or gradients in flight (GRAD)."""
@@ -258,46 +236,18 @@ class Stage(ABC):
                     self.note_grad(unit, shard)
             self._grad_complete(unit, final=final)
             return
-        full = self.scratch(unit, unit.padded_numel, self.plan.grad_dtype, kind=Kind.GRAD)
-        unit.flatten(grads, out=full)
-        part = self.scratch(unit, unit.shard_numel, self.plan.grad_dtype, kind=Kind.GRAD)
-        self._unsent.append(_GradReduce(unit=unit, full=full, part=part, final=unit.pending_uses == 0))
-        if sum(job.full.nbytes for job in self._unsent) >= self.bucket_bytes:
-            self._send_reduces()
-        while self._backlog_full():
-            self._finish_oldest_reduce()
-
-    def _backlog_full(self) -> bool:
-        """More units wait in gradient scratch than both bounds allow (see [Note: gradient buckets])."""
-        jobs = self._unsent + [job for bucket in self._reduces for job in bucket.jobs]
-        return len(jobs) > MAX_REDUCES_IN_FLIGHT and sum(job.full.nbytes for job in jobs) > self.bucket_bytes
-
-    def _send_reduces(self) -> None:
-        if not self._unsent:
-            return
-        jobs, self._unsent = self._unsent, []
-        fulls, parts = [job.full for job in jobs], [job.part for job in jobs]
-        pending = C.reduce_scatter_many(parts, fulls, comm=self.comm, async_op=self.overlap)
-        self._reduces.append(_ReduceBucket(jobs=jobs, pending=pending))
+        self._buckets.add(unit, grads, final=unit.pending_uses == 0)
 
     def finish_reduces(self) -> None:
-        self._send_reduces()
-        while self._reduces:
-            self._finish_oldest_reduce()
+        self._buckets.finish()
 
-    def _finish_oldest_reduce(self) -> None:
-        if not self._reduces:
-            self._send_reduces()
-        bucket = self._reduces.popleft()
-        bucket.pending.wait()
-        for job in bucket.jobs:
-            with self.slice(job.unit, Kind.GRAD, write=True) as shard:
-                shard.add_(job.part)
-                if job.final:
-                    self.note_grad(job.unit, shard)
-            self.store.free(job.part)
-            self.store.free(job.full)
-            self._grad_complete(job.unit, final=job.final)
+    def land_grad(self, unit: Unit, part: torch.Tensor, *, final: bool) -> None:
+        """Add a reduced gradient `part` into the unit's owned GRAD slice."""
+        with self.slice(unit, Kind.GRAD, write=True) as shard:
+            shard.add_(part)
+            if final:
+                self.note_grad(unit, shard)
+        self._grad_complete(unit, final=final)
 
     def _grad_complete(self, unit: Unit, *, final: bool) -> None:
         if final and self._backward_step is not None and self.last_micro_step:
@@ -336,6 +286,9 @@ class Stage(ABC):
         self.grad_norm.reset()
         for unit in self.trained:
             unit.has_grads = False
+            if self.leaves_grads_stale():
+                unit.grads_stale = True
+                continue
             with self.slice(unit, Kind.GRAD, write=True) as grads:
                 grads.zero_()
 

@@ -67,6 +67,8 @@ class Steppable(Protocol):
 
     def unshard(self, unit: Unit) -> None: ...
 
+    def leaves_grads_stale(self) -> bool: ...
+
 
 def slice_group(stage: Steppable, unit: Unit) -> SliceGroup:
     """The slices the unit's step fetches, and where to: states to the step tier, grads as cheaply as possible."""
@@ -275,9 +277,11 @@ def _pipeline(
         return _step_unit(stage, by_name[group.unit], fetched, scalars, clip_coef=clip_coef)
 
     told = None if written is None else (lambda group: written(group.unit))
+    stale = stage.leaves_grads_stale()
     return StepPipeline(
-        stage.store, compute, written=told, prepared=prepared, hand_off=hand_off, max_resident=max_resident
-    )
+        stage.store, compute, written=told, prepared=prepared, hand_off=hand_off, max_resident=max_resident,
+        keep_home=(lambda key: key.kind is Kind.GRAD) if stale else None,
+    )  # fmt: skip
 
 
 def _step_unit(
@@ -287,11 +291,13 @@ def _step_unit(
     store = stage.store
     grads = fetched[Kind.GRAD]
     source = stage.grad_slice(grads, unit)
-    step_device = torch.device("cpu") if tier is Tier.CPU else stage.device
-    # The GRAD slice is zeroed after the step, so when it already is fp32 on the step
-    # tier's memory it is the optimizer's gradient itself (scaled, and used as scratch by
-    # SGD's weight decay, in place): same bits as a copy, one slice-sized pass fewer.
-    in_place = source.dtype == torch.float32 and source.device.type == step_device.type
+    # The GRAD slice is zeroed (or left stale) after the step, so when it already is fp32 in
+    # the step tier's memory it is the optimizer's gradient itself (scaled, and used as
+    # scratch by SGD's weight decay, in place): same bits as a copy, one slice-sized pass
+    # fewer. Judged by tier, not by tensor, so that the estimate's meta tensors count alike:
+    # without a GPU every memory tier is host memory.
+    grad_tier = tier if stage.homes.grads is Tier.NVME else stage.homes.grads
+    in_place = source.dtype == torch.float32 and (grad_tier is tier or stage.device.type == "cpu")
     g = source if in_place else store.allocate(
         kind=Kind.GRAD, numel=source.numel(), dtype=torch.float32, tier=tier, label=f"{unit.name} step"
     )
@@ -312,7 +318,10 @@ def _step_unit(
         lrs = stage.optimizer.group_lrs(scalars.lr_factor)
         stage.optimizer.step(param=master, grad=g, states=states, step=scalars.step, lr=lrs, layout=layout)
         writes = stage.publish(unit, master)
-        grads.zero_()
+        if stage.leaves_grads_stale():
+            unit.grads_stale = True  # the pipeline releases the slice unwritten (`keep_home`)
+        else:
+            grads.zero_()
     finally:
         if not in_place:
             store.free(g)
