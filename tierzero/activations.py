@@ -24,8 +24,9 @@ unit saves only its inputs.
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed._composable import checkpoint
@@ -75,13 +76,21 @@ class _Parked:
     buffer: torch.Tensor
     shape: torch.Size
     device: torch.device
+    copied_back: list[torch.cuda.Event] = field(default_factory=list)
+    """On CUDA, the event after the copy back to the device: the buffer is reused only once it fired."""
 
 
 class SavedActivations:
-    """The pack and unpack of saved tensors: booked on the device tier, or parked in the cpu tier."""
+    """The pack and unpack of saved tensors: booked on the device tier, or parked in the cpu tier.
+
+    On CUDA both copies run on the current stream without blocking the host (the buffers are
+    pinned), so autograd's kernels see them in order; a buffer whose copy back may still run
+    when autograd drops it waits in `_returning` until its event has fired.
+    """
 
     def __init__(self, store: SliceStore, *, offload: bool) -> None:
         self.store, self.offload = store, offload
+        self._returning: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
 
     def pack(self, tensor: torch.Tensor) -> _Kept | _Parked:
         nbytes = tensor.numel() * tensor.element_size()
@@ -90,16 +99,32 @@ class SavedActivations:
             self.store.book(Tier.DEVICE, Kind.ACTIVATION, nbytes)
             weakref.finalize(kept, self.store.book, Tier.DEVICE, Kind.ACTIVATION, -nbytes)
             return kept
+        self._free_returned()
         buffer = self.store.allocate(
             kind=Kind.ACTIVATION, numel=tensor.numel(), dtype=tensor.dtype, tier=Tier.CPU, label="activation"
         )
         buffer.view(tensor.shape).copy_(tensor, non_blocking=True)
         parked = _Parked(buffer=buffer, shape=tensor.shape, device=tensor.device)
-        weakref.finalize(parked, self.store.free, buffer)
+        weakref.finalize(parked, self._give_back, buffer, parked.copied_back)
         return parked
 
     def unpack(self, packed: _Kept | _Parked) -> torch.Tensor:
         if isinstance(packed, _Kept):
             return packed.tensor
-        # A synchronous copy: the buffer goes back to the cpu tier, for reuse, once autograd drops it.
-        return packed.buffer.view(packed.shape).to(packed.device)
+        back = packed.buffer.view(packed.shape).to(packed.device, non_blocking=True)
+        if back.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            packed.copied_back.append(event)
+        return back
+
+    def _give_back(self, buffer: torch.Tensor, copied_back: list[torch.cuda.Event]) -> None:
+        """Autograd dropped a parked tensor: its buffer goes back to the cpu tier once no copy reads it."""
+        if copied_back and not copied_back[-1].query():
+            self._returning.append((copied_back[-1], buffer))
+            return
+        self.store.free(buffer)
+
+    def _free_returned(self) -> None:
+        while self._returning and self._returning[0][0].query():
+            self.store.free(self._returning.popleft()[1])

@@ -308,7 +308,9 @@ def _train_step(engine: Any, data: Any, *, step: int, accumulation: int, device:
     """One optimizer step over `accumulation` micro-batches; the mean loss over them and over ranks."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     for micro in range(accumulation):
-        x, y = (t.to(device, non_blocking=True) for t in data.batch(step * accumulation + micro))
+        # Pinned, the copies to a GPU are asynchronous indeed (from pageable memory they block).
+        batch = data.batch(step * accumulation + micro)
+        x, y = (t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t for t in batch)
         total += micro_step(engine, x, y, is_hf=is_hf).float()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)

@@ -98,3 +98,43 @@ def test_with_checkpointing_the_estimate_matches_the_measured_device_peak(tmp_pa
     measured = T.train(cfg, progress=False, out=io.StringIO()).peak_tier_bytes["device"]
     assert predicted.working["activations"] > 0
     assert abs(predicted.peak - measured) <= 0.10 * measured, (predicted.peak, measured, predicted.working)
+
+
+class _CopyBack:
+    """Stands in for the CUDA event after a parked tensor's copy back: only `query()` is asked."""
+
+    fired = False
+
+    def query(self) -> bool:
+        return self.fired
+
+
+def test_a_parked_buffer_waits_for_its_copy_back_before_the_cpu_tier_reuses_it() -> None:
+    from tierzero.activations import SavedActivations
+    from tierzero.offload.cpu import CpuTier, HostDeviceTier
+    from tierzero.slices import Kind, Tier
+    from tierzero.store import TieredStore
+    from tierzero.swapper import Swapper
+
+    cpu = CpuTier(capacity=1 << 20, reuse_limit=0)
+    tiers = {Tier.DEVICE: HostDeviceTier(capacity=1 << 20), Tier.CPU: cpu}
+    with TieredStore(tiers=tiers, swapper=Swapper(buffer_size=4096, buffer_count=1, host=cpu)) as store:
+        saved = SavedActivations(store, offload=True)
+
+        def parked_bytes() -> int:
+            return store.report().tiers[Tier.CPU].current_by_kind.get(Kind.ACTIVATION, 0)
+
+        packed = saved.pack(torch.arange(64.0))
+        assert torch.equal(saved.unpack(packed), torch.arange(64.0)) and parked_bytes() == 256
+        event = _CopyBack()
+        packed.copied_back.append(event)  # as unpack does on CUDA: the copy back may still run
+        del packed
+        assert parked_bytes() == 256  # autograd dropped it, but its copy has not run yet
+        second = saved.pack(torch.ones(8))  # a pack frees what has landed: nothing yet
+        assert parked_bytes() == 256 + 32
+        event.fired = True
+        third = saved.pack(torch.ones(4))
+        assert parked_bytes() == 32 + 16  # the first buffer is back in the cpu tier
+        assert torch.equal(saved.unpack(second), torch.ones(8)) and torch.equal(saved.unpack(third), torch.ones(4))
+        del second, third
+        assert parked_bytes() == 0
