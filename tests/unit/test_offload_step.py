@@ -175,3 +175,21 @@ def test_a_failed_write_back_is_raised_not_lost() -> None:
     pipeline = StepPipeline(Store(), compute)
     with pytest.raises(OSError, match="No space left"):
         pipeline.run([SliceGroup(unit=f"u{i}", fetches=((Kind.EXP_AVG, Tier.CPU),)) for i in range(3)])
+
+
+def test_the_step_takes_gradients_where_no_copy_blocks_the_host() -> None:
+    from types import SimpleNamespace
+
+    from tierzero.stages.plan import Homes
+    from tierzero.stages.step import _grad_tier
+
+    def tier(grads: Tier, optimizer: Tier, device: str, *, sharded: bool = True) -> Tier:
+        homes = Homes(params=Tier.DEVICE, grads=grads, optimizer=optimizer)
+        return _grad_tier(SimpleNamespace(homes=homes, shards_grads=sharded, device=torch.device(device)))
+
+    assert tier(Tier.NVME, Tier.NVME, "cpu") is Tier.CPU  # up to the step tier, whatever the device
+    assert tier(Tier.DEVICE, Tier.CPU, "cpu") is Tier.DEVICE  # host memory already: read in place
+    assert tier(Tier.DEVICE, Tier.CPU, "cuda") is Tier.CPU  # a GPU's shard: the swapper copies it down
+    assert tier(Tier.DEVICE, Tier.CPU, "cuda", sharded=False) is Tier.DEVICE  # stage 1: the owned range only
+    assert tier(Tier.DEVICE, Tier.DEVICE, "cuda") is Tier.DEVICE
+    assert tier(Tier.CPU, Tier.DEVICE, "cuda") is Tier.DEVICE  # a step on the GPU takes host grads up

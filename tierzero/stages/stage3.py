@@ -321,7 +321,11 @@ class Stage3(StepInTime, Stage):
             return []  # the PARAM slice is its own master: the step pipeline writes it home
         # Straight to the home tier in the compute dtype, without reading the old slice first.
         key = SliceKey(unit.name, Kind.PARAM)
-        value = master.to(self.param_dtype)
+        if self.device.type == "cuda" and master.device.type == "cpu":
+            # Pinned (torch's caching host allocator), so that its copy up does not block.
+            value = torch.empty(master.numel(), dtype=self.param_dtype, pin_memory=True).copy_(master)
+        else:
+            value = master.to(self.param_dtype)
         written = PendingWrite(self.store.write_back(key, value), value)
         if self._wants_new_param(unit.name):
             assert self.param_prefetch is not None

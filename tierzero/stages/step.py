@@ -60,6 +60,7 @@ class Steppable(Protocol):
     device: torch.device
     mixed: bool
     shards_params: bool
+    shards_grads: bool
 
     def grad_slice(self, grads: torch.Tensor, unit: Unit) -> torch.Tensor: ...
 
@@ -73,16 +74,24 @@ class Steppable(Protocol):
 def slice_group(stage: Steppable, unit: Unit) -> SliceGroup:
     """The slices the unit's step fetches, and where to: states to the step tier, grads as cheaply as possible."""
     tier = step_tier(stage.homes.optimizer)
-    # Memory-homed gradients are read in place (copied into step-tier scratch by the
-    # compute); NVMe-homed ones have to come up to the step tier.
-    grad_tier = tier if stage.homes.grads is Tier.NVME else stage.homes.grads
-    fetches: list[tuple[Kind, Tier]] = [(Kind.GRAD, grad_tier)]
+    fetches: list[tuple[Kind, Tier]] = [(Kind.GRAD, _grad_tier(stage))]
     if stage.mixed:
         fetches.append((Kind.MASTER, tier))
     elif stage.shards_params:
         fetches.append((Kind.PARAM, tier))  # fp32 stage 3: the PARAM slice is its own master
     fetches += [(kind, tier) for kind in stage.optimizer.state_kinds]
     return SliceGroup(unit=unit.name, fetches=tuple(fetches))
+
+
+def _grad_tier(stage: Steppable) -> Tier:
+    """Where the step takes the gradients from. NVMe-homed ones come up to the step tier, and
+    so do a GPU's sharded gradients for a step on the host: the swapper copies them on its copy
+    stream while the pipeline reads ahead, where a copy in the compute would block the host.
+    Otherwise memory-homed gradients are read in place (copied into step-tier scratch)."""
+    tier, home = step_tier(stage.homes.optimizer), stage.homes.grads
+    if home is Tier.NVME or (home is not tier and stage.shards_grads and stage.device.type == "cuda"):
+        return tier
+    return home
 
 
 def run_step(
@@ -296,8 +305,7 @@ def _step_unit(
     # scratch by SGD's weight decay, in place): same bits as a copy, one slice-sized pass
     # fewer. Judged by tier, not by tensor, so that the estimate's meta tensors count alike:
     # without a GPU every memory tier is host memory.
-    grad_tier = tier if stage.homes.grads is Tier.NVME else stage.homes.grads
-    in_place = source.dtype == torch.float32 and (grad_tier is tier or stage.device.type == "cpu")
+    in_place = source.dtype == torch.float32 and (_grad_tier(stage) is tier or stage.device.type == "cpu")
     g = source if in_place else store.allocate(
         kind=Kind.GRAD, numel=source.numel(), dtype=torch.float32, tier=tier, label=f"{unit.name} step"
     )
