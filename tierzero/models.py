@@ -255,7 +255,11 @@ class Llama(nn.Module):
             _normal_(module.weight, std=_residual_std(self.spec) if residual else INIT_STD)
         elif isinstance(module, RMSNorm) and module.weight.device.type != "meta":
             module.reset_parameters()
-        elif module is self and self.rope_cos.device.type != "meta":
+        elif module is self and self.rope_cos.device.type == "meta":
+            # Shapes only, for `tierzero estimate`'s forward on the meta device.
+            shape = (self.spec.max_seq_len, self.spec.head_dim // 2)
+            self.rope_cos, self.rope_sin = torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
+        elif module is self:
             cos, sin = rotary_tables(head_dim=self.spec.head_dim, max_seq_len=self.spec.max_seq_len)
             self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_cos.device)
 

@@ -234,6 +234,14 @@ def test_oversized_preset_is_a_2b_model_with_32gb_of_state(tmp_path: Path) -> No
     assert result.tiers[Tier.DEVICE].homes == dict.fromkeys(MODEL_STATE_KINDS, 0)
 
 
+@pytest.mark.parametrize("preset", ["cpu-offload", "multi-gpu-zero3", "single-gpu-nvme"])
+def test_every_preset_is_estimated(preset: str, tmp_path: Path) -> None:
+    """Llama's rotary tables included: on the meta device they have their shapes, not zero elements."""
+    cfg = load_config(REPO / "configs" / f"{preset}.yaml", overrides={"tiers.nvme.path": str(tmp_path)})
+    result = estimate(cfg, suggest=False)
+    assert result.parameters > 0 and result.tiers[Tier.DEVICE].peak > 0 and result.fits
+
+
 def test_estimate_follows_a_changed_step_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The estimate runs the engine's own step: change its order and the estimate follows, unedited."""
     raw = {**_raw(tmp_path, stage=3, params="nvme", grads="cpu", optimizer="nvme"), "gradient_clipping": 0.0}
