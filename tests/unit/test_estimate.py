@@ -6,6 +6,7 @@ import argparse
 import io
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,9 +16,10 @@ import tierzero.train as T
 from tierzero.config import load_config
 from tierzero.engine import Engine
 from tierzero.estimate import Bandwidth, estimate, estimator
-from tierzero.estimate.report import add_estimate_command, format_estimate, run_estimate
+from tierzero.estimate.report import add_estimate_command, format_estimate, run_estimate, to_json
 from tierzero.models import GPT, ModelSpec, count_parameters
 from tierzero.offload.base import TierCapacityError
+from tierzero.placement import machine_budgets
 from tierzero.sizes import format_size
 from tierzero.slices import MODEL_STATE_KINDS, Kind, Tier
 from tierzero.stages import Stage3
@@ -298,3 +300,28 @@ def test_estimate_follows_the_reduce_dtype(tmp_path: Path, monkeypatch: pytest.M
     for tier, est in fp32.tiers.items():
         measured = summary.peak_tier_bytes.get(tier.value, 0)
         assert abs(est.peak - measured) <= 0.10 * measured, (tier, est.peak, measured, est.working)
+
+
+def test_the_command_prints_the_tier_budgets_under_its_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budgets and their sources stand between the tier table and the lines after it, which stay as they were;
+    the JSON carries them under "budgets"."""
+    monkeypatch.setattr("shutil.disk_usage", lambda path: SimpleNamespace(total=1 << 40, used=0, free=64 << 30))
+    raw = _raw(tmp_path, stage=3, params="nvme", grads="cpu", optimizer="nvme")
+    raw["tiers"] |= {"device": {"capacity": "1GiB"}, "cpu": {"capacity": "2GiB"}}
+    cfg = load_config(raw)
+    result, budgets = estimate(cfg), machine_budgets(cfg.tiers)
+    assert [(b.nbytes, b.source) for b in budgets.by_tier().values()] == [
+        (1 << 30, "tiers.device.capacity"),
+        (2 << 30, "tiers.cpu.capacity"),
+        (64 << 30, f"free space of {cfg.tiers.nvme.path}"),
+    ]
+    plain, lines = format_estimate(result).splitlines(), format_estimate(result, budgets=budgets).splitlines()
+    start = lines.index(budgets.lines()[0])
+    assert lines[start : start + 6] == [*budgets.lines(), ""]
+    assert lines[:start] + lines[start + 6 :] == plain and lines[start - 2].startswith("nvme ")
+    assert to_json(result, budgets=budgets) == to_json(result) | {"budgets": budgets.to_json()}
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    rc, table = _cli(["--config", str(config), "--flops", "50"])
+    assert rc == 0 and "\n".join(budgets.lines()) in table

@@ -12,7 +12,6 @@ are in tierzero/estimate/report.py.
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 
 from tierzero.config import load_config
 from tierzero.estimate.dry_run import dry_run
+from tierzero.placement.budgets import free_space as _free_space
 from tierzero.precision import dtype_of
 from tierzero.sizes import format_size
 from tierzero.slices import MODEL_STATE_KINDS, Kind, Tier, align_up
@@ -218,15 +218,6 @@ def _capacity(cfg: Any, tier: Tier) -> int | None:
             capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         return capacity
     return cfg.tiers.cpu.capacity if tier is Tier.CPU else cfg.tiers.nvme.capacity
-
-
-def _free_space(path: str | None) -> int | None:
-    if path is None:
-        return None
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
 
 
 def _activation_bytes(cfg: Any, model: Any) -> int | None:

@@ -10,14 +10,15 @@ from typing import Any, TextIO
 from tierzero.config import load_config
 from tierzero.config.cli import parse_overrides
 from tierzero.estimate.estimator import Bandwidth, Estimate, estimate, measure_flops
+from tierzero.placement import MachineBudgets, machine_budgets
 from tierzero.sizes import format_size
 from tierzero.slices import MODEL_STATE_KINDS
 
 __all__ = ["DEFAULT_BENCH_PATHS", "add_estimate_command", "format_estimate", "load_bench", "run_estimate", "to_json"]
 
 
-def to_json(result: Estimate) -> dict[str, Any]:
-    """The estimate as plain JSON types: bytes as ints, times in seconds."""
+def to_json(result: Estimate, *, budgets: MachineBudgets | None = None) -> dict[str, Any]:
+    """The estimate as plain JSON types: bytes as ints, times in seconds; with `budgets`, a "budgets" entry."""
     tiers = {
         t.value: {
             "capacity": e.capacity,
@@ -31,7 +32,7 @@ def to_json(result: Estimate) -> dict[str, Any]:
     }
     disk = result.disk
     disk_json = None if disk is None else {"read_Bps": disk.read, "write_Bps": disk.write, "source": disk.source}
-    return {
+    data = {
         "stage": result.stage,
         "world_size": result.world_size,
         "parameters": result.parameters,
@@ -53,10 +54,13 @@ def to_json(result: Estimate) -> dict[str, Any]:
         "problems": list(result.problems),
         "fixes": list(result.fixes),
     }
+    if budgets is not None:
+        data["budgets"] = budgets.to_json()
+    return data
 
 
-def format_estimate(result: Estimate) -> str:
-    """The table `tierzero estimate` prints."""
+def format_estimate(result: Estimate, *, budgets: MachineBudgets | None = None) -> str:
+    """The table `tierzero estimate` prints; with `budgets`, the tiers' budgets under it."""
     fs = format_size
     kinds = [k for k in MODEL_STATE_KINDS if any(e.homes[k] for e in result.tiers.values())]
     uses = sorted({use for e in result.tiers.values() for use in e.working})
@@ -74,6 +78,7 @@ def format_estimate(result: Estimate) -> str:
         "",
         *table,
         "",
+        *([] if budgets is None else [*budgets.lines(), ""]),
         f"host memory held by the store: {fs(result.host_bytes)}"
         + ("" if result.activations is None else f"; activations about {fs(result.activations)} per micro-batch"),
     ]
@@ -159,5 +164,9 @@ def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
         flops = measure_flops(cfg.precision.param_dtype)
     disk = load_bench(args.nvme_bench, nvme_path=cfg.tiers.nvme.path)
     result = estimate(cfg, world_size=args.world_size, disk=disk, flops=flops)
-    out.write(json.dumps(to_json(result), indent=2) + "\n" if args.json else format_estimate(result))
+    budgets = machine_budgets(cfg.tiers)
+    if args.json:
+        out.write(json.dumps(to_json(result, budgets=budgets), indent=2) + "\n")
+    else:
+        out.write(format_estimate(result, budgets=budgets))
     return 0 if result.fits else 1

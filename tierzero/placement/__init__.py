@@ -1,0 +1,25 @@
+"""Where state goes: each tier's budget from the config or the machine (budgets.py), the cgroup
+memory limit it reads (cgroup.py)."""
+
+from tierzero.placement.budgets import (
+    CPU_MARGIN,
+    DEVICE_MARGIN,
+    MachineBudgets,
+    Margin,
+    TierBudget,
+    free_space,
+    machine_budgets,
+)
+from tierzero.placement.cgroup import CgroupMemory, cgroup_memory
+
+__all__ = [
+    "CPU_MARGIN",
+    "DEVICE_MARGIN",
+    "CgroupMemory",
+    "MachineBudgets",
+    "Margin",
+    "TierBudget",
+    "cgroup_memory",
+    "free_space",
+    "machine_budgets",
+]
