@@ -141,3 +141,46 @@ def test_the_next_forward_reads_no_parameter_back_from_nvme(tmp_path: Path, monk
     # prefetcher's plan) the forward reads nothing: every stepped unit was handed up.
     assert handed[2:] == [0, 0], handed
     assert [name for name in reference if not torch.equal(state[name], reference[name])] == []
+
+
+def test_the_backward_gathers_copy_becomes_the_steps_master(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 stage 3, step in backward: a unit's PARAM slice is its master, and the gather just
+    read it; moved down to the step instead of released, it is not read from NVMe again."""
+
+    def train(hand_down: bool) -> tuple[dict[str, torch.Tensor], list[int]]:
+        if not hand_down:
+            monkeypatch.setattr(Stage3, "_hand_down", lambda self, *args: False)
+        cfg = {
+            "zero": {"stage": 3},
+            "optimizer": {"type": "adamw", "lr": 1e-2},
+            "gradient_clipping": 0.0,
+            "offload": {"params": "nvme", "optimizer": "nvme"},
+            "tiers": {"nvme": {"path": str(tmp_path)}},
+            "prefetch": {"bytes": 0},  # no slice kept or fetched ahead: every gather reads its shard
+        }
+        master_reads: list[int] = []
+        with tierzero.initialize(Stack(), cfg) as engine:
+            fetch, store = engine.store.fetch, engine.store
+            reads = [0]
+
+            def counting(key: SliceKey, *, to: Tier) -> Any:
+                if key.kind is Kind.PARAM and to is Tier.CPU and store.at_home(key):
+                    reads[0] += 1  # the step reading its fp32 master from NVMe
+                return fetch(key, to=to)
+
+            engine.store.fetch = counting
+            for step in range(4):
+                reads[0] = 0
+                engine.backward(engine(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))))
+                engine.step()
+                master_reads.append(reads[0])
+            state = engine.full_state_dict()
+        monkeypatch.undo()
+        assert state is not None
+        return state, master_reads
+
+    reference, read_again = train(hand_down=False)
+    state, handed = train(hand_down=True)
+    assert read_again[1:] == [4] * 3  # root and three blocks: each master read after its gather
+    assert handed[1:] == [1] * 3, handed  # only the root's (it is never handed down), from the second step
+    assert [name for name in reference if not torch.equal(state[name], reference[name])] == []

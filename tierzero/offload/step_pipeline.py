@@ -156,23 +156,30 @@ class StepPipeline:
         self._prepared: list[Prepared] = list(prepared)
         self.report = PipelineReport(prepared=len(self._prepared))
 
-    def prepare(self, group: SliceGroup) -> None:
-        """Start reading `group`'s slices but its gradient (which backward is still producing)
-        ahead of its `push`, if one more group fits in `MAX_RESIDENT_GROUPS` now; never waits."""
+    def has_room(self, group: SliceGroup) -> bool:
+        """Whether `prepare(group)` would take the group now (one more fits in the bound)."""
         if any(held == group for held, _ in self._prepared):
-            return
+            return False
         while self._writing and self._writing[0].landed():
             self._writing.popleft().wait()  # returns at once (and raises a failed write)
         held = len(self._writing) + (self._waiting is not None) + len(self._prepared)
-        if held + 1 > self._max_resident:
+        return held + 1 <= self._max_resident
+
+    def prepare(self, group: SliceGroup, *, given: dict[Kind, Transfer[torch.Tensor]] | None = None) -> None:
+        """Start reading `group`'s slices but its gradient (which backward is still producing)
+        ahead of its `push`, if `has_room`; never waits. `given`: slices already on their way
+        to the step tier (a gather's copy moved down), which the group then holds."""
+        if not self.has_room(group):
+            assert not given, "a slice was handed down to a pipeline without room for it"
             return
+        given = given or {}
         # Slices still held by someone (a gather's fetched copy) are left to `push`.
         kinds = tuple(
             (kind, tier)
             for kind, tier in group.fetches
-            if kind is not Kind.GRAD and self._store.at_home(SliceKey(group.unit, kind))
+            if kind is not Kind.GRAD and kind not in given and self._store.at_home(SliceKey(group.unit, kind))
         )
-        self._prepared.append((group, self._read(SliceGroup(unit=group.unit, fetches=kinds))))
+        self._prepared.append((group, given | self._read(SliceGroup(unit=group.unit, fetches=kinds))))
         self.report.prepared += 1
         self._note_resident()
 

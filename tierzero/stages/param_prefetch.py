@@ -109,12 +109,15 @@ class ParamPrefetch:
         if self._in_step:
             self._issue()
 
-    def done_with(self, unit: str) -> None:
-        """The unit's gather has read the slice: drop it, unless it runs again next."""
+    def done_with(self, unit: str, *, take: Callable[[SliceKey], bool] | None = None) -> None:
+        """The unit's gather has read the slice: drop it, unless it runs again next, or `take(key)`
+        takes the fetched copy over (True: taken, e.g. moved down to the optimizer step)."""
         if self._in_step and self.policy.keep_resident(unit):
             self._kept.add(unit)
             return
-        self.store.release(SliceKey(unit, Kind.PARAM))
+        key = SliceKey(unit, Kind.PARAM)
+        if take is None or not take(key):
+            self.store.release(key)
         if self._in_step:
             self._issue()  # the slice is home again: its next occurrence can be fetched ahead
 

@@ -24,7 +24,7 @@ on, and the next forward's first units start coming up as soon as they are stepp
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -119,14 +119,15 @@ class Stage3(StepInTime, Stage):
         unit.gathered = gathered
         self._by_storage[storage_id(gathered)] = unit
 
-    def unshard(self, unit: Unit) -> None:
+    def unshard(self, unit: Unit, *, take: Callable[[SliceKey], bool] | None = None) -> None:
+        """Gather the unit; `take` may take its fetched shard over once read (`ParamPrefetch.done_with`)."""
         self.start_gather(unit)
         if unit.state is UnitState.GATHERING:
             self._gathering.pop(unit.name).wait()
             if self.param_prefetch is None:
                 self.store.release(SliceKey(unit.name, Kind.PARAM))
             else:
-                self.param_prefetch.done_with(unit.name)
+                self.param_prefetch.done_with(unit.name, take=take)
             mark_state(unit, UnitState.GATHERED)
 
     def reshard(self, unit: Unit) -> None:
@@ -222,14 +223,19 @@ class Stage3(StepInTime, Stage):
 
     def pre_backward(self, unit: Unit) -> None:
         self._phase = Phase.BACKWARD
-        self.unshard(unit)
-        if self._backward_step is not None and self.last_micro_step and unit.pending_uses == 1 and not is_root(unit):
-            # The unit's last use: it steps once this backward ends, so its states (and, now
-            # that the gather has read it, its PARAM slice) can come up already. Not the
-            # root, whose backward starts first and ends last: it would hold a group all along.
-            self._backward_step.expect(unit)
-        elif self._step_ahead is not None and self.last_micro_step and unit.pending_uses == 1:
-            self._step_ahead.expect(unit)
+        job = self._backward_step
+        if job is not None and self.last_micro_step and unit.pending_uses == 1 and not is_root(unit):
+            # The unit's last use: it steps once this backward ends, so its states can come up
+            # already, and its PARAM slice too (fp32: the master) once the gather has read it:
+            # moved down from the gather's copy where there is room, rather than read again. Not
+            # the root, whose backward starts first and ends last: it would hold a group all along.
+            given: dict[Kind, Any] = {}
+            self.unshard(unit, take=lambda key: self._hand_down(key, job, unit, given))
+            job.expect(unit, given=given)
+        else:
+            self.unshard(unit)
+            if self._step_ahead is not None and self.last_micro_step and unit.pending_uses == 1:
+                self._step_ahead.expect(unit)
         # Activation checkpointing (non-reentrant) re-runs the unit's forward without its
         # module hooks: it must find the weights bound, and requiring grad as in the first
         # forward (it checks that the same tensors get saved). Its gradients flow through
@@ -237,6 +243,15 @@ class Stage3(StepInTime, Stage):
         with torch.enable_grad():
             self.bind_params(unit, counts_as_use=False)
         self._prefetch(unit, step=-1)
+
+    def _hand_down(self, key: SliceKey, job: Any, unit: Unit, given: dict[Kind, Any]) -> bool:
+        """Move the gather's PARAM copy down to the step tier for the unit's step (fp32, host step)."""
+        if self.mixed or self.homes.params is not Tier.NVME or self.homes.optimizer is Tier.DEVICE:
+            return False
+        if not job.has_room(unit):
+            return False
+        given[Kind.PARAM] = self.store.adopt(key, to=Tier.CPU)
+        return True
 
     def post_backward(self, unit: Unit, grads: list[torch.Tensor]) -> None:
         self.reduce_grads(unit, grads)

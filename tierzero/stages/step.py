@@ -29,6 +29,7 @@ from tierzero.optim import FlatOptimizer, SliceLayout
 from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.plan import Homes
 from tierzero.store.protocol import SliceStore
+from tierzero.transfer import Transfer
 from tierzero.units import Unit
 
 __all__ = ["BackwardStep", "ForwardStep", "HandOff", "StepAhead", "StepScalars", "Steppable", "run_step", "slice_group"]
@@ -139,9 +140,14 @@ class BackwardStep:
         self._stage = stage
         self._pipeline = _pipeline(stage, scalars, clip_coef=1.0, written=written, hand_off=hand_off)
 
-    def expect(self, unit: Unit) -> None:
-        """`unit`'s backward has started: read its states now, ahead of its gradient."""
-        self._pipeline.prepare(slice_group(self._stage, unit))
+    def expect(self, unit: Unit, *, given: dict[Kind, Transfer[torch.Tensor]] | None = None) -> None:
+        """`unit`'s backward has started: read its states now, ahead of its gradient (`given`: those
+        already on their way, see `StepPipeline.prepare`)."""
+        self._pipeline.prepare(slice_group(self._stage, unit), given=given)
+
+    def has_room(self, unit: Unit) -> bool:
+        """Whether `expect(unit)` would read ahead now."""
+        return self._pipeline.has_room(slice_group(self._stage, unit))
 
     def ready(self, unit: Unit) -> None:
         """`unit`'s gradient for this step is complete: start its step."""
