@@ -18,7 +18,11 @@ computes, has group j+1 being read and group j-1 being written back:
 so at most three groups are resident at once (`MAX_RESIDENT_GROUPS`). A caller that
 knows which group comes next before it is ready (stage 3, when a unit's backward
 starts) may `prepare` it: all its reads but the gradient's start then, if the bound
-allows, and `push` adds the gradient. A group whose
+allows, and `push` adds the gradient; reads prepared by one pipeline can be pushed by
+another (`hand_over`, `prepared=`), for a step whose scalars come later. After a group's
+step each slice is written home and released, unless `hand_off` takes its copy over (the
+new parameters, up to the device) or `keep_home` leaves its home unwritten (a stale
+gradient). A group whose
 slices live in memory costs nothing here: fetching a slice to its own home tier
 hands back the home tensor and its write-back is a no-op, so device and CPU homes
 take the same path with nothing to overlap. The arithmetic is the same on every
