@@ -64,8 +64,15 @@ class TrainStepResult:
 
     @property
     def ratio(self) -> float:
-        """Median tierzero step over median plain step (target <= 1.3)."""
+        """Median tierzero step over median plain step."""
         return statistics.median(self.tierzero_seconds) / statistics.median(self.plain_seconds)
+
+    @property
+    def target(self) -> float:
+        """The ratio issue 11 asks for on a quiet machine: bf16 1.3, fp32 with clipping 1.25, without 1.2."""
+        if self.dtype == "bf16":
+            return 1.3
+        return 1.25 if self.clip > 0 else 1.2
 
     @property
     def hit_rate(self) -> float:
@@ -83,7 +90,7 @@ class TrainStepResult:
             f"GPT {self.preset}, seq {self.seq}, batch {self.batch}, {self.dtype}, gradient clipping {self.clip:g}: "
             "stage 3, params + optimizer on NVMe vs plain PyTorch" + (" under autocast" if self.dtype == "bf16" else ""),
             f"  step (median)  plain {statistics.median(self.plain_seconds) * 1e3:.1f} ms   "
-            f"tierzero {statistics.median(self.tierzero_seconds) * 1e3:.1f} ms   ratio {self.ratio:.2f}x (target <= 1.30)",
+            f"tierzero {statistics.median(self.tierzero_seconds) * 1e3:.1f} ms   ratio {self.ratio:.2f}x (target <= {self.target:.2f})",
             f"  prefetch hit rate from step 2: {self.hit_rate:.1%} (target >= 95%), "
             f"I/O wait median {statistics.median(self.waited_s or (0.0,)) * 1e3:.1f} ms/step",
             f"  parameters after the last step: largest per-tensor difference {self.max_param_difference:.2e}",
