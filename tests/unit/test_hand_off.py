@@ -3,6 +3,7 @@ read back from NVMe: the bytes and bits a read would give, one disk crossing few
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,20 @@ from tierzero.swapper import Swapper
 def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
+
+
+def _count_reads(engine: Any, counted: Callable[[SliceKey, Tier], bool]) -> list[int]:
+    """Wrap the engine's `store.fetch`: the returned one-item list counts the fetches `counted`
+    picks that read the slice's home (none is fetched already)."""
+    store, fetch, reads = engine.store, engine.store.fetch, [0]
+
+    def counting(key: SliceKey, *, to: Tier) -> Any:
+        if counted(key, to) and store.at_home(key):
+            reads[0] += 1
+        return fetch(key, to=to)
+
+    store.fetch = counting
+    return reads
 
 
 def _store(tmp_path: Path) -> tuple[TieredStore, list[SliceKey]]:
@@ -113,15 +128,8 @@ def test_the_next_forward_reads_no_parameter_back_from_nvme(tmp_path: Path, monk
         }
         read_in_forward: list[int] = []
         with tierzero.initialize(Stack(), cfg) as engine:
-            fetch, store = engine.store.fetch, engine.store
-            reads = [0]
-
-            def counting(key: SliceKey, *, to: Tier) -> Any:
-                if key.kind is Kind.PARAM and store.at_home(key):
-                    reads[0] += 1  # a real read from the home; an adopted copy is fetched already
-                return fetch(key, to=to)
-
-            engine.store.fetch = counting
+            # A real read from the home; an adopted copy is fetched already.
+            reads = _count_reads(engine, lambda key, to: key.kind is Kind.PARAM)
             for step in range(4):
                 reads[0] = 0
                 loss = engine(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step)))
@@ -135,8 +143,7 @@ def test_the_next_forward_reads_no_parameter_back_from_nvme(tmp_path: Path, monk
 
     reference, read_back = train(hand_off=False)
     state, handed = train(hand_off=True)
-    units = len(read_back) and read_back[-1]
-    assert units == 4  # root and three blocks, each read back in every forward
+    assert read_back[-1] == 4  # root and three blocks, each read back in every forward
     # From the third step on (the first learns the order, the second's step opens the
     # prefetcher's plan) the forward reads nothing: every stepped unit was handed up.
     assert handed[2:] == [0, 0], handed
@@ -160,15 +167,8 @@ def test_the_backward_gathers_copy_becomes_the_steps_master(tmp_path: Path, monk
         }
         master_reads: list[int] = []
         with tierzero.initialize(Stack(), cfg) as engine:
-            fetch, store = engine.store.fetch, engine.store
-            reads = [0]
-
-            def counting(key: SliceKey, *, to: Tier) -> Any:
-                if key.kind is Kind.PARAM and to is Tier.CPU and store.at_home(key):
-                    reads[0] += 1  # the step reading its fp32 master from NVMe
-                return fetch(key, to=to)
-
-            engine.store.fetch = counting
+            # The step reading its fp32 master from NVMe.
+            reads = _count_reads(engine, lambda key, to: key.kind is Kind.PARAM and to is Tier.CPU)
             for step in range(4):
                 reads[0] = 0
                 engine.backward(engine(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))))
