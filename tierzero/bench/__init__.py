@@ -39,7 +39,7 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.device == "cpu":
         result = bench_train_step(
             nvme_path=args.nvme_path, preset=args.preset, warmup=args.warmup, measure_rss=not args.no_rss,
-            clip=args.clip, dtype=args.dtype, **shape,
+            clip=args.clip, dtype=args.dtype, runs=args.runs, **shape,
         )
         print(result.format())
         return 0
@@ -110,6 +110,11 @@ def add_bench_commands(subparsers: Any) -> None:
     train.add_argument("--steps", type=int, help="timed steps of each (default 20 on cpu, 10 on cuda)")
     train.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     train.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs in fresh processes (cpu)")
+    train.add_argument(
+        "--runs", type=int, default=1,
+        help="cpu: alternate runs of this many steps of each, back to back, as a training loop runs them (default 1: "
+        "step by step, where one's trailing writes may land while the other computes)",
+    )
     train.add_argument("--json", help="--device cuda: also write the result here")
     train.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: tierzero's bf16 beside autocast")
     train.add_argument(

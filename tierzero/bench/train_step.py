@@ -131,34 +131,40 @@ def bench_train_step(
     dtype: str = "fp32",
     disk_bytes: int = DISK_BYTES,
     disk_settle_s: float = SETTLE_S,
+    runs: int = 1,
 ) -> TrainStepResult:
-    """Alternate plain and tierzero steps; `steps` timed steps each after `warmup` untimed ones; then
-    measure the disk (`disk_bytes` each way per pass, `disk_settle_s` apart) for the I/O floor of
+    """Alternate plain and tierzero, `runs` steps of one back to back, then as many of the other
+    (1: step by step); `steps` timed steps each after `warmup` untimed ones. Then measure the
+    disk (`disk_bytes` each way per pass, `disk_settle_s` apart) for the I/O floor of
     tierzero's traffic."""
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"bench needs steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    if steps < 1 or warmup < 0 or runs < 1:
+        raise ValueError(f"bench needs steps >= 1, warmup >= 0 and runs >= 1, got {steps}, {warmup}, {runs}")
     Path(nvme_path).mkdir(parents=True, exist_ok=True)
     plain, tz = _plain(preset, clip, dtype), _tierzero(preset, str(nvme_path), clip, dtype)
     times: dict[str, list[float]] = {"plain": [], "tierzero": []}
     hits: list[float] = []
     waited: list[float] = []
-    traffic = (0, 0)
+    moved = [0, 0]
     try:
-        for step in range(warmup + steps):
-            if step == warmup:
-                traffic = tz.engine.store.nvme_traffic()
-            tokens, targets = token_batch(step, batch=batch, seq=seq)
+        for start in range(0, warmup + steps, runs):
             order = [("plain", plain), ("tierzero", tz)]
-            for name, runner in order if step % 2 == 0 else order[::-1]:
-                started = time.perf_counter()
-                runner.step(tokens, targets).item()  # a training loop reads its loss
-                if step >= warmup:
-                    times[name].append(time.perf_counter() - started)
-            report = tz.engine.prefetch_report()
-            if step >= 1 and report is not None:
-                hits.append(report.hit_rate)
-                waited.append(report.waited_s)
-        moved = [(now - before) / steps for now, before in zip(tz.engine.store.nvme_traffic(), traffic)]
+            for name, runner in order if (start // runs) % 2 == 0 else order[::-1]:
+                for step in range(start, min(start + runs, warmup + steps)):
+                    tokens, targets = token_batch(step, batch=batch, seq=seq)
+                    before = tz.engine.store.nvme_traffic()
+                    started = time.perf_counter()
+                    runner.step(tokens, targets).item()  # a training loop reads its loss
+                    if step >= warmup:
+                        times[name].append(time.perf_counter() - started)
+                    if runner is not tz:
+                        continue
+                    if step >= warmup:
+                        moved = [m + now - was for m, now, was in zip(moved, tz.engine.store.nvme_traffic(), before)]
+                    report = tz.engine.prefetch_report()
+                    if step >= 1 and report is not None:
+                        hits.append(report.hit_rate)
+                        waited.append(report.waited_s)
+        moved = [m / steps for m in moved]
         nvme_homes = tz.engine.store.report().tiers[Tier.NVME].current_by_use[Use.HOME]
         difference = max_param_difference(tz.engine, plain.model)
         parameters = sum(p.numel() for p in plain.model.parameters())
