@@ -13,14 +13,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from tierzero.bench.nvme import timed_pass
 from tierzero.bench.workload import Direction
 from tierzero.config import TiersConfig
 from tierzero.offload.nvme import NvmeTier
 from tierzero.sizes import format_size
-from tierzero.slices import IO_ALIGNMENT
+from tierzero.slices import IO_ALIGNMENT, aligned_empty
 
 __all__ = ["DISK_BYTES", "IoFloor", "disk_bandwidth"]
 
@@ -80,7 +78,7 @@ def disk_bandwidth(
     )  # fmt: skip
     with tier:
         regions = [tier.allocate(size, label=f"bandwidth/{i}") for i in range(slices)]
-        buffers = [_aligned(size) for _ in range(slices)]
+        buffers = [aligned_empty(size) for _ in range(slices)]
         for i, buffer in enumerate(buffers):
             buffer.fill_(i + 1)
         writes = [timed_pass(tier, regions, buffers, Direction.WRITE) for _ in range(repeats)]
@@ -89,10 +87,3 @@ def disk_bandwidth(
         time.sleep(settle_s)
         reads = [timed_pass(tier, regions, buffers, Direction.READ) for _ in range(repeats)]
     return statistics.median(reads), statistics.median(writes)
-
-
-def _aligned(nbytes: int) -> torch.Tensor:
-    """A uint8 buffer whose address is a multiple of the I/O alignment, as direct I/O needs."""
-    raw = torch.empty(nbytes + IO_ALIGNMENT, dtype=torch.uint8)
-    start = -raw.data_ptr() % IO_ALIGNMENT
-    return raw[start : start + nbytes]
