@@ -208,7 +208,8 @@ def _loop(
             ctrl_c.check()
             elapsed = time.perf_counter() - t0
             summary.step_seconds.append(elapsed)
-            summary.nvme_steps.append((traffic()[0] - moved[0], traffic()[1] - moved[1]))
+            now = traffic()
+            summary.nvme_steps.append((now[0] - moved[0], now[1] - moved[1]))
             summary.steps, summary.tokens = summary.steps + 1, summary.tokens + tokens_per_step
             summary.losses.append(loss)
             _note_memory(engine, summary, process)
