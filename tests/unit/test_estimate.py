@@ -151,11 +151,15 @@ def test_cpu_too_small_says_so_and_its_fixes_work(tmp_path: Path, monkeypatch: p
     _train({**raw, "tiers": {**raw["tiers"], "cpu": {"capacity": need}}}, monkeypatch)
 
 
+@pytest.mark.parametrize("grads", ["cpu", "nvme"])
 @pytest.mark.parametrize("clipping", [1.0, 0.0], ids=["step-after-backward", "step-in-backward"])
-def test_nvme_traffic_and_step_floor(clipping: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nvme_traffic_and_step_floor(clipping: float, grads: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tierzero.offload.nvme import NvmeTier
 
-    raw = {**_raw(tmp_path, stage=3, params="nvme", grads="cpu", optimizer="nvme"), "gradient_clipping": clipping}
+    # Linear units, as configs/oversized.yaml: many small steps, each one's write-back still
+    # pending when the next backward asks the pipeline for room.
+    raw = _raw(tmp_path, stage=3, params="nvme", grads=grads, optimizer="nvme", unit_classes=("Linear",))
+    raw["gradient_clipping"] = clipping
     disk = Bandwidth(read=2.0e9, write=1.0e9, source="test")
     flops = Bandwidth(read=1.0e11, write=1.0e11, source="test")
     result = estimate(load_config(raw), disk=disk, flops=flops)
@@ -178,13 +182,16 @@ def test_nvme_traffic_and_step_floor(clipping: float, tmp_path: Path, monkeypatc
     # first step's part that ran before the second forward, then a whole step's per step:
     # with clipping, the step waits for the next forward, and close drops what none reached).
     # Reads follow the prefetcher: the learning step reads each shard on demand, later ones
-    # keep a shard resident for its next use.
+    # keep a shard resident for its next use; the step in backward takes the backward's
+    # parameters as its master where the pipeline has room, which the estimate takes it always has.
     assert moved["write"] == result.tiers[Tier.NVME].home_total + result.nvme_written_first + 2 * result.nvme_written
     if clipping == 0.0:
         assert result.nvme_written_first == result.nvme_written  # the step ran in backward: whole
         assert result.nvme_read_first > result.nvme_read  # the forward's shards kept for the backward
     expected_read = result.nvme_read_first + 2 * result.nvme_read
-    assert abs(moved["read"] - expected_read) <= 0.10 * expected_read, (moved, result.nvme_read_first, result.nvme_read)
+    # A write-back still landing when the pipeline is asked for room costs the real run a read
+    # (a loaded machine): never fewer bytes than the estimate, a few percent more at most.
+    assert expected_read <= moved["read"] <= 1.10 * expected_read, (moved, result.nvme_read_first, result.nvme_read)
 
     assert result.io_floor_s == pytest.approx(result.nvme_read / 2.0e9 + result.nvme_written / 1.0e9)
     params = count_parameters(GPT(ModelSpec(n_layer=3, n_head=2, d_model=64, d_ff=256, max_seq_len=32)))

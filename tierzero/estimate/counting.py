@@ -7,10 +7,11 @@ store only says how much. What it models of the mechanism below the store:
 
 - A read lands at once, so the prefetcher is as far ahead as its budgets allow: the
   most device memory prefetched slices can take.
-- A write lands only when someone waits for it (the step pipeline making room, the
-  next step landing the last one, a slice's own `wait()`): a write-back holds its
-  copy, and its bounce blocks, as long as the engine lets it, which bounds a run from
-  above.
+- A write lands only when someone waits for it or asks whether it has landed (the
+  step pipeline making room, the next step landing the last one, a slice's own
+  `wait()`): a write-back holds its copy, and its bounce blocks, until the engine
+  looks. The engine's choices that depend on a write having landed (whether the step
+  pipeline has room for a handed-down copy) then go as on a disk that keeps up.
 - Device<->NVMe moves on a GPU pass through the swapper's staging pool, which keeps
   the buffers it made; NVMe writes from host memory the store did not allocate (the
   first value of a slice, a published compute-dtype shard) pass through the NVMe
@@ -37,7 +38,7 @@ __all__ = ["CountingStore"]
 
 
 class _LandsWhenWaited(Future):
-    """A write that lands when it is waited for (see the module note)."""
+    """A write that lands when it is waited for or asked about (see the module note)."""
 
     def result(self, timeout: float | None = None) -> TransferOutcome:
         self._land()
@@ -47,8 +48,12 @@ class _LandsWhenWaited(Future):
         self._land()
         return super().exception(timeout)
 
+    def done(self) -> bool:
+        self._land()
+        return True
+
     def _land(self) -> None:
-        if not self.done():
+        if not super().done():
             self.set_result(TransferOutcome())
 
 

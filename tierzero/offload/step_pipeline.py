@@ -83,7 +83,8 @@ class _Writing:
     transfers: list[Transfer[None]] = field(default_factory=list)
 
     def landed(self) -> bool:
-        return all(event.is_set() for event in self.done)
+        # Asking the transfers first lets the estimator's counting store land its writes here.
+        return all(t.done() for t in self.transfers) and all(event.is_set() for event in self.done)
 
     def wait(self) -> None:
         """Block until the group has landed; a write that failed raises here."""
