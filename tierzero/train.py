@@ -23,7 +23,6 @@ from typing import Any, TextIO
 
 import psutil
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from tierzero.api import initialize
@@ -32,6 +31,7 @@ from tierzero.config import load_config
 from tierzero.config.cli import parse_overrides
 from tierzero.data import batches_from_config, check_vocab
 from tierzero.lora import is_peft_model, save_adapters
+from tierzero.micro_step import micro_step
 from tierzero.models import build_model, count_parameters
 from tierzero.pretrained.export import check_export, export_engine
 from tierzero.run_summary import TIERS, RunSummary
@@ -317,22 +317,6 @@ def _train_step(engine: Any, data: Any, *, step: int, accumulation: int, device:
         torch.distributed.all_reduce(total)
         total /= torch.distributed.get_world_size()
     return total.item() / accumulation
-
-
-def micro_step(engine: Any, x: torch.Tensor, y: torch.Tensor, *, is_hf: bool) -> torch.Tensor:
-    """Forward, loss, backward and `engine.step()` on one micro-batch; the detached loss.
-
-    `tierzero estimate` runs the same function on the meta device, so what it predicts
-    is what this loop does.
-    """
-    if is_hf:
-        logits = engine(input_ids=x).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-    else:
-        _, loss = engine(x, y)
-    engine.backward(loss)
-    engine.step()
-    return loss.detach()
 
 
 def _postfix(loss: float, tokens_per_s: float, summary: RunSummary, engine: Any) -> str:

@@ -3,7 +3,7 @@
 `dry_run` builds the model on the meta device, wraps it in a real `Engine` (its own
 slice plan, stage, prefetcher and step pipeline) with a `CountingStore` and a
 dry-run collective group at the world size asked for, and runs two optimizer steps
-through `tierzero.train.micro_step`, the training loop's own: the prefetcher learns
+through `tierzero.micro_step.micro_step`, the training loop's own: the prefetcher learns
 the unit order in the first and follows it in the second. Nothing is allocated and no
 byte moves; whatever order the engine takes, the estimate follows, because there is
 no second copy of it.
@@ -21,10 +21,10 @@ from tierzero.config import Config
 from tierzero.dist import DistContext
 from tierzero.engine import Engine
 from tierzero.estimate.counting import CountingStore
+from tierzero.micro_step import micro_step
 from tierzero.models import build_model, count_parameters
 from tierzero.slices import Tier
 from tierzero.stages.plan import SlicePlan
-from tierzero.train import micro_step
 
 __all__ = ["DryRun", "dry_run"]
 
