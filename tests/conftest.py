@@ -11,6 +11,12 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def _disk_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Disk rates remembered by a test (tierzero/placement/disk.py) go to a scratch directory, not ~/.cache."""
+    monkeypatch.setenv("TIERZERO_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+
+
 @pytest.fixture
 def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
     """Mounts a size-limited tmpfs under tmp_path (`mount_tmpfs("2m")`), a real small disk.

@@ -14,9 +14,7 @@ import itertools
 import math
 import os
 import sys
-import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +41,7 @@ from tierzero.bench.workload import (
 )
 from tierzero.offload.base import Region
 from tierzero.offload.nvme import NvmeTier
+from tierzero.placement.disk import remember, timed_moves
 from tierzero.sizes import format_size, parse_size
 
 
@@ -82,12 +81,7 @@ def slice_bytes(*, size: int, slices: int, grid: Grid) -> int:
 
 def timed_pass(tier: NvmeTier, regions: list[Region], buffers: list[torch.Tensor], direction: Direction) -> float:
     """GB/s of moving all slices at once, as the swapper does: all submitted, then all awaited."""
-    submit = tier.submit_write if direction is Direction.WRITE else tier.submit_read
-    start = time.perf_counter()
-    futures: list[Future[None]] = [submit(region, buf) for region, buf in zip(regions, buffers)]
-    for future in futures:
-        future.result()
-    return sum(buf.numel() for buf in buffers) / (time.perf_counter() - start) / 1e9
+    return timed_moves(tier.submit_write if direction is Direction.WRITE else tier.submit_read, regions, buffers)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -271,6 +265,8 @@ def run_bench(opts: NvmeBenchOptions, *, out: TextIO | None = None) -> dict[str,
         "date": now_text(),
     }
     print_summary(report, results, best, out=out or sys.stdout)
+    # The planner (`offload: auto`) reads these for this directory instead of probing it.
+    remember(opts.path, read_gbs=best.read.median, write_gbs=best.write.median, how=f"bench nvme, best of {best.point.label}")
     if opts.plot_path is not None:
         title = f"tierzero NVMe tier vs fio, {format_size(data.nbytes)} per pass, medians of {opts.repeats}"
         write_plot(nvme_report.plot_bars(results), opts.plot_path, title=title)

@@ -32,7 +32,8 @@ from tierzero.bench.contenders import (
     max_param_difference,
     token_batch,
 )
-from tierzero.bench.io_floor import DISK_BYTES, SETTLE_S, IoFloor, disk_bandwidth
+from tierzero.bench.io_floor import IoFloor
+from tierzero.placement.disk import PROBE_BYTES, SETTLE_S, probe
 from tierzero.sizes import format_size
 from tierzero.slices import Tier
 from tierzero.store import Use
@@ -129,7 +130,7 @@ def bench_train_step(
     rss_steps: int = 3,
     clip: float = 0.0,
     dtype: str = "fp32",
-    disk_bytes: int = DISK_BYTES,
+    disk_bytes: int = PROBE_BYTES,
     disk_settle_s: float = SETTLE_S,
     runs: int = 1,
 ) -> TrainStepResult:
@@ -172,7 +173,7 @@ def bench_train_step(
         plain.close()
         tz.close()
     shape = {"preset": preset, "seq": seq, "batch": batch, "steps": rss_steps, "nvme_path": str(nvme_path), "clip": clip}
-    read_gbs, write_gbs = disk_bandwidth(nvme_path, nbytes=disk_bytes, settle_s=disk_settle_s)
+    read_gbs, write_gbs = probe(nvme_path, nbytes=disk_bytes, settle_s=disk_settle_s)
     io = IoFloor(
         read_bytes=moved[0], written_bytes=moved[1], read_gbs=read_gbs, write_gbs=write_gbs,
         parameters=parameters, home_bytes=nvme_homes,

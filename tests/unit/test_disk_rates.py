@@ -1,0 +1,57 @@
+"""The planner's disk rates: remembered per directory, probed once when unknown, a bad cache ignored."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tierzero.placement import disk
+
+
+def test_rates_are_remembered_per_directory(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    assert disk.remembered(a) is None
+    disk.remember(a, read_gbs=2.5, write_gbs=4.0, how="bench nvme")
+    rates = disk.remembered(a / ".." / "a")  # the same directory by another spelling
+    assert rates is not None and (rates.read, rates.write) == (2.5e9, 4.0e9)
+    assert rates.source.startswith("bench nvme, ") and "2.50 GB/s read, 4.00 GB/s write" in rates.source
+    assert disk.remembered(b) is None
+
+
+def test_an_unknown_disk_is_probed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Path] = []
+
+    def probe(path: Path, **_: object) -> tuple[float, float]:
+        calls.append(Path(path))
+        return 1.5, 3.0
+
+    monkeypatch.setattr(disk, "probe", probe)
+    first = disk.disk_rates(tmp_path)
+    second = disk.disk_rates(tmp_path)
+    assert calls == [tmp_path]
+    assert (first.read, first.write) == (second.read, second.write) == (1.5e9, 3.0e9)
+    assert first.source.startswith("probe of 256.0 MiB")
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["not json", "[1, 2]", '{"%s": {"read_GBps": "fast", "write_GBps": 1, "source": "x"}}',
+     '{"%s": {"read_GBps": 0, "write_GBps": 1, "source": "x"}}', '{"%s": {"read_GBps": 1}}'],
+    ids=["garbage", "not-a-mapping", "not-a-number", "zero", "missing"],
+)
+def test_a_bad_cache_is_never_trusted(text: str, tmp_path: Path) -> None:
+    disk.cache_file().parent.mkdir(parents=True, exist_ok=True)
+    disk.cache_file().write_text(text.replace("%s", str(tmp_path.resolve())))
+    assert disk.remembered(tmp_path) is None
+    disk.remember(tmp_path, read_gbs=1.0, write_gbs=2.0, how="probe")  # and it is rewritten whole
+    assert json.loads(disk.cache_file().read_text())[str(tmp_path.resolve())]["write_GBps"] == 2.0
+
+
+def test_the_probe_measures_a_real_disk(tmp_path: Path) -> None:
+    read, write = disk.probe(tmp_path, nbytes=4 << 20, repeats=1, settle_s=0.0)
+    assert read > 0 and write > 0
+    assert not list(tmp_path.iterdir())  # its file goes with it

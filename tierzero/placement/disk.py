@@ -1,0 +1,147 @@
+"""The disk's read and write bandwidth for the planner: remembered per path, measured when unknown.
+
+`tierzero bench nvme --json` remembers its best read and write rates for the directory it
+ran in, and so does a probe; `disk_rates(path)` returns what is remembered for that path,
+else runs `probe` (a few seconds: 256 MiB written, left to settle, read back through the
+NVMe tier the engine uses) and remembers that. The cache is one JSON file,
+`$TIERZERO_CACHE_DIR/disks.json` (default `~/.cache/tierzero`), keyed by the directory's
+real path; a file that cannot be read is ignored and rewritten, never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from tierzero.config import TiersConfig
+from tierzero.offload.base import Region
+from tierzero.offload.nvme import NvmeTier
+from tierzero.sizes import format_size
+from tierzero.slices import IO_ALIGNMENT, aligned_empty
+
+__all__ = ["PROBE_BYTES", "SETTLE_S", "DiskRates", "cache_file", "disk_rates", "probe", "remember", "remembered", "timed_moves"]
+
+#: Bytes `probe` moves each way per pass by default.
+PROBE_BYTES = 256 << 20
+#: Seconds between its writes and its reads: bytes read back at once after being written come
+#: at a third of the speed on a virtio disk (its host still writing them back), and a step
+#: reads what it wrote a step ago.
+SETTLE_S = 3.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DiskRates:
+    """Sequential read and write bandwidth of one directory's disk, and where they came from."""
+
+    read: float
+    """Bytes per second."""
+    write: float
+    source: str
+
+
+def cache_file() -> Path:
+    root = os.environ.get("TIERZERO_CACHE_DIR") or Path.home() / ".cache" / "tierzero"
+    return Path(root) / "disks.json"
+
+
+def remembered(path: str | os.PathLike[str]) -> DiskRates | None:
+    """The rates last remembered for `path`'s directory; None when none are (or the cache is unreadable)."""
+    entry = _read_cache().get(_key(path))
+    try:
+        read, write = float(entry["read_GBps"]), float(entry["write_GBps"])  # type: ignore[index]
+        source = str(entry["source"])  # type: ignore[index]
+    except (TypeError, KeyError, ValueError):
+        return None
+    if not (read > 0 and write > 0):
+        return None
+    return DiskRates(read=read * 1e9, write=write * 1e9, source=f"{source} ({cache_file()})")
+
+
+def remember(path: str | os.PathLike[str], *, read_gbs: float, write_gbs: float, how: str) -> None:
+    """Store `path`'s rates (GB/s) with what measured them and when; the file is replaced whole."""
+    cache = _read_cache()
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cache[_key(path)] = {
+        "read_GBps": read_gbs,
+        "write_GBps": write_gbs,
+        "source": f"{how}, {stamp}: {read_gbs:.2f} GB/s read, {write_gbs:.2f} GB/s write",
+    }
+    target = cache_file()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = target.with_suffix(f".{os.getpid()}.tmp")
+    scratch.write_text(json.dumps(cache, indent=2, sort_keys=True) + "\n")
+    os.replace(scratch, target)
+
+
+def disk_rates(path: str | os.PathLike[str]) -> DiskRates:
+    """`path`'s remembered rates, else a `probe` of it, remembered for next time."""
+    known = remembered(path)
+    if known is not None:
+        return known
+    read, write = probe(path)
+    remember(path, read_gbs=read, write_gbs=write, how=f"probe of {format_size(PROBE_BYTES)}")
+    found = remembered(path)
+    assert found is not None
+    return found
+
+
+def probe(
+    path: str | os.PathLike[str],
+    *,
+    nbytes: int = PROBE_BYTES,
+    slices: int = 4,
+    repeats: int = 3,
+    settle_s: float = SETTLE_S,
+) -> tuple[float, float]:
+    """(read, write) GB/s of `path`'s disk through an NvmeTier with the default settings: the medians
+    of `repeats` passes writing `slices` slices of `nbytes` in all, submitted at once, then (after
+    `settle_s`) of as many passes reading them back."""
+    size = nbytes // slices // IO_ALIGNMENT * IO_ALIGNMENT
+    if size == 0:
+        raise ValueError(f"{format_size(nbytes)} in {slices} slices is under one {IO_ALIGNMENT}-byte block each")
+    nvme = TiersConfig().nvme
+    tier = NvmeTier(
+        path, capacity=size * slices, block_size=nvme.block_size, queue_depth=nvme.queue_depth,
+        threads=nvme.threads, backend=nvme.backend,
+    )  # fmt: skip
+    with tier:
+        regions = [tier.allocate(size, label=f"probe/{i}") for i in range(slices)]
+        buffers = [aligned_empty(size) for _ in range(slices)]
+        for i, buffer in enumerate(buffers):
+            buffer.fill_(i + 1)
+        writes = [timed_moves(tier.submit_write, regions, buffers) for _ in range(repeats)]
+        time.sleep(settle_s)
+        reads = [timed_moves(tier.submit_read, regions, buffers) for _ in range(repeats)]
+    return statistics.median(reads), statistics.median(writes)
+
+
+def timed_moves(
+    submit: Callable[[Region, torch.Tensor], Future[None]], regions: list[Region], buffers: list[torch.Tensor]
+) -> float:
+    """GB/s of moving all slices at once, as the swapper does: all submitted, then all awaited."""
+    start = time.perf_counter()
+    futures = [submit(region, buf) for region, buf in zip(regions, buffers)]
+    for future in futures:
+        future.result()
+    return sum(buf.numel() for buf in buffers) / (time.perf_counter() - start) / 1e9
+
+
+def _key(path: str | os.PathLike[str]) -> str:
+    return os.path.realpath(path)
+
+
+def _read_cache() -> dict[str, object]:
+    try:
+        data = json.loads(cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
