@@ -6,13 +6,16 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from tierzero import dist as D
 from tierzero.config import load_config
 from tierzero.engine import Engine
 from tierzero.lora import is_peft_model, materialize_adapters
+from tierzero.placement.planner import PlacementPlan, plan_placement
 from tierzero.pretrained import PretrainedWeights
+from tierzero.topology import Topology
 
 __all__ = ["initialize"]
 
@@ -30,7 +33,8 @@ def initialize(
     (config.json and safetensors files) whose weights `model`, best built on the meta device
     (`tierzero.pretrained.build_meta_model`), starts from: each unit is read from the files
     straight into its slices, one at a time. `lr_lambda` replaces the config's `scheduler`
-    with a `LambdaLR`-style multiplier of `optimizer.lr` per optimizer step.
+    with a `LambdaLR`-style multiplier of `optimizer.lr` per optimizer step. An `offload` key
+    set to auto is planned here (tierzero/placement/planner.py): `engine.placement` says how.
     """
     cfg = load_config(config)
     if is_peft_model(model):
@@ -40,4 +44,23 @@ def initialize(
     if pretrained is not None:
         weights = PretrainedWeights.open(pretrained).for_model(model)
         weights.check(model)
-    return Engine(model, cfg, ctx=D.setup(timeout_s=cfg.dist.timeout), weights=weights, lr_lambda=lr_lambda)
+    ctx = D.setup(timeout_s=cfg.dist.timeout)
+    plan = _plan(cfg, ctx) if cfg.offload.planned else None
+    engine = Engine(model, cfg, ctx=ctx, weights=weights, lr_lambda=lr_lambda, homes=None if plan is None else plan.homes)
+    engine.placement = plan
+    return engine
+
+
+def _plan(cfg: Any, ctx: D.DistContext) -> PlacementPlan:
+    """The placement of `cfg`'s auto kinds: planned on rank 0, within a rank's share of its machine,
+    and sent to every rank, so that all place alike however their machines' free memory differs."""
+    plan = None
+    if ctx.rank == 0:
+        local = Topology.from_env(world_size=ctx.world_size, rank=ctx.rank).local_world_size
+        plan = plan_placement(cfg, world_size=ctx.world_size, local_world_size=local)
+    if ctx.world_size > 1:
+        box = [plan]
+        dist.broadcast_object_list(box, src=0)
+        plan = box[0]
+    assert plan is not None
+    return plan

@@ -59,13 +59,16 @@ class Engine:
         comm: C.CommGroup | None = None,
         weights: PretrainedWeights | None = None,
         lr_lambda: Callable[[int], float] | None = None,
+        homes: Homes | None = None,
     ) -> None:
         """`store` and `comm` default to a `TieredStore` built from `cfg` and the default process
         group's collectives; `tierzero estimate` passes a counting store and a dry-run group.
         `weights` (checked against `model`) gives every parameter and persistent buffer its
         pretrained value, streamed unit by unit; without it a meta-built model is initialised.
         `lr_lambda(k)` multiplies `optimizer.lr` for optimizer step k (0 first), as
-        `torch.optim.lr_scheduler.LambdaLR` does; default: the config's `scheduler`."""
+        `torch.optim.lr_scheduler.LambdaLR` does; default: the config's `scheduler`. `homes`: where
+        each slice lives, as the placement planner chose it (tierzero/placement/planner.py);
+        required when an `offload` key is auto, default: the `offload` section's tiers."""
         self.cfg, self._ctx, self._weights = cfg, ctx, weights
         # The model reaches the device unit by unit in _install, never whole: a meta-built one is
         # materialised a unit at a time (see [Note: meta init] in materialize.py), a materialised
@@ -89,8 +92,9 @@ class Engine:
         )
         stage_class = STAGES[cfg.zero.stage]
         optimizer = make_optimizer(cfg.optimizer, rules.groups)
-        offload = cfg.offload
-        homes = Homes(params=offload.params, grads=offload.gradients, optimizer=offload.optimizer)
+        homes = homes or Homes.configured(cfg.offload)
+        self.placement: Any = None
+        """The planner's `PlacementPlan` when it chose `homes` (set by `tierzero.initialize`), else None."""
         self.plan = stage_class.plan_slices(
             self.units,
             param_dtype=self._param_dtype,
@@ -140,11 +144,10 @@ class Engine:
     def _make_store(self) -> TieredStore:
         # Unless the config sizes the swap file, it holds exactly this rank's NVMe-homed slices.
         capacity = max(self.plan.nvme_bytes(), IO_ALIGNMENT) if self.cfg.tiers.nvme.capacity is None else None
-        offload = self.cfg.offload
         return TieredStore.from_config(
             self.cfg.tiers,
             self.cfg.swapper,
-            nvme=Tier.NVME in (offload.params, offload.gradients, offload.optimizer),
+            nvme=any(spec.home is Tier.NVME for spec in self.plan.all()),
             rank=self._ctx.rank,
             device=self._ctx.device,
             nvme_capacity=capacity,
@@ -354,6 +357,9 @@ class Engine:
         tiers = self.store.report().tiers
         return {
             "kinds": {kind.value: int(kinds.get(kind, 0)) for kind in MODEL_STATE_KINDS},
+            # Where each kind lives, by tier: the config's `offload` or the planner's choice, unit by unit.
+            "placement": self.plan.bytes_by_home(),
+            "planned": None if self.placement is None else self.placement.summary(),
             # What autograd saved, at its peak per tier since the last reset (tierzero/activations.py).
             "activations": {tier.value: usage.peak_by_kind.get(Kind.ACTIVATION, 0) for tier, usage in tiers.items()},
             "tiers": {
@@ -406,3 +412,4 @@ class Engine:
 
 
 __all__ = ["Engine"]
+

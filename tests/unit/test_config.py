@@ -150,7 +150,7 @@ BAD_CONFIGS = [
     ({"zero": {"stage": 4}}, "zero.stage is 4, this engine runs stages 1, 2 and 3: set zero.stage to 1, 2 or 3"),
     ({"zero": {"stage": True}}, "zero.stage is true, this engine runs stages 1, 2 and 3: set zero.stage to 1, 2 or 3"),
     ({"train": {"micro_batch_size": 2.5}}, "train.micro_batch_size: expected a positive integer, got 2.5"),
-    ({"offload": {"params": "gpu"}}, "offload.params: expected one of device, cpu, nvme, got 'gpu'"),
+    ({"offload": {"params": "gpu"}}, "offload.params: expected one of device, cpu, nvme, auto, got 'gpu'"),
     ({"zero": {"stage": 2}, "offload": {"params": "cpu"}},
      "offload.params is cpu but zero.stage is 2: parameter offload needs zero.stage 3; "
      "set zero.stage: 3 or offload.params: device"),

@@ -185,7 +185,9 @@ def test_the_step_takes_gradients_where_no_copy_blocks_the_host() -> None:
 
     def tier(grads: Tier, optimizer: Tier, device: str, *, sharded: bool = True) -> Tier:
         homes = Homes(params=Tier.DEVICE, grads=grads, optimizer=optimizer)
-        return _grad_tier(SimpleNamespace(homes=homes, shards_grads=sharded, device=torch.device(device)))
+        plan = SimpleNamespace(home=homes.of)  # every unit at its kind's home
+        stage = SimpleNamespace(homes=homes, plan=plan, shards_grads=sharded, device=torch.device(device))
+        return _grad_tier(stage, "u0")
 
     assert tier(Tier.NVME, Tier.NVME, "cpu") is Tier.CPU  # up to the step tier, whatever the device
     assert tier(Tier.DEVICE, Tier.CPU, "cpu") is Tier.DEVICE  # host memory already: read in place

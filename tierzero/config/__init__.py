@@ -8,6 +8,7 @@ rules (schema.py), built from files, dicts and DeepSpeed configs by `load_config
 markdown.py; the `config` command in cli.py.
 """
 
+from tierzero.config.checks import AUTO
 from tierzero.config.data import DataConfig
 from tierzero.config.errors import ConfigError, TierZeroConfigWarning
 from tierzero.config.loading import load_config
@@ -32,6 +33,7 @@ from tierzero.config.sections import (
 )
 
 __all__ = [
+    "AUTO",
     "CheckpointConfig",
     "Config",
     "ConfigError",

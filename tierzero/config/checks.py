@@ -164,6 +164,12 @@ def _tier(value: Any) -> Tier:
     return value if isinstance(value, Tier) else Tier(value.lower() if isinstance(value, str) else value)
 
 
+def _tier_or_auto(value: Any) -> Tier | str:
+    if isinstance(value, str) and value.lower() == AUTO:
+        return AUTO
+    return _tier(value)
+
+
 def _loss_scale(value: Any) -> str | float:
     if isinstance(value, str) and value.lower() == "dynamic":
         return "dynamic"
@@ -188,6 +194,9 @@ def _directory(value: Any) -> str | None:
 
 BOOL = Check("true or false", "bool", lambda v: _require(isinstance(v, bool), v))
 TIER = Check("one of device, cpu, nvme", "device \\| cpu \\| nvme", _tier)
+AUTO = "auto"
+"""An offload key's value asking the planner (tierzero/placement/planner.py) to choose the tier."""
+TIER_OR_AUTO = Check("one of device, cpu, nvme, auto", "device \\| cpu \\| nvme \\| auto", _tier_or_auto)
 LOSS_SCALE = Check("'dynamic' or a positive number", "'dynamic' \\| float", _loss_scale, limit=f"{FLOAT32_MAX:g}")
 BETAS = Check("two numbers in [0, 1) such as [0.9, 0.999]", "[float, float]", _betas)
 NAMES = Check("a list of module class names such as [GPT2Block]", "list[str]", _names)

@@ -59,8 +59,8 @@ class Config(Section):
         _check_sequence_fits(self.model, self.train)
         _check_nvme_placement(self)
 
-    def placements(self) -> dict[str, Tier]:
-        """offload key -> tier, e.g. {"offload.params": Tier.NVME, ...}."""
+    def placements(self) -> dict[str, Tier | str]:
+        """offload key -> tier or "auto", e.g. {"offload.params": Tier.NVME, ...}."""
         return {f"offload.{name}": getattr(self.offload, name) for name in ("params", "gradients", "optimizer")}
 
     @property
@@ -77,7 +77,7 @@ def _check_stage_allows_offload(stage: int, offload: OffloadConfig) -> None:
     what = {"params": "parameter", "gradients": "gradient"}
     for name, (min_stage, allowed) in _MIN_STAGE.items():
         tier = getattr(offload, name)
-        if tier is not Tier.DEVICE and stage < min_stage:
+        if isinstance(tier, Tier) and tier is not Tier.DEVICE and stage < min_stage:
             raise ConfigError(
                 f"offload.{name} is {tier.value} but zero.stage is {stage}: {what[name]} offload "
                 f"needs zero.stage {allowed}; set zero.stage: {min_stage} or offload.{name}: device",

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from tierzero.config.checks import (
+    AUTO,
     BOOL,
     DIRECTORY,
     FLOAT32_MAX,
     LOSS_SCALE,
     NAMES,
-    TIER,
+    TIER_OR_AUTO,
     Check,
     GiB,
     MiB,
@@ -168,15 +169,25 @@ class ActivationsConfig(Section):
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class OffloadConfig(Section):
-    """The home tier of each kind of state: device (accelerator memory), cpu (host memory) or nvme."""
+    """The home tier of each kind of state: device (accelerator memory), cpu (host memory), nvme,
+    or auto: the planner chooses, unit by unit, within the tiers' budgets (tierzero/placement/planner.py).
+    `offload: auto` sets all three."""
 
     SECTION: ClassVar[str] = "offload"
-    params: Tier = setting(Tier.DEVICE, TIER)
+    SHORTHAND: ClassVar[dict[str, dict[str, str]]] = {
+        AUTO: {"params": AUTO, "gradients": AUTO, "optimizer": AUTO}
+    }
+    params: Tier | str = setting(Tier.DEVICE, TIER_OR_AUTO)
     """Home of the parameter slices; cpu or nvme needs zero.stage 3."""
-    gradients: Tier = setting(Tier.DEVICE, TIER)
+    gradients: Tier | str = setting(Tier.DEVICE, TIER_OR_AUTO)
     """Home of the gradient slices; cpu or nvme needs zero.stage 2 or 3."""
-    optimizer: Tier = setting(Tier.DEVICE, TIER)
+    optimizer: Tier | str = setting(Tier.DEVICE, TIER_OR_AUTO)
     """Home of the fp32 master weights and optimizer states; cpu or nvme works at every stage."""
+
+    @property
+    def planned(self) -> bool:
+        """Whether any kind's home is left to the planner."""
+        return AUTO in (self.params, self.gradients, self.optimizer)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -48,6 +48,8 @@ class Section:
 
     __slots__ = ()
     SECTION: ClassVar[str] = ""
+    SHORTHAND: ClassVar[dict[str, dict[str, Any]]] = {}
+    """Words that stand for the whole section, e.g. `offload: auto`, and the keys each sets."""
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):
@@ -156,7 +158,8 @@ def set_dotted(root: type, raw: dict[str, Any], key: str, value: Any) -> None:
 def build(cls: type, raw: Any, *, root: type, prefix: str = "") -> Any:
     """Construct `cls` from a raw nested dict; every section's `__post_init__` checks its part."""
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {show(raw)}", key=prefix)
+        words = "".join(f" or {word}" for word in getattr(cls, "SHORTHAND", {}))
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys{words}, got {show(raw)}", key=prefix)
     fields = {spec.name: spec for spec in dataclasses.fields(cls)}
     for name in raw:
         if name not in fields:
@@ -164,5 +167,7 @@ def build(cls: type, raw: Any, *, root: type, prefix: str = "") -> Any:
     kwargs: dict[str, Any] = {}
     for name, value in raw.items():
         child = fields[name].metadata.get("section")
+        if child and isinstance(value, str) and value.lower() in child.SHORTHAND:
+            value = child.SHORTHAND[value.lower()]
         kwargs[name] = build(child, value, root=root, prefix=dotted(prefix, name)) if child else value
     return cls(**kwargs)

@@ -95,6 +95,8 @@ class CountingStore:
         self.bounce = 0
         """Bytes of bounce blocks the NVMe tier keeps (host memory outside any capacity)."""
         self.nvme_read = self.nvme_written = 0
+        self.memory_copied = 0
+        """Bytes copied between the device and cpu tiers (fetches, write-backs, adopted copies)."""
 
     # ---- the SliceStore protocol ----------------------------------------------------
 
@@ -138,6 +140,7 @@ class CountingStore:
         record = self._slices[key]
         if to is record.home:
             raise ValueError(f"{key} lives on {to.value}: fetch it there instead")
+        source = record.copy_tier if src is None else (Tier.DEVICE if self._cuda else Tier.CPU)
         if src is None:
             if record.fetched is None:
                 raise ValueError(f"cannot move {key}: it is not fetched")
@@ -147,6 +150,8 @@ class CountingStore:
         elif record.fetched is not None:
             raise ValueError(f"cannot adopt a copy of {key}: it is fetched to {record.copy_tier}")
         record.copy_tier, record.inherited = to, tuple(record.writes)
+        if source is not None:
+            self._move(source, to, record.nbytes)
         self._add(to, key.kind, Use.FETCHED, record.nbytes, "fetched")
         record.fetched = Transfer.ready(record.tensor())
         return record.fetched
@@ -159,6 +164,8 @@ class CountingStore:
         # on the GPU where there is one: it is staged there, and bounced without one.
         source = record.copy_tier if src is None else (Tier.DEVICE if self._cuda else record.copy_tier or Tier.CPU)
         assert source is not None
+        if record.home is not Tier.NVME and source is not record.home:
+            self._move(source, record.home, record.nbytes)
         write = _LandsWhenWaited()
         if record.home is Tier.NVME:
             self.nvme_written += record.nbytes
@@ -227,7 +234,7 @@ class CountingStore:
     # ---- counting -------------------------------------------------------------------
 
     def reset_traffic(self) -> None:
-        self.nvme_read = self.nvme_written = 0
+        self.nvme_read = self.nvme_written = self.memory_copied = 0
 
     def _add(self, tier: Tier, kind: Kind, use: Use, delta: int, label: str) -> None:
         self._ledger.add(tier, kind, use, delta)
@@ -235,7 +242,10 @@ class CountingStore:
         self.working[tier][label] = max(self.working[tier][label], self._use_now[tier, label])
 
     def _move(self, a: Tier, b: Tier, nbytes: int) -> None:
-        """A device<->NVMe move on a GPU passes through the staging pool, which keeps what it made."""
+        """Counts device<->cpu copies. A device<->NVMe move on a GPU passes through the staging
+        pool, which keeps what it made."""
+        if {a, b} == {Tier.DEVICE, Tier.CPU}:
+            self.memory_copied += nbytes
         if not self._cuda or {a, b} != {Tier.DEVICE, Tier.NVME}:
             return
         size, count = self._swapper.buffer_size, self._swapper.buffer_count

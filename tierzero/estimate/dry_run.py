@@ -24,7 +24,7 @@ from tierzero.estimate.counting import CountingStore
 from tierzero.micro_step import micro_step
 from tierzero.models import build_model, count_parameters
 from tierzero.slices import Tier
-from tierzero.stages.plan import SlicePlan
+from tierzero.stages.plan import Homes, SlicePlan
 
 __all__ = ["DryRun", "dry_run"]
 
@@ -52,10 +52,13 @@ class DryRun:
     """NVMe bytes written by a later step."""
     nvme_written_first: int
     """NVMe bytes written by the first step."""
+    memory_copied: int
+    """Bytes a later step copies between the device and cpu tiers (host memory both, without a GPU)."""
 
 
-def dry_run(cfg: Config, *, world_size: int) -> DryRun:
-    """Run set-up and two optimizer steps of `cfg` as rank 0 of `world_size`, counting bytes."""
+def dry_run(cfg: Config, *, world_size: int, homes: Homes | None = None) -> DryRun:
+    """Run set-up and two optimizer steps of `cfg` as rank 0 of `world_size`, counting bytes;
+    `homes` places the slices (default: the config's `offload` tiers)."""
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
     model = build_model(cfg.model, device="meta", seed=cfg.train.seed)
@@ -63,7 +66,7 @@ def dry_run(cfg: Config, *, world_size: int) -> DryRun:
     store = CountingStore(cfg.tiers, cfg.swapper, cuda=torch.cuda.is_available())
     comm = CommGroup(rank=0, world_size=world_size, counter=CommCounter(), dry_run=True)
     ctx = DistContext(rank=0, world_size=world_size, local_rank=0, device=torch.device("meta"), created_group=False)
-    engine = Engine(model, cfg, ctx=ctx, store=store, comm=comm)
+    engine = Engine(model, cfg, ctx=ctx, store=store, comm=comm, homes=homes)
     try:
         store.reset_traffic()
         _step(engine, cfg)
@@ -72,7 +75,7 @@ def dry_run(cfg: Config, *, world_size: int) -> DryRun:
         _step(engine, cfg)
         # A step each: the second window holds the rest of the first step (run in the second
         # forward, when the step waits for it) and the start of the second, one step's worth.
-        read, written = store.nvme_read, store.nvme_written
+        read, written, copied = store.nvme_read, store.nvme_written, store.memory_copied
     finally:
         engine.close()
     peaks = store.report().tiers
@@ -87,6 +90,7 @@ def dry_run(cfg: Config, *, world_size: int) -> DryRun:
         nvme_read=read,
         nvme_written=written,
         nvme_written_first=written_first,
+        memory_copied=copied,
     )
 
 

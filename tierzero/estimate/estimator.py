@@ -24,6 +24,7 @@ from tierzero.placement.budgets import free_space as _free_space
 from tierzero.precision import dtype_of
 from tierzero.sizes import format_size
 from tierzero.slices import MODEL_STATE_KINDS, Kind, Tier, align_up
+from tierzero.stages.plan import Homes, SlicePlan
 
 __all__ = ["Bandwidth", "Estimate", "TierEstimate", "estimate"]
 
@@ -91,6 +92,8 @@ class Estimate:
     """NVMe bytes written per optimizer step, per rank."""
     nvme_written_first: int
     """NVMe bytes written in the first step (with the step in the next forward, only its first units')."""
+    memory_copied: int
+    """Bytes copied between the device and cpu tiers per optimizer step, per rank."""
     nvme_file: int
     """Bytes of this rank's preallocated swap file."""
     nvme_free: int | None
@@ -98,6 +101,8 @@ class Estimate:
     flops: Bandwidth
     activations: int | None
     """Rough bytes of saved activations (built-in models only), host or device."""
+    plan: SlicePlan | None = None
+    """Each unit's slices and their homes, as the engine registers them."""
     problems: list[str] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)
 
@@ -138,14 +143,16 @@ def estimate(
     disk: Bandwidth | None = None,
     flops: Bandwidth | None = None,
     suggest: bool = True,
+    homes: Homes | None = None,
 ) -> Estimate:
     """Per-rank bytes per tier, NVMe traffic and step-time floors of `cfg`; nothing is allocated.
 
     `disk` is the NVMe bandwidth (default: the stated `ASSUMED_DISK`), `flops` the compute
     rate (default: `assumed_flops`). With `suggest`, a config that does not fit gets the
     placement or capacity changes that would make it fit, each estimated the same way.
+    `homes` places the slices (the planner's candidates); default: the config's `offload`.
     """
-    run = dry_run(cfg, world_size=world_size)
+    run = dry_run(cfg, world_size=world_size, homes=homes)
     tiers = {tier: TierEstimate(tier=tier, capacity=_capacity(cfg, tier)) for tier in Tier}
     for spec in run.plan.all():
         tiers[spec.home].homes[spec.kind] += spec.nbytes
@@ -172,11 +179,13 @@ def estimate(
         nvme_read_first=run.nvme_read_first,
         nvme_written=run.nvme_written,
         nvme_written_first=run.nvme_written_first,
+        memory_copied=run.memory_copied,
         nvme_file=nvme_file,
         nvme_free=nvme.disk_free,
         disk=(disk or ASSUMED_DISK) if uses_nvme else None,
         flops=flops or assumed_flops(cfg.precision.param_dtype),
         activations=_activation_bytes(cfg, run.model),
+        plan=run.plan,
     )
     _check_fit(result, cfg)
     if suggest and not result.fits:

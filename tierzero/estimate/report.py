@@ -11,6 +11,7 @@ from tierzero.config import load_config
 from tierzero.config.cli import parse_overrides
 from tierzero.estimate.estimator import Bandwidth, Estimate, estimate, measure_flops
 from tierzero.placement import MachineBudgets, machine_budgets
+from tierzero.placement.planner import plan_placement
 from tierzero.sizes import format_size
 from tierzero.slices import MODEL_STATE_KINDS
 
@@ -163,8 +164,16 @@ def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
     elif args.measure_flops:
         flops = measure_flops(cfg.precision.param_dtype)
     disk = load_bench(args.nvme_bench, nvme_path=cfg.tiers.nvme.path)
-    result = estimate(cfg, world_size=args.world_size, disk=disk, flops=flops)
     budgets = machine_budgets(cfg.tiers)
+    if cfg.offload.planned:
+        plan = plan_placement(cfg, world_size=args.world_size, budgets=budgets, disk=disk, flops=flops)
+        result = plan.estimate
+        if args.json:
+            out.write(json.dumps({**to_json(result, budgets=budgets), "placement": plan.summary()}, indent=2) + "\n")
+        else:
+            out.write(format_estimate(result, budgets=budgets) + "\n" + "\n".join(plan.lines()) + "\n")
+        return 0
+    result = estimate(cfg, world_size=args.world_size, disk=disk, flops=flops)
     if args.json:
         out.write(json.dumps(to_json(result, budgets=budgets), indent=2) + "\n")
     else:

@@ -149,10 +149,10 @@ class Stage(ABC):
         finally:
             self.store.free(zeros)
 
-    def leaves_grads_stale(self) -> bool:
-        """Whether the step leaves its used GRAD slices home unzeroed (`Unit.grads_stale`): NVMe homes,
-        which the reduce reaches through `slice` only (stages 2 and 3)."""
-        return self.shards_grads and self.homes.grads is Tier.NVME
+    def leaves_grads_stale(self, unit: str) -> bool:
+        """Whether the step leaves the unit's used GRAD slice home unzeroed (`Unit.grads_stale`): an
+        NVMe home, which the reduce reaches through `slice` only (stages 2 and 3)."""
+        return self.shards_grads and self.plan.home(unit, Kind.GRAD) is Tier.NVME
 
     def scratch(self, unit: Unit, numel: int, dtype: torch.dtype, *, kind: Kind = Kind.GATHERED) -> torch.Tensor:
         """Device memory for the unit's full parameters (GATHERED) or gradients in flight (GRAD)."""
@@ -286,7 +286,7 @@ class Stage(ABC):
         self.grad_norm.reset()
         for unit in self.trained:
             unit.has_grads = False
-            if self.leaves_grads_stale():
+            if self.leaves_grads_stale(unit.name):
                 unit.grads_stale = True
                 continue
             with self.slice(unit, Kind.GRAD, write=True) as grads:

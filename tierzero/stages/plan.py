@@ -8,24 +8,70 @@ the same plan with a store that only counts bytes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
+from tierzero.config import ConfigError, OffloadConfig
 from tierzero.slices import Kind, Tier, align_up
 from tierzero.units import Unit
 
-__all__ = ["Homes", "SlicePlan", "SliceSpec", "plan_slices"]
+__all__ = ["KIND_HOMES", "Homes", "SlicePlan", "SliceSpec", "plan_slices"]
+
+
+#: The kinds each `Homes` field places: the optimizer's tier holds the fp32 master with the states.
+KIND_HOMES: dict[Kind, str] = {
+    Kind.PARAM: "params",
+    Kind.GRAD: "grads",
+    Kind.MASTER: "optimizer",
+    Kind.EXP_AVG: "optimizer",
+    Kind.EXP_AVG_SQ: "optimizer",
+}
 
 
 @dataclass(frozen=True, slots=True)
 class Homes:
-    """The home tier of each kind of model state, from `cfg.offload.*`."""
+    """The home tier of each kind of model state, from `cfg.offload.*` or the placement planner.
+
+    `units` lets the planner (tierzero/placement/planner.py) keep some units' slices of a kind
+    in host memory while the rest of that kind lives on NVMe: (unit name, field) -> tier. Only
+    between cpu and nvme, so that where the optimizer steps, and which stages a kind's tier
+    needs, stay the kind's: an override and its field are both off the device.
+    """
 
     params: Tier = Tier.DEVICE
     grads: Tier = Tier.DEVICE
     optimizer: Tier = Tier.DEVICE
+    units: Mapping[tuple[str, str], Tier] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for (unit, what), tier in self.units.items():
+            if what not in ("params", "grads", "optimizer"):
+                raise ValueError(f"{unit}: no kind of state called {what!r}; expected params, grads or optimizer")
+            if Tier.DEVICE in (tier, getattr(self, what)):
+                raise ValueError(
+                    f"{unit}'s {what} on {tier.value} while the rest is on {getattr(self, what).value}: a unit's "
+                    "home may differ from its kind's only between cpu and nvme"
+                )
+
+    @classmethod
+    def configured(cls, offload: OffloadConfig) -> Homes:
+        """The `offload` section's tiers, each kind whole; refused when a kind is left to the planner."""
+        if offload.planned:
+            raise ConfigError(
+                "offload is auto but no placement was planned: build the engine with tierzero.initialize (or "
+                "tierzero train), which plans it, or pass homes=plan_placement(cfg).homes; or set offload.params, "
+                "offload.gradients and offload.optimizer to device, cpu or nvme",
+                key="offload",
+            )
+        return cls(params=offload.params, grads=offload.gradients, optimizer=offload.optimizer)
+
+    def of(self, unit: str, kind: Kind) -> Tier:
+        """Where `unit`'s slice of `kind` lives."""
+        what = KIND_HOMES[kind]
+        return self.units.get((unit, what), getattr(self, what))
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +99,20 @@ class SlicePlan:
     def of(self, unit: Unit) -> tuple[SliceSpec, ...]:
         return self.specs[unit.name]
 
+    def home(self, unit: str, kind: Kind) -> Tier | None:
+        """Where `unit`'s slice of `kind` lives; None when the unit keeps none (a frozen unit's grads)."""
+        return next((spec.home for spec in self.specs[unit] if spec.kind is kind), None)
+
     def all(self) -> Iterable[SliceSpec]:
         return (spec for specs in self.specs.values() for spec in specs)
+
+    def bytes_by_home(self) -> dict[str, dict[str, int]]:
+        """Bytes of each kind by home tier: tier name -> kind name -> bytes (kinds with none left out)."""
+        homes: dict[str, dict[str, int]] = {tier.value: {} for tier in Tier}
+        for spec in self.all():
+            by_kind = homes[spec.home.value]
+            by_kind[spec.kind.value] = by_kind.get(spec.kind.value, 0) + spec.nbytes
+        return homes
 
     def nvme_bytes(self) -> int:
         """What this rank's swap file must hold: every NVMe-homed slice at its I/O-aligned size."""
@@ -86,13 +144,16 @@ def plan_slices(
     specs = {}
     for unit in units:
         shard = unit.shard_numel
-        unit_specs = [SliceSpec(Kind.PARAM, shard if shards_params else unit.padded_numel, param_dtype, homes.params)]
+        home = partial(homes.of, unit.name)
+        params = shard if shards_params else unit.padded_numel
+        unit_specs = [SliceSpec(Kind.PARAM, params, param_dtype, home(Kind.PARAM))]
         if not unit.trainable:
             specs[unit.name] = tuple(unit_specs)
             continue
-        unit_specs.append(SliceSpec(Kind.GRAD, shard if shards_grads else unit.padded_numel, grad_dtype, homes.grads))
+        grads = shard if shards_grads else unit.padded_numel
+        unit_specs.append(SliceSpec(Kind.GRAD, grads, grad_dtype, home(Kind.GRAD)))
         if mixed:
-            unit_specs.append(SliceSpec(Kind.MASTER, shard, torch.float32, homes.optimizer))
-        unit_specs += [SliceSpec(kind, shard, torch.float32, homes.optimizer) for kind in state_kinds]
+            unit_specs.append(SliceSpec(Kind.MASTER, shard, torch.float32, home(Kind.MASTER)))
+        unit_specs += [SliceSpec(kind, shard, torch.float32, home(kind)) for kind in state_kinds]
         specs[unit.name] = tuple(unit_specs)
     return SlicePlan(specs=specs, grad_dtype=grad_dtype)

@@ -246,7 +246,7 @@ class Stage3(StepInTime, Stage):
 
     def _hand_down(self, key: SliceKey, job: Any, unit: Unit, given: dict[Kind, Any]) -> bool:
         """Move the gather's PARAM copy down to the step tier for the unit's step (fp32, host step)."""
-        if self.mixed or self.homes.params is not Tier.NVME or self.homes.optimizer is Tier.DEVICE:
+        if self.mixed or self.plan.home(unit.name, Kind.PARAM) is not Tier.NVME or self.homes.optimizer is Tier.DEVICE:
             return False
         if not job.has_room(unit):
             return False

@@ -141,7 +141,7 @@ class StepInTime:
         """Whether the next forward takes `unit`'s new parameters soon, within the prefetcher's
         budgets: a unit the forward's plan fetches now, or one of its first units between steps."""
         prefetch = self.param_prefetch
-        if prefetch is None or self.homes.params is not Tier.NVME:
+        if prefetch is None or self.plan.home(unit, Kind.PARAM) is not Tier.NVME:
             return False
         if self._stepping_in_forward:
             return prefetch.wants(unit)

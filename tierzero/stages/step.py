@@ -27,7 +27,7 @@ from tierzero.offload.step_pipeline import (
 )
 from tierzero.optim import FlatOptimizer, SliceLayout
 from tierzero.slices import Kind, SliceKey, Tier
-from tierzero.stages.plan import Homes
+from tierzero.stages.plan import Homes, SlicePlan
 from tierzero.store.protocol import SliceStore
 from tierzero.transfer import Transfer
 from tierzero.units import Unit
@@ -58,6 +58,7 @@ class Steppable(Protocol):
     comm: CommGroup
     optimizer: FlatOptimizer
     homes: Homes
+    plan: SlicePlan
     device: torch.device
     mixed: bool
     shards_params: bool
@@ -69,13 +70,13 @@ class Steppable(Protocol):
 
     def unshard(self, unit: Unit) -> None: ...
 
-    def leaves_grads_stale(self) -> bool: ...
+    def leaves_grads_stale(self, unit: str) -> bool: ...
 
 
 def slice_group(stage: Steppable, unit: Unit) -> SliceGroup:
     """The slices the unit's step fetches, and where to: states to the step tier, grads as cheaply as possible."""
     tier = step_tier(stage.homes.optimizer)
-    fetches: list[tuple[Kind, Tier]] = [(Kind.GRAD, _grad_tier(stage))]
+    fetches: list[tuple[Kind, Tier]] = [(Kind.GRAD, _grad_tier(stage, unit.name))]
     if stage.mixed:
         fetches.append((Kind.MASTER, tier))
     elif stage.shards_params:
@@ -84,12 +85,12 @@ def slice_group(stage: Steppable, unit: Unit) -> SliceGroup:
     return SliceGroup(unit=unit.name, fetches=tuple(fetches))
 
 
-def _grad_tier(stage: Steppable) -> Tier:
+def _grad_tier(stage: Steppable, unit: str) -> Tier:
     """Where the step takes the gradients from. NVMe-homed ones come up to the step tier, and
     so do a GPU's sharded gradients for a step on the host: the swapper copies them on its copy
     stream while the pipeline reads ahead, where a copy in the compute would block the host.
     Otherwise memory-homed gradients are read in place (copied into step-tier scratch)."""
-    tier, home = step_tier(stage.homes.optimizer), stage.homes.grads
+    tier, home = step_tier(stage.homes.optimizer), stage.plan.home(unit, Kind.GRAD)
     if home is Tier.NVME or (home is not tier and stage.shards_grads and stage.device.type == "cuda"):
         return tier
     return home
@@ -292,10 +293,9 @@ def _pipeline(
         return _step_unit(stage, by_name[group.unit], fetched, scalars, clip_coef=clip_coef)
 
     told = None if written is None else (lambda group: written(group.unit))
-    stale = stage.leaves_grads_stale()
     return StepPipeline(
         stage.store, compute, written=told, prepared=prepared, hand_off=hand_off, max_resident=max_resident,
-        keep_home=(lambda key: key.kind is Kind.GRAD) if stale else None,
+        keep_home=lambda key: key.kind is Kind.GRAD and stage.leaves_grads_stale(key.unit),
     )  # fmt: skip
 
 
@@ -311,7 +311,7 @@ def _step_unit(
     # scratch by SGD's weight decay, in place): same bits as a copy, one slice-sized pass
     # fewer. Judged by tier, not by tensor, so that the estimate's meta tensors count alike:
     # without a GPU every memory tier is host memory.
-    in_place = source.dtype == torch.float32 and (_grad_tier(stage) is tier or stage.device.type == "cpu")
+    in_place = source.dtype == torch.float32 and (_grad_tier(stage, unit.name) is tier or stage.device.type == "cpu")
     g = source if in_place else store.allocate(
         kind=Kind.GRAD, numel=source.numel(), dtype=torch.float32, tier=tier, label=f"{unit.name} step"
     )
@@ -332,7 +332,7 @@ def _step_unit(
         lrs = stage.optimizer.group_lrs(scalars.lr_factor)
         stage.optimizer.step(param=master, grad=g, states=states, step=scalars.step, lr=lrs, layout=layout)
         writes = stage.publish(unit, master)
-        if stage.leaves_grads_stale():
+        if stage.leaves_grads_stale(unit.name):
             unit.grads_stale = True  # the pipeline releases the slice unwritten (`keep_home`)
         else:
             grads.zero_()

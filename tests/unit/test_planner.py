@@ -1,0 +1,182 @@
+"""`offload: auto`: the planner's choices against every whole-kind placement, its budgets and
+refusals, and runs of its split placements bitwise equal to a placement of whole kinds."""
+
+from __future__ import annotations
+
+import io
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tierzero import dist as D
+from tierzero import train as T
+from tierzero.config import ConfigError, load_config
+from tierzero.engine import Engine
+from tierzero.estimate.estimator import Bandwidth, estimate
+from tierzero.micro_step import micro_step
+from tierzero.models import build_model
+from tierzero.placement import MachineBudgets, TierBudget
+from tierzero.placement.planner import PlacementError, RankBudgets, plan_placement, predict
+from tierzero.slices import Tier
+from tierzero.stages.plan import Homes
+
+DISK = Bandwidth(read=2.0e9, write=3.0e9, source="test")
+FLOPS = Bandwidth(read=1.0e11, write=1.0e11, source="test")
+COPY = 5.0e9
+ALL_CPU = {"params": "cpu", "gradients": "cpu", "optimizer": "cpu"}
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _raw(tmp_path: Path, *, offload: Any = "auto", stage: int = 3, clipping: float = 0.0) -> dict[str, Any]:
+    swap = tmp_path / "swap"
+    swap.mkdir(exist_ok=True)
+    return {
+        "zero": {"stage": stage, "unit_classes": ["Linear"]},
+        "optimizer": {"type": "adamw", "lr": 1e-3},
+        "gradient_clipping": clipping,
+        "model": {"type": "gpt", "n_layer": 2, "n_head": 2, "d_model": 128, "d_ff": 512, "max_seq_len": 32},
+        "data": {"max_bytes": "256KiB"},
+        "train": {"steps": 3, "micro_batch_size": 2, "seq_len": 32, "log_every": 1},
+        "offload": offload,
+        "tiers": {"nvme": {"path": str(swap), "block_size": "64KiB", "queue_depth": 4}},
+        "swapper": {"buffer_size": "64KiB", "buffer_count": 4},
+    }
+
+
+def _budgets(*, cpu: int | None, device: int | None = None, nvme: int | None = 1 << 40) -> MachineBudgets:
+    return MachineBudgets(
+        device=TierBudget(tier=Tier.DEVICE, nbytes=device, source="test"),
+        cpu=TierBudget(tier=Tier.CPU, nbytes=cpu, source="test"),
+        nvme=TierBudget(tier=Tier.NVME, nbytes=nvme, source="test"),
+    )
+
+
+def _plan(cfg: Any, budgets: MachineBudgets) -> Any:
+    return plan_placement(cfg, budgets=budgets, disk=DISK, flops=FLOPS, copy_rate=COPY)
+
+
+def _host_budget(tmp_path: Path, share: int) -> int:
+    """What `_raw` holds in memory with all its state on NVMe, plus 1/`share` of its state's bytes."""
+    raw = _raw(tmp_path, offload={"params": "nvme", "gradients": "nvme", "optimizer": "nvme"})
+    result = estimate(load_config(raw), disk=DISK, flops=FLOPS, suggest=False)
+    working = result.tiers[Tier.DEVICE].need + result.tiers[Tier.CPU].need
+    return working + result.tiers[Tier.NVME].home_total // share
+
+
+def test_auto_is_a_tier_choice_and_a_section_shorthand(tmp_path: Path) -> None:
+    cfg = load_config(_raw(tmp_path))
+    assert (cfg.offload.params, cfg.offload.gradients, cfg.offload.optimizer) == ("auto",) * 3
+    assert cfg.offload.planned
+    one = load_config(_raw(tmp_path, offload={"params": "nvme", "optimizer": "AUTO"}))
+    assert (one.offload.params, one.offload.gradients, one.offload.optimizer) == (Tier.NVME, Tier.DEVICE, "auto")
+    with pytest.raises(ConfigError, match="offload.params: expected one of device, cpu, nvme, auto, got 'gpu'"):
+        load_config(_raw(tmp_path, offload={"params": "gpu"}))
+    with pytest.raises(ConfigError, match="offload: expected a mapping of keys or auto, got 'cpu'"):
+        load_config(_raw(tmp_path, offload="cpu"))
+    # The engine refuses to guess: auto is planned before it is built.
+    model = build_model(cfg.model, device="meta", seed=0)
+    ctx = D.DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), created_group=False)
+    with pytest.raises(ConfigError, match="offload is auto but no placement was planned"):
+        Engine(model, cfg, ctx=ctx)
+
+
+def test_a_unit_home_differs_from_its_kind_only_off_the_device() -> None:
+    homes = Homes(params=Tier.NVME, optimizer=Tier.NVME, units={("h.0", "optimizer"): Tier.CPU})
+    assert homes.units[("h.0", "optimizer")] is Tier.CPU and homes.optimizer is Tier.NVME
+    with pytest.raises(ValueError, match="only between cpu and nvme"):
+        Homes(params=Tier.NVME, units={("h.0", "params"): Tier.DEVICE})
+    with pytest.raises(ValueError, match="only between cpu and nvme"):
+        Homes(grads=Tier.DEVICE, units={("h.0", "grads"): Tier.CPU})
+
+
+@pytest.mark.parametrize("share", [8, 4, 1], ids=["eighth", "quarter", "whole"])
+def test_the_plan_is_never_worse_than_any_whole_kind_placement(share: int, tmp_path: Path) -> None:
+    """Brute force over the 27 whole-kind placements, each replayed and predicted as the planner does:
+    the plan fits the budget and predicts a step no longer than the best of those that fit."""
+    cfg = load_config(_raw(tmp_path))
+    budgets = _budgets(cpu=_host_budget(tmp_path, share))
+    plan = _plan(cfg, budgets)
+    rank = RankBudgets.of(budgets, cfg)
+    assert not rank.shortfalls(plan.estimate)
+    free = load_config(cfg, overrides={"tiers.cpu.capacity": None})
+    best = float("inf")
+    for p, g, o in itertools.product(Tier, repeat=3):
+        result = estimate(free, disk=DISK, flops=FLOPS, suggest=False, homes=Homes(params=p, grads=g, optimizer=o))
+        if not rank.shortfalls(result):
+            best = min(best, predict(result, copy_rate=COPY, cuda=False).step_s)
+    assert plan.prediction.step_s <= best
+    if share == 1:  # everything fits in memory (the working set shrinks with nothing on NVMe): no disk, no copies
+        assert plan.homes == Homes(params=Tier.DEVICE, grads=Tier.DEVICE, optimizer=Tier.DEVICE)
+    else:  # below what the whole state needs in memory: some of it crosses the disk every step
+        assert plan.estimate.nvme_read > 0
+
+
+def test_a_plan_that_cannot_fit_names_the_short_tier(tmp_path: Path) -> None:
+    cfg = load_config(_raw(tmp_path))
+    with pytest.raises(PlacementError, match=r"no placement fits .* cpu short by .*raise tiers.cpu.capacity by"):
+        _plan(cfg, _budgets(cpu=1 << 20))
+    with pytest.raises(PlacementError, match=r"nvme short by .*point tiers.nvme.path at a disk"):
+        _plan(cfg, _budgets(cpu=1 << 20, nvme=1 << 20))
+
+
+def test_budgets_are_split_among_a_machines_ranks(tmp_path: Path) -> None:
+    cfg = load_config(_raw(tmp_path))
+    two = RankBudgets.of(_budgets(cpu=8 << 30, device=4 << 30), cfg, local_world_size=2)
+    assert (two.cpu, two.device, two.nvme) == (4 << 30, 2 << 30, 1 << 40)  # the disk's space is each rank's file
+    given = load_config(cfg, overrides={"tiers.cpu.capacity": "3GiB"})
+    assert RankBudgets.of(_budgets(cpu=3 << 30), given, local_world_size=2).cpu == 3 << 30  # a capacity is a rank's
+
+
+def _trained(cfg: Any, homes: Homes) -> dict[str, torch.Tensor]:
+    """Three steps of `cfg` placed by `homes`, on fixed batches; the weights after."""
+    torch.manual_seed(0)
+    model = build_model(cfg.model, device="meta", seed=0)
+    ctx = D.DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), created_group=False)
+    batches = torch.randint(0, cfg.model.vocab_size, (3, 2, 2, 32))
+    with Engine(model, cfg, ctx=ctx, homes=homes) as engine:
+        for x, y in batches:
+            micro_step(engine, x, y, is_hf=False)
+        state = engine.full_state_dict()
+    assert state is not None
+    return state
+
+
+@pytest.mark.parametrize("clipping", [0.0, 1.0], ids=["step-in-backward", "step-after-backward"])
+def test_a_split_placement_trains_bitwise_as_whole_kinds(clipping: float, tmp_path: Path) -> None:
+    cfg = load_config(_raw(tmp_path, clipping=clipping))
+    units = list(estimate(load_config(_raw(tmp_path, offload=ALL_CPU)), disk=DISK, flops=FLOPS).plan.specs)
+    half = {(u, what): Tier.CPU for u in units[::2] for what in ("params", "grads", "optimizer")}
+    split = Homes(params=Tier.NVME, grads=Tier.NVME, optimizer=Tier.NVME, units=half)
+    whole = _trained(cfg, Homes(params=Tier.CPU, grads=Tier.CPU, optimizer=Tier.CPU))
+    mixed = _trained(cfg, split)
+    assert whole.keys() == mixed.keys()
+    for name in whole:
+        assert torch.equal(whole[name], mixed[name]), name
+
+
+def test_tierzero_train_plans_logs_and_reports_the_placement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierzero import api
+
+    budget = _host_budget(tmp_path, 4)
+    monkeypatch.setattr(api, "plan_placement", lambda cfg, **kw: _plan(cfg, _budgets(cpu=budget)))
+    reports: list[dict[str, Any]] = []
+    real = Engine.memory_report
+    monkeypatch.setattr(Engine, "memory_report", lambda engine: reports.append(real(engine)) or reports[-1])
+    out = io.StringIO()
+    summary = T.train(load_config(_raw(tmp_path)), progress=False, out=out)
+    assert summary.steps == 3
+    text = out.getvalue()
+    assert "placement (offload: auto), per rank:" in text and "predicted step" in text
+    planned = reports[-1]["planned"]
+    placed = reports[-1]["placement"]
+    assert planned["predicted_step_s"] > 0 and planned["nvme_read"] > 0
+    # The report's bytes by home are the plan's homes: what lives on nvme is what the plan put there.
+    assert sum(placed["nvme"].values()) == planned["nvme_home"]

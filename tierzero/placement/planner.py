@@ -1,0 +1,363 @@
+"""The placement planner: where every slice lives when an `offload` key is auto.
+
+Before anything is allocated, the planner replays the engine's own training step for each
+candidate placement (the estimator's counting dry run, tierzero/estimate) and keeps the
+one with the shortest predicted step among those that fit every tier's budget. The
+candidates:
+
+1. every whole-kind placement the stage allows for the kinds left to it (parameters,
+   gradients, optimizer states each wholly on the device, in host memory or on NVMe; the
+   kinds the config names stay where it says);
+2. from each of the best whole-kind placements that leave state on NVMe, the same with as
+   many units' NVMe slices moved to host memory as its budget has room for: first the
+   slices that cross the disk most often per byte (stage-3 parameters, read in forward and
+   in backward and written by the step), then gradients, then optimizer states (read and
+   written once each); unit by unit, in the order the units run.
+
+The prediction is the step's critical resource: the disk, which serves reads and writes
+one after the other (the NVMe bytes the replay counts, at the disk's rates from
+tierzero/placement/disk.py), or the compute (6 x parameters x tokens at a measured matmul
+rate) with the copies between the device and host tiers, which without a GPU take the same
+cores. The budgets are per rank (tierzero/placement/budgets.py; a machine's figure is
+split among the ranks on it); without a GPU, and without `tiers.device.capacity`, the
+device tier is host memory and shares the cpu budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tierzero.config import AUTO, Config, load_config
+from tierzero.estimate.estimator import Bandwidth, Estimate, estimate, measure_flops
+from tierzero.placement.budgets import MachineBudgets, machine_budgets
+from tierzero.placement.disk import disk_rates
+from tierzero.sizes import format_size
+from tierzero.slices import Tier, align_up
+from tierzero.stages.plan import KIND_HOMES, Homes
+
+__all__ = [
+    "PlacementError", "PlacementPlan", "Prediction", "RankBudgets", "measure_copy_rate", "plan_placement", "predict",
+]
+
+#: The `Homes` fields and the offload keys that set them.
+FIELDS = {"params": "params", "grads": "gradients", "optimizer": "optimizer"}
+#: Lowest zero stage that may keep a field off the device (the optimizer's: any).
+MIN_STAGE = {"params": 3, "grads": 2, "optimizer": 1}
+#: Fill order of the split candidates, and each field's disk crossings per byte and step (read, written).
+CROSSINGS = {"params": (2, 1), "grads": (1, 1), "optimizer": (1, 1)}
+#: Whole-kind placements whose split is tried: the best this many that leave state on NVMe.
+SPLIT_BASES = 2
+
+
+class PlacementError(ValueError):
+    """No placement fits the budgets; the message names the short tier, by how much, and what would fit."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankBudgets:
+    """What one rank's tiers may hold: None where neither the config nor the machine says."""
+
+    device: int | None
+    cpu: int | None
+    nvme: int | None
+    shared_host: bool
+    """The device tier is host memory (no GPU, no `tiers.device.capacity`): device and cpu share `cpu`."""
+    sources: dict[Tier, str]
+
+    @classmethod
+    def of(cls, machine: MachineBudgets, cfg: Config, *, local_world_size: int = 1) -> RankBudgets:
+        """Each tier's budget for one rank: a configured capacity as it is, a machine figure split."""
+        configured = {Tier.DEVICE: cfg.tiers.device.capacity, Tier.CPU: cfg.tiers.cpu.capacity}
+        figures, sources = {}, {}
+        for tier, budget in machine.by_tier().items():
+            share = budget.nbytes
+            if share is not None and configured.get(tier) is None and tier is not Tier.NVME and local_world_size > 1:
+                share //= local_world_size
+            figures[tier], sources[tier] = share, budget.source
+        shared = not torch.cuda.is_available() and cfg.tiers.device.capacity is None
+        return cls(
+            device=figures[Tier.DEVICE], cpu=figures[Tier.CPU], nvme=figures[Tier.NVME], shared_host=shared,
+            sources=sources,
+        )  # fmt: skip
+
+    def shortfalls(self, result: Estimate) -> dict[Tier, int]:
+        """Bytes by which each tier the estimate needs is over its budget (none: it fits)."""
+        device, cpu = result.tiers[Tier.DEVICE].need, result.tiers[Tier.CPU].need
+        short: dict[Tier, int] = {}
+        if self.shared_host:
+            if self.cpu is not None and device + cpu > self.cpu:
+                short[Tier.CPU] = device + cpu - self.cpu
+        else:
+            if self.device is not None and device > self.device:
+                short[Tier.DEVICE] = device - self.device
+            if self.cpu is not None and cpu > self.cpu:
+                short[Tier.CPU] = cpu - self.cpu
+        if result.nvme_file and (self.nvme is None or result.nvme_file > self.nvme):
+            short[Tier.NVME] = result.nvme_file - (self.nvme or 0)
+        return short
+
+    def memory_room(self, result: Estimate) -> int:
+        """Host-memory bytes the cpu tier may still take beyond what `result` needs."""
+        if self.cpu is None:
+            return 0
+        used = result.tiers[Tier.CPU].need + (result.tiers[Tier.DEVICE].need if self.shared_host else 0)
+        return max(0, self.cpu - used)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prediction:
+    """A placement's predicted step and what bounds it."""
+
+    step_s: float
+    io_s: float
+    compute_s: float
+    copy_s: float
+
+    @property
+    def bound(self) -> str:
+        return "disk" if self.io_s >= self.step_s else "compute and copies"
+
+
+def predict(result: Estimate, *, copy_rate: float, cuda: bool) -> Prediction:
+    """The step time `result`'s bytes and FLOPs set: the disk's serial time, or the compute with
+    the device<->host copies (which a GPU overlaps on its copy stream and a CPU does not)."""
+    io, compute, copies = result.io_floor_s, result.compute_floor_s, result.memory_copied / copy_rate
+    busy = max(compute, copies) if cuda else compute + copies
+    return Prediction(step_s=max(io, busy), io_s=io, compute_s=compute, copy_s=copies)
+
+
+@dataclass(slots=True, kw_only=True)
+class Candidate:
+    homes: Homes
+    label: str
+    result: Estimate | None = None
+    prediction: Prediction | None = None
+    short: dict[Tier, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlacementPlan:
+    """The chosen homes, the replay and prediction behind them, and what else was weighed."""
+
+    homes: Homes
+    label: str
+    estimate: Estimate
+    prediction: Prediction
+    budgets: RankBudgets
+    disk: Bandwidth | None
+    considered: tuple[tuple[str, str], ...]
+    """(placement, its predicted step or why it was refused), best first."""
+    units: tuple[str, ...]
+
+    def summary(self) -> dict[str, Any]:
+        """The plan as data: `engine.memory_report()["planned"]` and `tierzero estimate --json`."""
+        return {
+            "placement": self.label,
+            "homes": {what: self._spread(what) for what in FIELDS},
+            "predicted_step_s": self.prediction.step_s,
+            "bound": self.prediction.bound,
+            "io_s": self.prediction.io_s,
+            "compute_s": self.prediction.compute_s,
+            "copy_s": self.prediction.copy_s,
+            "nvme_read": self.estimate.nvme_read,
+            "nvme_written": self.estimate.nvme_written,
+            "nvme_home": self.estimate.tiers[Tier.NVME].home_total,
+            "considered": [list(row) for row in self.considered],
+        }
+
+    def lines(self) -> list[str]:
+        """The plan as `tierzero train` logs it and `tierzero estimate` prints it."""
+        rows = [["tier", "params", "grads", "optimizer", "holds", "budget", "budget from"]]
+        for tier in Tier:
+            spread = {what: self._spread(what).get(tier.value, 0) for what in FIELDS}
+            cells = [self._units(n) for n in spread.values()]
+            held = self.estimate.tiers[tier].home_total
+            budget = {Tier.DEVICE: self.budgets.device, Tier.CPU: self.budgets.cpu, Tier.NVME: self.budgets.nvme}[tier]
+            shown = "-" if budget is None else format_size(budget)
+            if tier is Tier.DEVICE and self.budgets.shared_host:
+                shown, source = "(cpu's)", "no GPU: the device tier is host memory, within the cpu budget"
+            else:
+                source = self.budgets.sources[tier]
+            rows.append([tier.value, *cells, format_size(held), shown, source])
+        widths = [max(len(r[i]) for r in rows) for i in range(6)]
+        table = ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + "  " + r[6] for r in rows]
+        p, e = self.prediction, self.estimate
+        disk = "" if self.disk is None else f"; disk {self.disk.source}"
+        lines = [
+            f"placement (offload: auto), per rank: {self.label}",
+            *table,
+            f"  nvme per step: read {format_size(e.nvme_read)}, write {format_size(e.nvme_written)}{disk}",
+            f"  predicted step {p.step_s:.2f} s, bound by the {p.bound}: I/O {p.io_s:.2f} s, compute "
+            f"{p.compute_s:.2f} s ({e.flops.source}), copies {p.copy_s:.2f} s",
+            f"  why: the shortest predicted step of {len(self.considered)} placements that fit or were tried:",
+        ]
+        return lines + [f"    {label}: {why}" for label, why in self.considered[:6]]
+
+    def _spread(self, what: str) -> dict[str, int]:
+        """Units whose `what` lives on each tier: tier name -> count."""
+        counts: dict[str, int] = {}
+        for unit in self.units:
+            tier = self.homes.units.get((unit, what), getattr(self.homes, what))
+            counts[tier.value] = counts.get(tier.value, 0) + 1
+        return counts
+
+    def _units(self, n: int) -> str:
+        total = len(self.units)
+        return "-" if n == 0 else ("all" if n == total else f"{n} of {total} units")
+
+
+def plan_placement(
+    cfg: Config,
+    *,
+    world_size: int = 1,
+    local_world_size: int = 1,
+    budgets: MachineBudgets | None = None,
+    disk: Bandwidth | None = None,
+    flops: Bandwidth | None = None,
+    copy_rate: float | None = None,
+) -> PlacementPlan:
+    """Choose every slice's home for `cfg`'s auto kinds; raises PlacementError when none fits.
+
+    `budgets` default to the machine's (`machine_budgets`), `disk` to the rates remembered or
+    probed for `tiers.nvme.path`, `flops` to a short matmul measurement, `copy_rate` (bytes/s
+    between the device and host tiers) to a short copy measurement.
+    """
+    rank_budgets = RankBudgets.of(budgets or machine_budgets(cfg.tiers), cfg, local_world_size=local_world_size)
+    free = load_config(cfg, overrides={"tiers.device.capacity": None, "tiers.cpu.capacity": None})
+    if disk is None and cfg.tiers.nvme.path is not None:
+        rates = disk_rates(cfg.tiers.nvme.path)
+        disk = Bandwidth(read=rates.read, write=rates.write, source=rates.source)
+    flops = flops or measure_flops(cfg.precision.param_dtype)
+    cuda = torch.cuda.is_available()
+    copy_rate = copy_rate or measure_copy_rate()
+
+    def judge(candidate: Candidate) -> Candidate:
+        result = estimate(free, world_size=world_size, disk=disk, flops=flops, suggest=False, homes=candidate.homes)
+        candidate.result, candidate.short = result, rank_budgets.shortfalls(result)
+        candidate.prediction = predict(result, copy_rate=copy_rate, cuda=cuda)
+        return candidate
+
+    whole = [judge(c) for c in _whole_kind(cfg)]
+    fitting = sorted((c for c in whole if not c.short), key=_step)
+    splits = [
+        judge(split)
+        for base in [c for c in fitting if c.result is not None and c.result.nvme_file][:SPLIT_BASES]
+        for split in _fill(base, rank_budgets, judge)
+    ]
+    ranked = sorted((c for c in whole + splits if not c.short), key=_step)
+    if not ranked:
+        raise PlacementError(_refusal(cfg, whole))
+    best = ranked[0]
+    assert best.result is not None and best.prediction is not None
+    considered = [(c.label, f"{_step(c):.2f} s predicted") for c in ranked]
+    considered += [(c.label, "over budget: " + _shortfall_text(c.short)) for c in whole if c.short]
+    return PlacementPlan(
+        homes=best.homes, label=best.label, estimate=best.result, prediction=best.prediction, budgets=rank_budgets,
+        disk=disk, considered=tuple(considered), units=tuple(best.result.plan.specs),
+    )  # fmt: skip
+
+
+def measure_copy_rate(nbytes: int = 64 << 20) -> float:
+    """Bytes/s of one copy from host to device memory (pinned, with CUDA), or host to host without."""
+    pin = torch.cuda.is_available()
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if pin else "cpu")
+    dst.copy_(src)  # warm-up: first touch of the pages
+    if pin:
+        torch.cuda.synchronize()
+    began = time.perf_counter()
+    dst.copy_(src)
+    if pin:
+        torch.cuda.synchronize()
+    return nbytes / (time.perf_counter() - began)
+
+
+# ---------------------------------------------------------------- candidates
+
+
+def _whole_kind(cfg: Config) -> list[Candidate]:
+    """Every whole-kind placement of the auto kinds the stage allows (nvme only with a path)."""
+    choices: list[Iterable[Tier]] = []
+    for what, key in FIELDS.items():
+        configured = getattr(cfg.offload, key)
+        if configured != AUTO:
+            choices.append([configured])
+            continue
+        tiers = [Tier.DEVICE]
+        if cfg.zero.stage >= MIN_STAGE[what]:
+            tiers.append(Tier.CPU)
+            if cfg.tiers.nvme.path is not None:
+                tiers.append(Tier.NVME)
+        choices.append(tiers)
+    return [
+        Candidate(homes=Homes(params=p, grads=g, optimizer=o), label=f"params {p.value}, grads {g.value}, optimizer {o.value}")
+        for p, g, o in itertools.product(*choices)
+    ]
+
+
+def _fill(base: Candidate, budgets: RankBudgets, judge: Any) -> list[Candidate]:
+    """`base` with its NVMe slices moved to the cpu tier, most crossings per byte first, while
+    the host budget has room; shrunk by what the replay finds over budget, up to three times."""
+    assert base.result is not None
+    specs = base.result.plan.specs
+    groups: dict[tuple[str, str], int] = {}
+    for unit, unit_specs in specs.items():
+        for spec in unit_specs:
+            if spec.home is Tier.NVME:
+                key = (unit, KIND_HOMES[spec.kind])
+                groups[key] = groups.get(key, 0) + align_up(spec.nbytes)
+    order = list(specs)
+    ranked = sorted(groups, key=lambda k: (-sum(CROSSINGS[k[1]]), list(FIELDS).index(k[1]), order.index(k[0])))
+    room = budgets.memory_room(base.result)
+    tried: list[Candidate] = []
+    for _ in range(3):
+        taken, used = {}, 0
+        for key in ranked:
+            if used + groups[key] <= room:
+                taken[key], used = Tier.CPU, used + groups[key]
+        if not taken:
+            break
+        homes = dataclasses.replace(base.homes, units=taken)
+        moved = sorted({what for _, what in taken})
+        label = f"{base.label}; {len(taken)} unit slices of {', '.join(moved)} in cpu ({format_size(used)})"
+        candidate = judge(Candidate(homes=homes, label=label))
+        tried.append(candidate)
+        if not candidate.short:
+            break
+        room -= sum(candidate.short.values()) + room // 100
+    return tried
+
+
+def _step(candidate: Candidate) -> float:
+    assert candidate.prediction is not None
+    return candidate.prediction.step_s
+
+
+def _shortfall_text(short: dict[Tier, int]) -> str:
+    return ", ".join(f"{tier.value} short by {format_size(n)}" for tier, n in short.items())
+
+
+def _refusal(cfg: Config, whole: list[Candidate]) -> str:
+    """No placement fits: the one nearest to fitting, what it lacks, and what would make it fit."""
+    nearest = min(whole, key=lambda c: sum(c.short.values()))
+    fixes = []
+    for tier, n in nearest.short.items():
+        if tier is Tier.NVME:
+            fixes.append(f"point tiers.nvme.path at a disk with {format_size(n)} more free")
+        else:
+            fixes.append(f"raise tiers.{tier.value}.capacity by {format_size(n)} ({n} bytes)")
+    if cfg.tiers.nvme.path is None:
+        fixes.append("set tiers.nvme.path to let the planner use NVMe")
+    raise_ = "; or ".join(fixes)
+    return (
+        f"offload auto: no placement fits the budgets; the nearest ({nearest.label}) has "
+        f"{_shortfall_text(nearest.short)}: {raise_}"
+    )
+
