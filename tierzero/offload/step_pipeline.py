@@ -194,16 +194,19 @@ class StepPipeline:
         held, self._prepared = self._prepared, []
         return held
 
-    def push(self, group: SliceGroup) -> None:
-        """Start reading `group` (what `prepare` did not), then compute the group pushed before it."""
+    def push(self, group: SliceGroup, *, given: dict[Kind, Transfer[torch.Tensor]] | None = None) -> None:
+        """Start reading `group` (what `prepare` did not), then compute the group pushed before it.
+        `given`: slices already on their way to the step tier (a gradient handed over from memory)."""
+        given = given or {}
         prepared = next((reads for held, reads in self._prepared if held == group), None)
         if prepared is not None:
             self._prepared = [(held, reads) for held, reads in self._prepared if held != group]
-            rest = tuple((kind, tier) for kind, tier in group.fetches if kind not in prepared)
-            reads = prepared | self._read(SliceGroup(unit=group.unit, fetches=rest))
         else:
             self._make_room()
-            reads = self._read(group)
+            prepared = {}
+        have = prepared | given
+        rest = tuple((kind, tier) for kind, tier in group.fetches if kind not in have)
+        reads = have | self._read(SliceGroup(unit=group.unit, fetches=rest))
         self.report.groups += 1
         previous, self._waiting = self._waiting, (group, reads)
         self._note_resident(extra=previous is not None)

@@ -228,13 +228,9 @@ class Stage(ABC):
         """
         if self.comm.world_size == 1:
             # The reduce-scatter of one rank is the identity: add each gradient into its place.
-            final = unit.pending_uses == 0
-            with self.slice(unit, Kind.GRAD, write=True) as shard:
+            with self._landing(unit, final=unit.pending_uses == 0) as shard:
                 for slot, grad in zip(unit.slots, grads, strict=True):
                     shard.narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1))
-                if final:
-                    self.note_grad(unit, shard)
-            self._grad_complete(unit, final=final)
             return
         self._buckets.add(unit, grads, final=unit.pending_uses == 0)
 
@@ -243,11 +239,55 @@ class Stage(ABC):
 
     def land_grad(self, unit: Unit, part: torch.Tensor, *, final: bool) -> None:
         """Add a reduced gradient `part` into the unit's owned GRAD slice."""
-        with self.slice(unit, Kind.GRAD, write=True) as shard:
+        with self._landing(unit, final=final) as shard:
             shard.add_(part)
-            if final:
-                self.note_grad(unit, shard)
-        self._grad_complete(unit, final=final)
+
+    @contextmanager
+    def _landing(self, unit: Unit, *, final: bool) -> Iterator[torch.Tensor]:
+        """The unit's GRAD slice to add a gradient into; then home, or to the unit's step in this
+        backward when it hands over (`_hands_over_grad`). `final`: the unit's gradient is complete."""
+        if not (final and self._hands_over_grad(unit)):
+            with self.slice(unit, Kind.GRAD, write=True) as shard:
+                yield shard
+                if final:
+                    self.note_grad(unit, shard)
+            self._grad_complete(unit, final=final)
+            return
+        assert self._backward_step is not None
+        key, to = SliceKey(unit.name, Kind.GRAD), self._backward_step.grad_tier(unit)
+        if unit.grads_stale:
+            # Zeros plus the gradient, as a stale slice's own sum (`_fresh_grads`): the same bits.
+            spec = next(spec for spec in self.slice_specs(unit) if spec.kind is Kind.GRAD)
+            grads = self.scratch(unit, spec.numel, spec.dtype, kind=Kind.GRAD).zero_()
+            try:
+                yield grads
+                self.note_grad(unit, grads)
+                handed = self.store.adopt(key, to=to, src=grads)
+                handed.wait()  # the copy has read the scratch
+            finally:
+                self.store.free(grads)
+        else:
+            # The earlier micro-steps' sum, read to add this one's to; the copy then moves to the step.
+            grads = self.store.fetch(key, to=Tier.DEVICE).wait()
+            try:
+                yield grads
+                self.note_grad(unit, grads)
+            except BaseException:
+                self.store.release(key)
+                raise
+            handed = self.store.adopt(key, to=to)
+            unit.grads_stale = True  # the home keeps the earlier micro-steps' sum only
+        self._backward_step.ready(unit, grad=handed)
+
+    def _hands_over_grad(self, unit: Unit) -> bool:
+        """Whether the unit's complete gradient goes to its step in this backward from memory, as
+        its NVMe home is written only to be read back at once: it would cross the disk twice for
+        nothing. The home is left stale (`Unit.grads_stale`): the next reduce starts from zeros."""
+        return (
+            self._backward_step is not None
+            and self.last_micro_step
+            and self.plan.home(unit.name, Kind.GRAD) is Tier.NVME
+        )
 
     def _grad_complete(self, unit: Unit, *, final: bool) -> None:
         if final and self._backward_step is not None and self.last_micro_step:

@@ -150,10 +150,15 @@ class BackwardStep:
         """Whether `expect(unit)` would read ahead now."""
         return self._pipeline.has_room(slice_group(self._stage, unit))
 
-    def ready(self, unit: Unit) -> None:
-        """`unit`'s gradient for this step is complete: start its step."""
+    def ready(self, unit: Unit, *, grad: Transfer[torch.Tensor] | None = None) -> None:
+        """`unit`'s gradient for this step is complete: start its step (`grad`: its GRAD slice already
+        on its way to the step tier, handed over from memory)."""
         unit.has_grads = False
-        self._pipeline.push(slice_group(self._stage, unit))
+        self._pipeline.push(slice_group(self._stage, unit), given=None if grad is None else {Kind.GRAD: grad})
+
+    def grad_tier(self, unit: Unit) -> Tier:
+        """Where the unit's step takes its gradient."""
+        return _grad_tier(self._stage, unit.name)
 
     def finish(self) -> PipelineReport:
         """Step the last unit pushed; the last write-backs may still be landing (`report.wait()`)."""
