@@ -11,6 +11,7 @@ matplotlib is imported only when a plot is written.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from tierzero.bench import activations, gpu_check, load, nvme, swap
 from tierzero.bench.adam import bench_cpu_adam
 from tierzero.bench.contenders import PLACEMENTS
 from tierzero.bench.gpu import bench_train_device
+from tierzero.bench.placement import bench_placement
 from tierzero.bench.train_step import bench_train_step
 from tierzero.bench.zero import bench_zero
 from tierzero.sizes import parse_size
@@ -61,6 +63,14 @@ def _run_zero(args: argparse.Namespace) -> int:
     print(result.format())
     if args.json:
         Path(args.json).write_text(result.to_json() + "\n")
+    return 0
+
+
+def _run_placement(args: argparse.Namespace) -> int:
+    bench_placement(
+        nvme_path=args.nvme_path, preset=args.preset, device_share=args.device_share, cpu_share=args.cpu_share,
+        rounds=args.rounds, steps=args.steps, batch=args.batch, seq=args.seq, out=sys.stdout,
+    )  # fmt: skip
     return 0
 
 
@@ -147,6 +157,19 @@ def add_bench_commands(subparsers: Any) -> None:
     zero.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1: two ranks, two cores)")
     zero.add_argument("--json", help="also write the result here")
     zero.set_defaults(func=_run_zero)
+    placement = commands.add_parser(
+        "placement", help="offload: auto beside every whole-kind placement that fits the same budgets",
+        description="Stage 3 on a built-in GPT, one engine per placement, in rounds: median step of each against auto's.",
+    )
+    placement.add_argument("--nvme-path", required=True, help="directory for the contenders' swap directories")
+    placement.add_argument("--preset", default="30m", help="built-in GPT size (default 30m)")
+    placement.add_argument("--device-share", type=int, help="the device tier holds 1/D of the model's state")
+    placement.add_argument("--cpu-share", type=int, help="the cpu tier holds 1/C of the model's state")
+    placement.add_argument("--rounds", type=int, default=3, help="rounds of steps (default 3)")
+    placement.add_argument("--steps", type=int, default=3, help="timed steps of each contender per round (default 3)")
+    placement.add_argument("--batch", type=int, default=4, help="micro-batch (default 4)")
+    placement.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
+    placement.set_defaults(func=_run_placement)
     check = commands.add_parser(
         "gpu-check", help="tests/gpu and bench train --device cuda in one run, one JSON of results (make gpu-check)",
         description="Run the CUDA tests and the CUDA training bench, and write what they found, with the torch and "

@@ -1,0 +1,155 @@
+"""`tierzero bench placement`: `offload: auto` against every placement of whole kinds that fits.
+
+The built-in GPT (30m by default) at stage 3 is trained by one engine per contender, each
+with its own swap directory: `auto` (the planner's choice, tierzero/placement/planner.py)
+and every placement of whole kinds (params, gradients and optimizer states each wholly on
+device, cpu or nvme) whose estimate fits the same budgets. With `--device-share D
+--cpu-share C` the device tier may hold 1/D and the cpu tier 1/C of the model's state
+(`tiers.*.capacity`), and the prefetcher keeps at most a quarter of the device's share
+fetched; without them no capacity is set and the machine's budgets apply, which on this
+machine hold everything. The contenders run in rounds, a few steps each in
+turn, so that they share the machine's slow and fast minutes; each one's median step is
+set beside auto's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from tierzero.bench.contenders import EngineTraining, Placement, engine_config, gpt, token_batch
+from tierzero.config import load_config
+from tierzero.estimate import estimate
+from tierzero.models import PRESETS, count_parameters
+from tierzero.sizes import format_size
+from tierzero.slices import Tier
+
+__all__ = ["Contender", "bench_placement"]
+
+
+@dataclass(slots=True, kw_only=True)
+class Contender:
+    name: str
+    config: dict[str, Any]
+    training: EngineTraining | None = None
+    times: list[float] = field(default_factory=list)
+    label: str = ""
+    predicted_s: float | None = None
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times)
+
+
+def bench_placement(
+    *,
+    nvme_path: str | Path,
+    preset: str = "30m",
+    device_share: int | None = None,
+    cpu_share: int | None = None,
+    rounds: int = 3,
+    steps: int = 3,
+    batch: int = 4,
+    seq: int = 128,
+    out: TextIO,
+) -> list[Contender]:
+    """Train every contender `rounds` x `steps` steps (after one warm-up step each); their step times."""
+    base = _base_config(nvme_path, preset=preset, seq=seq, batch=batch)
+    state = _state_bytes(base)
+    capacities = {}
+    if device_share is not None:
+        capacities["device"] = {"capacity": state // device_share}
+        # The prefetcher keeps up to 1 GiB of parameters fetched by default, all of a 30M model's:
+        # within a quarter of the state it may keep a few units, for every contender alike.
+        base["prefetch"] = {"bytes": state // device_share // 8, "max_live_bytes": state // device_share // 4}
+    if cpu_share is not None:
+        capacities["cpu"] = {"capacity": state // cpu_share}
+    contenders = [_contender("auto", base, "auto", capacities, nvme_path)]
+    for p, g, o in itertools.product(Tier, repeat=3):
+        offload = {"params": p.value, "gradients": g.value, "optimizer": o.value}
+        name = f"{p.value}/{g.value}/{o.value}"
+        contender = _contender(name, base, offload, capacities, nvme_path)
+        if estimate(load_config(contender.config), suggest=False).fits:
+            contender.label = f"params {p.value}, grads {g.value}, optimizer {o.value}"
+            contenders.append(contender)
+    params = count_parameters(gpt(preset))
+    out.write(
+        f"bench placement: GPT {preset} ({params / 1e6:.1f}M parameters, state {format_size(state)}), stage 3, "
+        f"batch {batch} x {seq}; budgets: {_budget_text(capacities)}; {len(contenders) - 1} whole-kind placements fit\n"
+    )
+    try:
+        for contender in contenders:
+            contender.training = EngineTraining(preset, contender.config)
+            placement = contender.training.engine.placement
+            if placement is not None:
+                contender.label, contender.predicted_s = placement.label, placement.prediction.step_s
+            _steps(contender, 1, batch=batch, seq=seq, record=False)
+        for _ in range(rounds):
+            for contender in contenders:
+                _steps(contender, steps, batch=batch, seq=seq, record=True)
+    finally:
+        for contender in contenders:
+            if contender.training is not None:
+                contender.training.close()
+    _report(contenders, out=out)
+    return contenders
+
+
+def _base_config(nvme_path: str | Path, *, preset: str, seq: int, batch: int) -> dict[str, Any]:
+    """The contenders' config; its model section is the preset's, for the estimate and the planner."""
+    config = engine_config(stage=3, placement=Placement(name="base"), nvme_path=nvme_path)
+    config["train"] = {"micro_batch_size": batch, "seq_len": seq}
+    config["model"] = {"type": "gpt", **dataclasses.asdict(PRESETS[preset])}
+    return config
+
+
+def _state_bytes(base: dict[str, Any]) -> int:
+    """Bytes of the model's state: parameters, gradients and optimizer states, all homed."""
+    cpu = {**base, "offload": {"params": "cpu", "gradients": "cpu", "optimizer": "cpu"}}
+    return estimate(load_config(cpu), suggest=False).tiers[Tier.CPU].home_total
+
+
+def _contender(name: str, base: dict[str, Any], offload: Any, capacities: dict[str, Any], root: str | Path) -> Contender:
+    swap = Path(root) / name.replace("/", "-")
+    swap.mkdir(parents=True, exist_ok=True)
+    tiers = {**capacities, "nvme": {"path": str(swap)}}
+    return Contender(name=name, config={**base, "offload": offload, "tiers": tiers})
+
+
+def _steps(contender: Contender, n: int, *, batch: int, seq: int, record: bool) -> None:
+    assert contender.training is not None
+    for step in range(n):
+        tokens, targets = token_batch(step, batch=batch, seq=seq)
+        began = time.perf_counter()
+        float(contender.training.step(tokens, targets))
+        if record:
+            contender.times.append(time.perf_counter() - began)
+
+
+def _budget_text(capacities: dict[str, Any]) -> str:
+    if not capacities:
+        return "the machine's (no capacity set)"
+    return ", ".join(f"{tier} {format_size(c['capacity'])}" for tier, c in capacities.items())
+
+
+def _report(contenders: list[Contender], *, out: TextIO) -> None:
+    auto = contenders[0]
+    rows = [["contender", "placement", "median step", "vs auto", "predicted"]]
+    for c in sorted(contenders, key=lambda c: c.median_s):
+        predicted = "-" if c.predicted_s is None else f"{c.predicted_s:.3f} s"
+        rows.append([c.name, c.label, f"{c.median_s:.3f} s", f"{c.median_s / auto.median_s:.2f}x", predicted])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        out.write("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() + "\n")
+    whole = [c for c in contenders if c is not auto]
+    if whole:
+        best = min(whole, key=lambda c: c.median_s)
+        out.write(
+            f"auto {auto.median_s:.3f} s against the best whole-kind placement ({best.name}) {best.median_s:.3f} s: "
+            f"{auto.median_s / best.median_s:.2f}x\n"
+        )
