@@ -115,8 +115,8 @@ def test_the_plan_is_never_worse_than_any_whole_kind_placement(share: int, tmp_p
     assert plan.prediction.step_s <= best
     if share == 1:  # everything fits in memory (the working set shrinks with nothing on NVMe): no disk, no copies
         assert plan.homes == Homes(params=Tier.DEVICE, grads=Tier.DEVICE, optimizer=Tier.DEVICE)
-    else:  # below what the whole state needs in memory: some of it crosses the disk every step
-        assert plan.estimate.nvme_read > 0
+    else:  # below what the whole state needs in memory: some of it lives on NVMe
+        assert plan.estimate.tiers[Tier.NVME].home_total > 0
 
 
 def test_a_plan_that_cannot_fit_names_the_short_tier(tmp_path: Path) -> None:
@@ -177,6 +177,6 @@ def test_tierzero_train_plans_logs_and_reports_the_placement(tmp_path: Path, mon
     assert "placement (offload: auto), per rank:" in text and "predicted step" in text
     planned = reports[-1]["planned"]
     placed = reports[-1]["placement"]
-    assert planned["predicted_step_s"] > 0 and planned["nvme_read"] > 0
+    assert planned["predicted_step_s"] > 0 and planned["nvme_home"] > 0
     # The report's bytes by home are the plan's homes: what lives on nvme is what the plan put there.
     assert sum(placed["nvme"].values()) == planned["nvme_home"]

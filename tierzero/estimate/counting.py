@@ -7,11 +7,13 @@ store only says how much. What it models of the mechanism below the store:
 
 - A read lands at once, so the prefetcher is as far ahead as its budgets allow: the
   most device memory prefetched slices can take.
-- A write lands only when someone waits for it or asks whether it has landed (the
-  step pipeline making room, the next step landing the last one, a slice's own
-  `wait()`): a write-back holds its copy, and its bounce blocks, until the engine
-  looks. The engine's choices that depend on a write having landed (whether the step
-  pipeline has room for a handed-down copy) then go as on a disk that keeps up.
+- A write lands only when someone waits for it (the step pipeline making room, the
+  next step landing the last one, a slice's own `wait()`): a write-back holds its
+  copy, and its bounce blocks, as long as the engine lets it, which bounds a run's
+  memory from above. With `lands_when_asked` it lands as soon as anyone asks whether
+  it has landed: the engine's choices that depend on it (whether the step pipeline has
+  room for a handed-down copy) then go as on a disk that keeps up, which gives the
+  traffic of a run whose disk does (estimate/dry_run.py replays both ways).
 - Device<->NVMe moves on a GPU pass through the swapper's staging pool, which keeps
   the buffers it made; NVMe writes from host memory the store did not allocate (the
   first value of a slice, a published compute-dtype shard) pass through the NVMe
@@ -38,7 +40,7 @@ __all__ = ["CountingStore"]
 
 
 class _LandsWhenWaited(Future):
-    """A write that lands when it is waited for or asked about (see the module note)."""
+    """A write that lands when it is waited for (see the module note)."""
 
     def result(self, timeout: float | None = None) -> TransferOutcome:
         self._land()
@@ -48,13 +50,17 @@ class _LandsWhenWaited(Future):
         self._land()
         return super().exception(timeout)
 
-    def done(self) -> bool:
-        self._land()
-        return True
-
     def _land(self) -> None:
         if not super().done():
             self.set_result(TransferOutcome())
+
+
+class _LandsWhenAsked(_LandsWhenWaited):
+    """A write that lands when it is waited for or asked about (see the module note)."""
+
+    def done(self) -> bool:
+        self._land()
+        return True
 
 
 @dataclass(slots=True, kw_only=True)
@@ -82,9 +88,10 @@ class _Slice:
 class CountingStore:
     """Books what a `TieredStore` built from the same sections would hold; moves nothing."""
 
-    def __init__(self, tiers: TiersConfig, swapper: SwapperConfig, *, cuda: bool) -> None:
+    def __init__(self, tiers: TiersConfig, swapper: SwapperConfig, *, cuda: bool, lands_when_asked: bool = False) -> None:
         self._ledger = Ledger({Tier.DEVICE: tiers.device.capacity, Tier.CPU: tiers.cpu.capacity, Tier.NVME: None})
         self._nvme, self._swapper, self._cuda = tiers.nvme, swapper, cuda
+        self._lands_when_asked = lands_when_asked
         self._slices: dict[SliceKey, _Slice] = {}
         self._scratch: dict[int, tuple[Tier, Kind, int]] = {}
         self._use_now: Counter[tuple[Tier, str]] = Counter()
@@ -166,7 +173,7 @@ class CountingStore:
         assert source is not None
         if record.home is not Tier.NVME and source is not record.home:
             self._move(source, record.home, record.nbytes)
-        write = _LandsWhenWaited()
+        write = _LandsWhenAsked() if self._lands_when_asked else _LandsWhenWaited()
         if record.home is Tier.NVME:
             self.nvme_written += record.nbytes
             self._move(source, Tier.NVME, record.nbytes)

@@ -6,7 +6,10 @@ dry-run collective group at the world size asked for, and runs two optimizer ste
 through `tierzero.micro_step.micro_step`, the training loop's own: the prefetcher learns
 the unit order in the first and follows it in the second. Nothing is allocated and no
 byte moves; whatever order the engine takes, the estimate follows, because there is
-no second copy of it.
+no second copy of it. It does so twice: the NVMe traffic comes from a replay whose
+writes land as soon as the engine asks (a disk that keeps up, as the engine's choices
+assume), the memory peaks from one whose writes land only when waited for (the most
+the engine can hold).
 """
 
 from __future__ import annotations
@@ -61,37 +64,58 @@ def dry_run(cfg: Config, *, world_size: int, homes: Homes | None = None) -> DryR
     `homes` places the slices (default: the config's `offload` tiers)."""
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
+    # Two replays (see counting.py): writes that land when asked give the traffic of a disk that
+    # keeps up; writes that land only when waited for give the memory bound of one that does not.
+    fast, _ = _replay(cfg, world_size=world_size, homes=homes, lands_when_asked=True)
+    slow, engine = _replay(cfg, world_size=world_size, homes=homes, lands_when_asked=False)
+    peaks = slow.store.report().tiers
+    return DryRun(
+        plan=engine.plan,
+        parameters=slow.parameters,
+        model=slow.model,
+        peak={tier: peaks[tier].peak for tier in Tier},
+        working={tier: dict(slow.store.working[tier]) for tier in Tier},
+        bounce=slow.store.bounce,
+        nvme_read_first=fast.read_first,
+        nvme_read=fast.read,
+        nvme_written=fast.written,
+        nvme_written_first=fast.written_first,
+        memory_copied=fast.copied,
+    )
+
+
+@dataclass(slots=True, kw_only=True)
+class _Replay:
+    store: CountingStore
+    model: nn.Module
+    parameters: int
+    read_first: int = 0
+    written_first: int = 0
+    read: int = 0
+    written: int = 0
+    copied: int = 0
+
+
+def _replay(cfg: Config, *, world_size: int, homes: Homes | None, lands_when_asked: bool) -> tuple[_Replay, Engine]:
+    """Set-up and two steps on a fresh meta model and counting store; the bytes each step moved."""
     model = build_model(cfg.model, device="meta", seed=cfg.train.seed)
-    parameters = count_parameters(model)
-    store = CountingStore(cfg.tiers, cfg.swapper, cuda=torch.cuda.is_available())
+    store = CountingStore(cfg.tiers, cfg.swapper, cuda=torch.cuda.is_available(), lands_when_asked=lands_when_asked)
     comm = CommGroup(rank=0, world_size=world_size, counter=CommCounter(), dry_run=True)
     ctx = DistContext(rank=0, world_size=world_size, local_rank=0, device=torch.device("meta"), created_group=False)
+    run = _Replay(store=store, model=model, parameters=count_parameters(model))
     engine = Engine(model, cfg, ctx=ctx, store=store, comm=comm, homes=homes)
     try:
         store.reset_traffic()
         _step(engine, cfg)
-        read_first, written_first = store.nvme_read, store.nvme_written
+        run.read_first, run.written_first = store.nvme_read, store.nvme_written
         store.reset_traffic()
         _step(engine, cfg)
         # A step each: the second window holds the rest of the first step (run in the second
         # forward, when the step waits for it) and the start of the second, one step's worth.
-        read, written, copied = store.nvme_read, store.nvme_written, store.memory_copied
+        run.read, run.written, run.copied = store.nvme_read, store.nvme_written, store.memory_copied
     finally:
         engine.close()
-    peaks = store.report().tiers
-    return DryRun(
-        plan=engine.plan,
-        parameters=parameters,
-        model=model,
-        peak={tier: peaks[tier].peak for tier in Tier},
-        working={tier: dict(store.working[tier]) for tier in Tier},
-        bounce=store.bounce,
-        nvme_read_first=read_first,
-        nvme_read=read,
-        nvme_written=written,
-        nvme_written_first=written_first,
-        memory_copied=copied,
-    )
+    return run, engine
 
 
 def _step(engine: Engine, cfg: Config) -> None:
