@@ -64,10 +64,12 @@ def _plan(cfg: Any, budgets: MachineBudgets) -> Any:
 
 
 def _host_budget(tmp_path: Path, share: int) -> int:
-    """What `_raw` holds in memory with all its state on NVMe, plus 1/`share` of its state's bytes."""
+    """What `_raw` holds in host memory with all its state on NVMe (the store's peaks and the
+    activations), plus 1/`share` of its state's bytes."""
     raw = _raw(tmp_path, offload={"params": "nvme", "gradients": "nvme", "optimizer": "nvme"})
     result = estimate(load_config(raw), disk=DISK, flops=FLOPS, suggest=False)
-    working = result.tiers[Tier.DEVICE].need + result.tiers[Tier.CPU].need
+    assert result.activations
+    working = result.tiers[Tier.DEVICE].need + result.tiers[Tier.CPU].need + result.activations
     return working + result.tiers[Tier.NVME].home_total // share
 
 

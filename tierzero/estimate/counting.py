@@ -104,6 +104,8 @@ class CountingStore:
         self.nvme_read = self.nvme_written = 0
         self.memory_copied = 0
         """Bytes copied between the device and cpu tiers (fetches, write-backs, adopted copies)."""
+        self.by_slice: dict[SliceKey, list[int]] = {}
+        """NVMe bytes [read, written], by slice."""
 
     # ---- the SliceStore protocol ----------------------------------------------------
 
@@ -137,6 +139,7 @@ class CountingStore:
             self._add(to, key.kind, Use.FETCHED, record.nbytes, "fetched")
             if record.home is Tier.NVME:
                 self.nvme_read += record.nbytes
+                self.by_slice.setdefault(key, [0, 0])[0] += record.nbytes
             self._move(record.home, to, record.nbytes)
             record.fetched = Transfer.ready(record.tensor())
         for write in list(record.writes):
@@ -176,6 +179,7 @@ class CountingStore:
         write = _LandsWhenAsked() if self._lands_when_asked else _LandsWhenWaited()
         if record.home is Tier.NVME:
             self.nvme_written += record.nbytes
+            self.by_slice.setdefault(key, [0, 0])[1] += record.nbytes
             self._move(source, Tier.NVME, record.nbytes)
             if src is not None and not self._cuda:
                 self._bounce(write, record.nbytes)
@@ -242,6 +246,7 @@ class CountingStore:
 
     def reset_traffic(self) -> None:
         self.nvme_read = self.nvme_written = self.memory_copied = 0
+        self.by_slice = {}
 
     def _add(self, tier: Tier, kind: Kind, use: Use, delta: int, label: str) -> None:
         self._ledger.add(tier, kind, use, delta)

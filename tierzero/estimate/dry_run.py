@@ -14,7 +14,7 @@ the engine can hold).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from tierzero.engine import Engine
 from tierzero.estimate.counting import CountingStore
 from tierzero.micro_step import micro_step
 from tierzero.models import build_model, count_parameters
-from tierzero.slices import Tier
+from tierzero.slices import SliceKey, Tier
 from tierzero.stages.plan import Homes, SlicePlan
 
 __all__ = ["DryRun", "dry_run"]
@@ -57,6 +57,8 @@ class DryRun:
     """NVMe bytes written by the first step."""
     memory_copied: int
     """Bytes a later step copies between the device and cpu tiers (host memory both, without a GPU)."""
+    nvme_by_slice: dict[SliceKey, tuple[int, int]]
+    """NVMe bytes (read, written) by a later step, by slice (the placement planner's fill order)."""
 
 
 def dry_run(cfg: Config, *, world_size: int, homes: Homes | None = None) -> DryRun:
@@ -81,6 +83,7 @@ def dry_run(cfg: Config, *, world_size: int, homes: Homes | None = None) -> DryR
         nvme_written=fast.written,
         nvme_written_first=fast.written_first,
         memory_copied=fast.copied,
+        nvme_by_slice=fast.by_slice,
     )
 
 
@@ -94,6 +97,7 @@ class _Replay:
     read: int = 0
     written: int = 0
     copied: int = 0
+    by_slice: dict[SliceKey, tuple[int, int]] = field(default_factory=dict)
 
 
 def _replay(cfg: Config, *, world_size: int, homes: Homes | None, lands_when_asked: bool) -> tuple[_Replay, Engine]:
@@ -113,6 +117,7 @@ def _replay(cfg: Config, *, world_size: int, homes: Homes | None, lands_when_ask
         # A step each: the second window holds the rest of the first step (run in the second
         # forward, when the step waits for it) and the start of the second, one step's worth.
         run.read, run.written, run.copied = store.nvme_read, store.nvme_written, store.memory_copied
+        run.by_slice = {key: (read, written) for key, (read, written) in store.by_slice.items()}
     finally:
         engine.close()
     return run, engine

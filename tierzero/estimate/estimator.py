@@ -23,7 +23,7 @@ from tierzero.estimate.dry_run import dry_run
 from tierzero.placement.budgets import free_space as _free_space
 from tierzero.precision import dtype_of
 from tierzero.sizes import format_size
-from tierzero.slices import MODEL_STATE_KINDS, Kind, Tier, align_up
+from tierzero.slices import MODEL_STATE_KINDS, Kind, SliceKey, Tier, align_up
 from tierzero.stages.plan import Homes, SlicePlan
 
 __all__ = ["Bandwidth", "Estimate", "TierEstimate", "estimate"]
@@ -94,6 +94,8 @@ class Estimate:
     """NVMe bytes written in the first step (with the step in the next forward, only its first units')."""
     memory_copied: int
     """Bytes copied between the device and cpu tiers per optimizer step, per rank."""
+    nvme_by_slice: dict[SliceKey, tuple[int, int]]
+    """NVMe bytes (read, written) per optimizer step, by slice."""
     nvme_file: int
     """Bytes of this rank's preallocated swap file."""
     nvme_free: int | None
@@ -180,6 +182,7 @@ def estimate(
         nvme_written=run.nvme_written,
         nvme_written_first=run.nvme_written_first,
         memory_copied=run.memory_copied,
+        nvme_by_slice=run.nvme_by_slice,
         nvme_file=nvme_file,
         nvme_free=nvme.disk_free,
         disk=(disk or ASSUMED_DISK) if uses_nvme else None,

@@ -9,10 +9,14 @@ candidates:
    gradients, optimizer states each wholly on the device, in host memory or on NVMe; the
    kinds the config names stay where it says);
 2. from each of the best whole-kind placements that leave state on NVMe, the same with as
-   many units' NVMe slices moved to host memory as its budget has room for: first the
-   slices that cross the disk most often per byte (stage-3 parameters, read in forward and
-   in backward and written by the step), then gradients, then optimizer states (read and
-   written once each); unit by unit, in the order the units run.
+   many units' NVMe slices moved to host memory as its budget has room for, unit by unit
+   and kind by kind, those that cost most disk time per byte first, by the replay's own
+   count of each slice's reads and writes: stage-3 parameters (read in forward and in
+   backward, written by the step) before optimizer states (read and written once);
+   gradients handed to a step in backward cost nothing and stay.
+
+A placement whose homes alone are over a budget is refused without a replay; the whole-kind
+candidates are tried least memory first, so the first replay gives the slice sizes.
 
 The prediction is the step's critical resource: the disk, which serves reads and writes
 one after the other (the NVMe bytes the replay counts, at the disk's rates from
@@ -39,7 +43,7 @@ from tierzero.estimate.estimator import Bandwidth, Estimate, estimate, measure_f
 from tierzero.placement.budgets import MachineBudgets, machine_budgets
 from tierzero.placement.disk import disk_rates
 from tierzero.sizes import format_size
-from tierzero.slices import Tier, align_up
+from tierzero.slices import SliceKey, Tier, align_up
 from tierzero.stages.plan import KIND_HOMES, Homes
 
 __all__ = [
@@ -50,8 +54,6 @@ __all__ = [
 FIELDS = {"params": "params", "grads": "gradients", "optimizer": "optimizer"}
 #: Lowest zero stage that may keep a field off the device (the optimizer's: any).
 MIN_STAGE = {"params": 3, "grads": 2, "optimizer": 1}
-#: Fill order of the split candidates, and each field's disk crossings per byte and step (read, written).
-CROSSINGS = {"params": (2, 1), "grads": (1, 1), "optimizer": (1, 1)}
 #: Whole-kind placements whose split is tried: the best this many that leave state on NVMe.
 SPLIT_BASES = 2
 
@@ -68,7 +70,8 @@ class RankBudgets:
     cpu: int | None
     nvme: int | None
     shared_host: bool
-    """The device tier is host memory (no GPU, no `tiers.device.capacity`): device and cpu share `cpu`."""
+    """The device tier is host memory (no GPU, no `tiers.device.capacity`): device and cpu share `cpu`,
+    with the activations autograd saves."""
     sources: dict[Tier, str]
 
     @classmethod
@@ -92,6 +95,7 @@ class RankBudgets:
         device, cpu = result.tiers[Tier.DEVICE].need, result.tiers[Tier.CPU].need
         short: dict[Tier, int] = {}
         if self.shared_host:
+            device += result.activations or 0  # autograd's saved tensors, in host memory too
             if self.cpu is not None and device + cpu > self.cpu:
                 short[Tier.CPU] = device + cpu - self.cpu
         else:
@@ -103,11 +107,28 @@ class RankBudgets:
             short[Tier.NVME] = result.nvme_file - (self.nvme or 0)
         return short
 
+    def shortfalls_of_homes(self, held: dict[Tier, int]) -> dict[Tier, int]:
+        """Bytes by which homes alone (`held`, by tier) are over each budget: a lower bound of the shortfall."""
+        short: dict[Tier, int] = {}
+        if self.shared_host:
+            memory = held[Tier.DEVICE] + held[Tier.CPU]
+            if self.cpu is not None and memory > self.cpu:
+                short[Tier.CPU] = memory - self.cpu
+        else:
+            for tier, budget in ((Tier.DEVICE, self.device), (Tier.CPU, self.cpu)):
+                if budget is not None and held[tier] > budget:
+                    short[tier] = held[tier] - budget
+        if held[Tier.NVME] and (self.nvme is None or held[Tier.NVME] > self.nvme):
+            short[Tier.NVME] = held[Tier.NVME] - (self.nvme or 0)
+        return short
+
     def memory_room(self, result: Estimate) -> int:
         """Host-memory bytes the cpu tier may still take beyond what `result` needs."""
         if self.cpu is None:
             return 0
-        used = result.tiers[Tier.CPU].need + (result.tiers[Tier.DEVICE].need if self.shared_host else 0)
+        used = result.tiers[Tier.CPU].need
+        if self.shared_host:
+            used += result.tiers[Tier.DEVICE].need + (result.activations or 0)
         return max(0, self.cpu - used)
 
 
@@ -238,25 +259,31 @@ def plan_placement(
     cuda = torch.cuda.is_available()
     copy_rate = copy_rate or measure_copy_rate()
 
+    specs: dict[str, Any] = {}
+
     def judge(candidate: Candidate) -> Candidate:
+        # Homes alone over a budget: refused without a replay (the working set only adds to them).
+        homes_short = rank_budgets.shortfalls_of_homes(_home_bytes(specs, candidate.homes)) if specs else {}
+        if homes_short:
+            candidate.short = homes_short
+            return candidate
         result = estimate(free, world_size=world_size, disk=disk, flops=flops, suggest=False, homes=candidate.homes)
+        assert result.plan is not None
+        specs.update(result.plan.specs)
         candidate.result, candidate.short = result, rank_budgets.shortfalls(result)
         candidate.prediction = predict(result, copy_rate=copy_rate, cuda=cuda)
         return candidate
 
     whole = [judge(c) for c in _whole_kind(cfg)]
-    fitting = sorted((c for c in whole if not c.short), key=_step)
-    splits = [
-        judge(split)
-        for base in [c for c in fitting if c.result is not None and c.result.nvme_file][:SPLIT_BASES]
-        for split in _fill(base, rank_budgets, judge)
-    ]
-    ranked = sorted((c for c in whole + splits if not c.short), key=_step)
+    fitting = sorted((c for c in whole if not c.short), key=_rank)
+    bases = [c for c in fitting if c.result is not None and c.result.nvme_file][:SPLIT_BASES]
+    splits = [split for base in bases for split in _fill(base, rank_budgets, judge, disk=disk)]
+    ranked = sorted((c for c in whole + splits if not c.short), key=_rank)
     if not ranked:
         raise PlacementError(_refusal(cfg, whole))
     best = ranked[0]
     assert best.result is not None and best.prediction is not None
-    considered = [(c.label, f"{_step(c):.2f} s predicted") for c in ranked]
+    considered = [(c.label, f"{_rank(c)[0]:.2f} s predicted") for c in ranked]
     considered += [(c.label, "over budget: " + _shortfall_text(c.short)) for c in whole if c.short]
     return PlacementPlan(
         homes=best.homes, label=best.label, estimate=best.result, prediction=best.prediction, budgets=rank_budgets,
@@ -283,7 +310,9 @@ def measure_copy_rate(nbytes: int = 64 << 20) -> float:
 
 
 def _whole_kind(cfg: Config) -> list[Candidate]:
-    """Every whole-kind placement of the auto kinds the stage allows (nvme only with a path)."""
+    """Every whole-kind placement of the auto kinds the stage allows (nvme only with a path), the
+    ones that keep least in memory first: their replay gives the slice sizes that let the planner
+    refuse a placement whose homes alone are over budget without replaying it."""
     choices: list[Iterable[Tier]] = []
     for what, key in FIELDS.items():
         configured = getattr(cfg.offload, key)
@@ -292,9 +321,9 @@ def _whole_kind(cfg: Config) -> list[Candidate]:
             continue
         tiers = [Tier.DEVICE]
         if cfg.zero.stage >= MIN_STAGE[what]:
-            tiers.append(Tier.CPU)
+            tiers.insert(0, Tier.CPU)
             if cfg.tiers.nvme.path is not None:
-                tiers.append(Tier.NVME)
+                tiers.insert(0, Tier.NVME)
         choices.append(tiers)
     return [
         Candidate(homes=Homes(params=p, grads=g, optimizer=o), label=f"params {p.value}, grads {g.value}, optimizer {o.value}")
@@ -302,26 +331,31 @@ def _whole_kind(cfg: Config) -> list[Candidate]:
     ]
 
 
-def _fill(base: Candidate, budgets: RankBudgets, judge: Any) -> list[Candidate]:
-    """`base` with its NVMe slices moved to the cpu tier, most crossings per byte first, while
-    the host budget has room; shrunk by what the replay finds over budget, up to three times."""
-    assert base.result is not None
-    specs = base.result.plan.specs
-    groups: dict[tuple[str, str], int] = {}
-    for unit, unit_specs in specs.items():
+def _fill(base: Candidate, budgets: RankBudgets, judge: Any, *, disk: Bandwidth | None) -> list[Candidate]:
+    """`base` with its NVMe slices moved to the cpu tier while the host budget has room, unit by
+    unit and kind by kind, those whose disk time per byte (the replay's reads and writes of
+    them at the disk's rates) is highest first; shrunk by what the replay finds over budget,
+    up to three times. Slices that cost no disk time (gradients handed to a step in backward)
+    stay on NVMe."""
+    assert base.result is not None and base.result.plan is not None
+    if disk is None:
+        return []
+    groups: dict[tuple[str, str], list[float]] = {}
+    for unit, unit_specs in base.result.plan.specs.items():
         for spec in unit_specs:
             if spec.home is Tier.NVME:
-                key = (unit, KIND_HOMES[spec.kind])
-                groups[key] = groups.get(key, 0) + align_up(spec.nbytes)
-    order = list(specs)
-    ranked = sorted(groups, key=lambda k: (-sum(CROSSINGS[k[1]]), list(FIELDS).index(k[1]), order.index(k[0])))
+                read, written = base.result.nvme_by_slice.get(SliceKey(unit, spec.kind), (0, 0))
+                group = groups.setdefault((unit, KIND_HOMES[spec.kind]), [0.0, 0.0])
+                group[0] += read / disk.read + written / disk.write
+                group[1] += align_up(spec.nbytes)
+    ranked = sorted((k for k, (saved, _) in groups.items() if saved > 0), key=lambda k: -groups[k][0] / groups[k][1])
     room = budgets.memory_room(base.result)
     tried: list[Candidate] = []
     for _ in range(3):
         taken, used = {}, 0
         for key in ranked:
-            if used + groups[key] <= room:
-                taken[key], used = Tier.CPU, used + groups[key]
+            if used + groups[key][1] <= room:
+                taken[key], used = Tier.CPU, used + int(groups[key][1])
         if not taken:
             break
         homes = dataclasses.replace(base.homes, units=taken)
@@ -335,9 +369,19 @@ def _fill(base: Candidate, budgets: RankBudgets, judge: Any) -> list[Candidate]:
     return tried
 
 
-def _step(candidate: Candidate) -> float:
+def _home_bytes(specs: dict[str, Any], homes: Homes) -> dict[Tier, int]:
+    """Bytes each tier's homes hold under `homes`, from a replay's slice sizes (the same for every placement)."""
+    held = dict.fromkeys(Tier, 0)
+    for unit, unit_specs in specs.items():
+        for spec in unit_specs:
+            held[homes.of(unit, spec.kind)] += spec.nbytes
+    return held
+
+
+def _rank(candidate: Candidate) -> tuple[float, float]:
+    """Shortest predicted step first; on a tie, fewest copies between the device and host tiers."""
     assert candidate.prediction is not None
-    return candidate.prediction.step_s
+    return candidate.prediction.step_s, candidate.prediction.copy_s
 
 
 def _shortfall_text(short: dict[Tier, int]) -> str:
