@@ -1,0 +1,161 @@
+"""Which NVMe-homed slices the host cache keeps (`tiers.nvme.cache`): the policy, no bytes.
+
+Both stores ask the same `CachePolicy`: `TieredStore` moves the bytes it decides on
+(store/nvme_cache.py), the estimator's `CountingStore` only counts them, so the
+estimate's NVMe traffic follows the real cache exactly.
+
+[Note: cache policy]
+Every NVMe-homed slice is read and written in the same cyclic order each step. Recency
+policies fail on that pattern: LRU or FIFO evicts each slice just before its next use,
+so a cache smaller than the slices hits nothing. This one keeps a stable set:
+
+- A slice enters only when it is written: the new value goes to memory instead of the
+  disk. An entry is therefore always newer than its home, and leaving costs a disk write.
+- While the budget has room, the slice written enters; the slices first written (at
+  set-up, in the engine's unit order) fill it.
+- Once it is full, a slice enters only in place of residents with a lower *score*, the
+  number of reads between a slice's last two writes (or since its last write, when that is
+  more): the disk reads keeping it saves per write. Residents go lowest score first,
+  oldest first among equals, and only when they free enough bytes; otherwise nothing
+  moves and the slice goes to disk. A resident not written since it entered (a frozen
+  slice, or one whose first cycle is not over) has no score yet and stays.
+- So slices read equally often (the usual case: once a step) never displace each other
+  and the set stays the one set-up filled; slices read more often, e.g. stage-3
+  parameters gathered twice a step from the disk, take the place of slices read less,
+  e.g. parameters a step hands up without a read (score 0), and then stay.
+
+Every read counts, a checkpoint's too: it adds one to each slice's current cycle, which
+may swap a few slices in the step after it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from tierzero.slices import SliceKey
+
+__all__ = ["Admission", "CachePolicy"]
+
+
+@dataclass(slots=True, kw_only=True)
+class _Slot:
+    nbytes: int
+    reads: int = 0
+    """Reads since the last write."""
+    last: int | None = None
+    """Reads between the last two writes; None before the second write."""
+    written: bool = False
+    since: int | None = None
+    """When the slice entered the cache (a running count); None while it is not cached."""
+
+    def score(self) -> int | None:
+        return None if self.last is None else max(self.last, self.reads)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What a write of one slice does to the cache."""
+
+    cached: bool
+    """The write goes to the slice's cache entry, not to the disk."""
+    entered: bool
+    """The slice entered the cache with this write: its entry is new."""
+    evicted: tuple[SliceKey, ...] = ()
+    """Residents that left to make room, each to be written home from its entry."""
+
+
+class CachePolicy:
+    """Entries of at most `budget` bytes of NVMe-homed slices; see [Note: cache policy]."""
+
+    def __init__(self, budget: int) -> None:
+        if budget <= 0:
+            raise ValueError(f"a cache budget must be positive, got {budget} bytes")
+        self.budget = budget
+        self.used = 0
+        """Bytes of the slices cached now."""
+        self._slots: dict[SliceKey, _Slot] = {}
+        self._scores: Counter[int] = Counter()
+        """How many residents have each score (residents without one are never displaced)."""
+        self._entered = 0
+
+    def track(self, key: SliceKey, nbytes: int) -> None:
+        assert key not in self._slots, f"{key} is tracked already"
+        self._slots[key] = _Slot(nbytes=nbytes)
+
+    def forget(self, key: SliceKey) -> bool:
+        """Stop tracking `key`; whether it was cached (its entry is dropped, not written)."""
+        slot = self._slots[key]
+        cached = slot.since is not None
+        if cached:
+            self._leave(slot)
+        del self._slots[key]
+        return cached
+
+    def cached(self, key: SliceKey) -> bool:
+        return self._slots[key].since is not None
+
+    def read(self, key: SliceKey) -> bool:
+        """Count a read of `key`; whether it is a hit (served from the cache)."""
+        slot = self._slots[key]
+        self._rescore(slot, reads=slot.reads + 1, last=slot.last)
+        return slot.since is not None
+
+    def write(self, key: SliceKey) -> Admission:
+        """Count a write of `key` and decide where it goes."""
+        slot = self._slots[key]
+        completed = slot.reads if slot.written else None
+        slot.written = True
+        self._rescore(slot, reads=0, last=completed)
+        if slot.since is not None:
+            return Admission(cached=True, entered=False)
+        victims = self._victims(slot.nbytes, completed)
+        if victims is None:
+            return Admission(cached=False, entered=False)
+        for victim in victims:
+            self._leave(self._slots[victim])
+        self._entered += 1
+        slot.since = self._entered
+        self.used += slot.nbytes
+        if (score := slot.score()) is not None:
+            self._scores[score] += 1
+        return Admission(cached=True, entered=True, evicted=tuple(victims))
+
+    def _victims(self, nbytes: int, score: int | None) -> list[SliceKey] | None:
+        """Residents to evict so that `nbytes` fit (oldest of the lowest scores first), or None."""
+        if nbytes > self.budget:
+            return None
+        need = self.used + nbytes - self.budget
+        if need <= 0:
+            return []
+        if score is None or not any(n and s < score for s, n in self._scores.items()):
+            return None
+        lower = sorted(
+            (s, slot.since, key)
+            for key, slot in self._slots.items()
+            if slot.since is not None and (s := slot.score()) is not None and s < score
+        )
+        victims, freed = [], 0
+        for _, _, key in lower:
+            victims.append(key)
+            freed += self._slots[key].nbytes
+            if freed >= need:
+                return victims
+        return None
+
+    def _leave(self, slot: _Slot) -> None:
+        if (score := slot.score()) is not None:
+            self._scores[score] -= 1
+        slot.since = None
+        self.used -= slot.nbytes
+
+    def _rescore(self, slot: _Slot, *, reads: int, last: int | None) -> None:
+        before = slot.score()
+        slot.reads, slot.last = reads, last
+        after = slot.score()
+        if slot.since is None or before == after:
+            return
+        if before is not None:
+            self._scores[before] -= 1
+        if after is not None:
+            self._scores[after] += 1
