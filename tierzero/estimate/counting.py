@@ -16,6 +16,11 @@ store only says how much. What it models of the mechanism below the store:
   the buffers it made; NVMe writes from host memory the store did not allocate (the
   first value of a slice, a published compute-dtype shard) pass through the NVMe
   tier's bounce blocks, which it keeps too and which count against no capacity.
+- With `tiers.nvme.cache`, the real store's own `CachePolicy` decides which NVMe-homed
+  slices are cached, so the NVMe bytes follow the real cache's exactly. A cached slice's
+  fetch and write-back are memory copies: no disk bytes, staging or bounce blocks. An
+  entry counts in the cpu tier from its first write; an evicted one until its disk write
+  lands, taken here to be at once, after the entry that replaced it was booked.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from tierzero.config import SwapperConfig, TiersConfig
 from tierzero.offload.staging import StagingStats
 from tierzero.slices import MODEL_STATE_KINDS, Kind, SliceKey, Tier, storage_id
 from tierzero.store import StoreReport, Use
+from tierzero.store.cache_policy import CachePolicy
 from tierzero.store.ledger import Ledger
 from tierzero.transfer import Transfer, TransferOutcome
 
@@ -95,6 +101,7 @@ class CountingStore:
         self.bounce = 0
         """Bytes of bounce blocks the NVMe tier keeps (host memory outside any capacity)."""
         self.nvme_read = self.nvme_written = 0
+        self._cache = CachePolicy(tiers.nvme.cache) if tiers.nvme.cache else None
 
     # ---- the SliceStore protocol ----------------------------------------------------
 
@@ -104,6 +111,8 @@ class CountingStore:
         record = self._slices[key] = _Slice(key=key, numel=numel, dtype=dtype, home=home)
         if home is not Tier.NVME:
             record.home_tensor = record.tensor()
+        elif self._cache is not None:
+            self._cache.track(key, record.nbytes)
         self._add(home, key.kind, Use.HOME, record.nbytes, "home")
 
     def home_tensor(self, key: SliceKey) -> torch.Tensor:
@@ -126,9 +135,10 @@ class CountingStore:
             record.fetched = Transfer.ready(record.home_tensor)
         else:
             self._add(to, key.kind, Use.FETCHED, record.nbytes, "fetched")
-            if record.home is Tier.NVME:
-                self.nvme_read += record.nbytes
-            self._move(record.home, to, record.nbytes)
+            hit = record.home is Tier.NVME and self._cache is not None and self._cache.read(key)
+            if not hit:  # a cached slice comes up from memory: no disk bytes, no staging
+                self.nvme_read += record.nbytes if record.home is Tier.NVME else 0
+                self._move(record.home, to, record.nbytes)
             record.fetched = Transfer.ready(record.tensor())
         for write in list(record.writes):
             write.result()  # a read is ordered after the key's pending writes
@@ -160,7 +170,7 @@ class CountingStore:
         source = record.copy_tier if src is None else (Tier.DEVICE if self._cuda else record.copy_tier or Tier.CPU)
         assert source is not None
         write = _LandsWhenWaited()
-        if record.home is Tier.NVME:
+        if record.home is Tier.NVME and not self._cached_write(record):
             self.nvme_written += record.nbytes
             self._move(source, Tier.NVME, record.nbytes)
             if src is not None and not self._cuda:
@@ -225,6 +235,19 @@ class CountingStore:
                 write.result()
 
     # ---- counting -------------------------------------------------------------------
+
+    def _cached_write(self, record: _Slice) -> bool:
+        """Ask the cache where a write of `record` goes; book its entry and count its evictions."""
+        if self._cache is None:
+            return False
+        admission = self._cache.write(record.key)
+        if admission.entered:
+            self._add(Tier.CPU, record.key.kind, Use.CACHE, record.nbytes, "cache")
+        for victim in admission.evicted:
+            nbytes = self._slices[victim].nbytes
+            self.nvme_written += nbytes
+            self._add(Tier.CPU, victim.kind, Use.CACHE, -nbytes, "cache")
+        return admission.cached
 
     def reset_traffic(self) -> None:
         self.nvme_read = self.nvme_written = 0

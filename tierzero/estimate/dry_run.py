@@ -52,6 +52,8 @@ class DryRun:
     """NVMe bytes written by a later step."""
     nvme_written_first: int
     """NVMe bytes written by the first step."""
+    nvme_written_setup: int
+    """NVMe bytes written by set-up: every slice's first value but those the cache keeps."""
 
 
 def dry_run(cfg: Config, *, world_size: int) -> DryRun:
@@ -65,6 +67,7 @@ def dry_run(cfg: Config, *, world_size: int) -> DryRun:
     ctx = DistContext(rank=0, world_size=world_size, local_rank=0, device=torch.device("meta"), created_group=False)
     engine = Engine(model, cfg, ctx=ctx, store=store, comm=comm)
     try:
+        written_setup = store.nvme_written
         store.reset_traffic()
         _step(engine, cfg)
         read_first, written_first = store.nvme_read, store.nvme_written
@@ -87,6 +90,7 @@ def dry_run(cfg: Config, *, world_size: int) -> DryRun:
         nvme_read=read,
         nvme_written=written,
         nvme_written_first=written_first,
+        nvme_written_setup=written_setup,
     )
 
 

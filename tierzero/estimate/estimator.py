@@ -91,6 +91,8 @@ class Estimate:
     """NVMe bytes written per optimizer step, per rank."""
     nvme_written_first: int
     """NVMe bytes written in the first step (with the step in the next forward, only its first units')."""
+    nvme_written_setup: int
+    """NVMe bytes written by set-up: each slice's first value, but those tiers.nvme.cache keeps."""
     nvme_file: int
     """Bytes of this rank's preallocated swap file."""
     nvme_free: int | None
@@ -172,6 +174,7 @@ def estimate(
         nvme_read_first=run.nvme_read_first,
         nvme_written=run.nvme_written,
         nvme_written_first=run.nvme_written_first,
+        nvme_written_setup=run.nvme_written_setup,
         nvme_file=nvme_file,
         nvme_free=nvme.disk_free,
         disk=(disk or ASSUMED_DISK) if uses_nvme else None,
