@@ -199,6 +199,7 @@ def test_nvme_traffic_and_step_floor(
     assert moved["write"] == result.nvme_written_setup + result.nvme_written_first + 2 * result.nvme_written
     kept = result.tiers[Tier.NVME].home_total - result.nvme_written_setup  # first values the cache took
     assert kept == 0 if cache == 0 else 0 < kept <= cache
+    assert result.tiers[Tier.CPU].working.get("cache", 0) <= cache  # evictions land before their successors enter
     if cache:
         # Each slice the cache took at set-up is read and written once a step, in memory now.
         plain = estimate(load_config({**raw, "tiers": {**raw["tiers"], "nvme": {**raw["tiers"]["nvme"], "cache": 0}}}))

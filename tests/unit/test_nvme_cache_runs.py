@@ -70,9 +70,9 @@ def test_evictions_during_training_keep_the_bits(tmp_path: Path, monkeypatch: py
     evicted: list[Any] = []
     evict = NvmeCache._evict
 
-    def counting(cache: NvmeCache, key: Any) -> None:
+    def counting(cache: NvmeCache, key: Any) -> Any:
         evicted.append(key)
-        evict(cache, key)
+        return evict(cache, key)
 
     losses, _, params, _ = _run(_config(tmp_path, dtype="bf16"), 4)
     monkeypatch.setattr(NvmeCache, "_evict", counting)

@@ -19,8 +19,8 @@ store only says how much. What it models of the mechanism below the store:
 - With `tiers.nvme.cache`, the real store's own `CachePolicy` decides which NVMe-homed
   slices are cached, so the NVMe bytes follow the real cache's exactly. A cached slice's
   fetch and write-back are memory copies: no disk bytes, staging or bounce blocks. An
-  entry counts in the cpu tier from its first write; an evicted one until its disk write
-  lands, taken here to be at once, after the entry that replaced it was booked.
+  entry counts in the cpu tier from its first write until its eviction, whose disk write
+  the real store waits for before it makes the entry that takes its place.
 """
 
 from __future__ import annotations
@@ -241,12 +241,12 @@ class CountingStore:
         if self._cache is None:
             return False
         admission = self._cache.write(record.key)
-        if admission.entered:
-            self._add(Tier.CPU, record.key.kind, Use.CACHE, record.nbytes, "cache")
         for victim in admission.evicted:
             nbytes = self._slices[victim].nbytes
             self.nvme_written += nbytes
             self._add(Tier.CPU, victim.kind, Use.CACHE, -nbytes, "cache")
+        if admission.entered:
+            self._add(Tier.CPU, record.key.kind, Use.CACHE, record.nbytes, "cache")
         return admission.cached
 
     def reset_traffic(self) -> None:

@@ -9,7 +9,9 @@ Every move of an entry is submitted to the swapper under its slice's own key, so
 in order with the slice's other moves, as a home's would: a fetch copies the entry after
 the write that filled it, an eviction writes the entry home after the fetches that read
 it, and a later disk read of the slice waits for that eviction. An entry is freed once
-its last move has landed.
+its last move has landed. The write that evicts waits for the evictions' disk writes
+and frees their entries before it makes its own, so the cache never holds more than its
+budget, even for a moment; evictions are rare, the cached set being stable.
 
 Nothing is written at close: the swap file is scratch and leaves with the run. A
 checkpoint fetches its slices like any reader and so reads cached ones from the cache;
@@ -82,8 +84,11 @@ class NvmeCache:
     def write(self, key: SliceKey, src: torch.Tensor) -> Transfer | None:
         """Copy `src` (uint8, in memory) into the slice's entry; None when it goes to disk instead."""
         admission = self.policy.write(key)
-        for victim in admission.evicted:
-            self._evict(victim)
+        evicted = [self._evict(victim) for victim in admission.evicted]
+        for victim, entry in zip(admission.evicted, evicted):
+            assert entry.last is not None
+            entry.last.future.result()  # a failed eviction raises here: its slice's newest bytes are lost
+            self._free(victim, entry)
         if not admission.cached:
             return None
         if admission.entered:
@@ -98,13 +103,14 @@ class NvmeCache:
             self._cpu.free(entry.region)
         self._entries.clear()
 
-    def _evict(self, key: SliceKey) -> None:
+    def _evict(self, key: SliceKey) -> _Entry:
+        """Start writing the entry home; the caller waits for it and frees the entry."""
         entry = self._entries.pop(key)
         home = self._homes[key]
         write = self._swapper.write(key=key, storage=self._nvme, region=home, src=self._bytes(entry), src_tier=Tier.CPU)
         entry.last = write
-        self._free_after(key, entry)
         self._on_evict(key, write)
+        return entry
 
     def _allocate(self, key: SliceKey) -> Region:
         nbytes = self._homes[key].nbytes
@@ -126,14 +132,14 @@ class NvmeCache:
         return region
 
     def _free_after(self, key: SliceKey, entry: _Entry) -> None:
-        def free(_: object = None) -> None:
-            self._cpu.free(entry.region)
-            self._ledger.add(Tier.CPU, key.kind, Use.CACHE, -entry.region.nbytes)
-
         if entry.last is None:
-            free()
+            self._free(key, entry)
         else:
-            entry.last.future.add_done_callback(free)
+            entry.last.future.add_done_callback(lambda _: self._free(key, entry))
+
+    def _free(self, key: SliceKey, entry: _Entry) -> None:
+        self._cpu.free(entry.region)
+        self._ledger.add(Tier.CPU, key.kind, Use.CACHE, -entry.region.nbytes)
 
     @staticmethod
     def _bytes(entry: _Entry) -> torch.Tensor:
