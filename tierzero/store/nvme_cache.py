@@ -13,6 +13,11 @@ its last move has landed. The write that evicts waits for the evictions' disk wr
 and frees their entries before it makes its own, so the cache never holds more than its
 budget, even for a moment; evictions are rare, the cached set being stable.
 
+A fetch hands out a copy even to the cpu tier, where the entry itself could serve: a
+fetched copy is the caller's, changed in place before it decides to write it back, and
+an entry may be evicted while a copy of it is held. The copy is a memory copy, several
+times the disk's speed.
+
 Nothing is written at close: the swap file is scratch and leaves with the run. A
 checkpoint fetches its slices like any reader and so reads cached ones from the cache;
 the swap file need not be current for it.
