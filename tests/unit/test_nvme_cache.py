@@ -49,8 +49,8 @@ def test_slices_read_more_often_take_the_place_of_those_read_less_and_stay() -> 
     for key in (frozen, once, other, twice, huge):
         policy.write(key)
     assert [policy.cached(k) for k in (frozen, once, other, twice, huge)] == [True, True, True, False, False]
-    for cycle in range(3):
-        policy.read(frozen)  # written once, read every cycle: never scored, never displaced
+    for cycle in range(4):
+        policy.read(frozen)  # written once, read every cycle: never counted, never displaced
         policy.read(once)
         policy.write(once)
         policy.read(other)
@@ -58,7 +58,7 @@ def test_slices_read_more_often_take_the_place_of_those_read_less_and_stay() -> 
         policy.read(twice)
         assert policy.read(twice) is (cycle > 0)
         admission = policy.write(twice)
-        if cycle == 0:  # `twice` scores 2: the oldest resident of score 1 makes room for it
+        if cycle == 0:  # read twice in its one cycle so far: the oldest resident read once makes room
             assert (admission.cached, admission.entered, admission.evicted) == (True, True, (once,))
         else:
             assert (admission.cached, admission.entered, admission.evicted) == (True, False, ())
@@ -66,6 +66,22 @@ def test_slices_read_more_often_take_the_place_of_those_read_less_and_stay() -> 
         assert policy.write(huge).cached is False  # larger than the whole budget
     assert [policy.cached(k) for k in (frozen, once, other, twice)] == [True, False, True, True]
     assert policy.forget(twice) is True and policy.used == 200
+
+
+def test_a_one_off_read_of_every_slice_moves_nothing() -> None:
+    """A checkpoint reads every slice once more: no slice has proved it is read more often."""
+    policy, keys = CachePolicy(200), _keys(4)
+    for key in keys:
+        policy.track(key, 100)
+        policy.write(key)
+    for cycle in range(4):
+        for key in keys:
+            policy.read(key)
+        if cycle == 2:  # the save, between two steps
+            for key in keys:
+                policy.read(key)
+        assert [victim for key in keys for victim in policy.write(key).evicted] == []
+    assert [policy.cached(key) for key in keys] == [True, True, False, False]
 
 
 def _store(tmp_path: Path, *, cache: int, cpu_capacity: int = 64 << 20) -> TieredStore:

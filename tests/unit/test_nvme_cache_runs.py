@@ -66,7 +66,7 @@ def test_a_cached_run_has_the_bits_of_an_uncached_one_and_moves_fewer_disk_bytes
 
 
 def test_evictions_during_training_keep_the_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16: slices read more often than the set-up's take their places in the third step."""
+    """bf16: over its first three steps the cache trades slices set-up took for slices read more often."""
     evicted: list[Any] = []
     evict = NvmeCache._evict
 
@@ -89,7 +89,8 @@ def test_checkpoints_cross_between_cached_and_uncached_runs_bitwise(tmp_path: Pa
         before = engine.store.nvme_traffic()
         written = save_checkpoint(engine, tmp_path / "ckpt")
         # The save reads its 9 slices (gradients are not saved) and writes nothing to the swap file:
-        # 6 of them are cached and come from memory.
+        # the 6 cached ones (every unit's param, blocks.0's Adam states, blocks.1's exp_avg) come
+        # from memory, 3 from the disk.
         assert engine.store.nvme_traffic() == (before[0] + 3 * 8192, before[1])
         train(engine, 3, 6)
         uninterrupted = engine.full_state_dict()

@@ -13,19 +13,20 @@ so a cache smaller than the slices hits nothing. This one keeps a stable set:
   disk. An entry is therefore always newer than its home, and leaving costs a disk write.
 - While the budget has room, the slice written enters; the slices first written (at
   set-up, in the engine's unit order) fill it.
-- Once it is full, a slice enters only in place of residents with a lower *score*, the
-  number of reads between a slice's last two writes (or since its last write, when that is
-  more): the disk reads keeping it saves per write. Residents go lowest score first,
-  oldest first among equals, and only when they free enough bytes; otherwise nothing
-  moves and the slice goes to disk. A resident not written since it entered (a frozen
-  slice, or one whose first cycle is not over) has no score yet and stays.
+- Once it is full, a slice enters only in place of residents read fewer times per
+  write: the disk reads keeping it saves per step beyond its write. A *cycle* is the
+  reads between two writes of a slice. The slice written must have been read more in
+  each of its last two cycles (in its only one, early in a run) than a resident in its
+  last cycle or in the one under way: a newcomer proves itself twice, a resident once,
+  so a one-off read (a checkpoint reads every slice once) moves nothing in a settled
+  cache. Residents go fewest reads first, oldest first among equals, and only when
+  they free enough bytes; otherwise nothing moves and the slice goes to disk. A
+  resident not written since it entered (a frozen slice, or one whose first cycle is
+  not over) has no count yet and stays.
 - So slices read equally often (the usual case: once a step) never displace each other
   and the set stays the one set-up filled; slices read more often, e.g. stage-3
   parameters gathered twice a step from the disk, take the place of slices read less,
-  e.g. parameters a step hands up without a read (score 0), and then stay.
-
-Every read counts, a checkpoint's too: it adds one to each slice's current cycle, which
-may swap a few slices in the step after it.
+  e.g. parameters a step hands up without a read, and then stay.
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ class _Slot:
     reads: int = 0
     """Reads since the last write."""
     last: int | None = None
-    """Reads between the last two writes; None before the second write."""
+    """Reads in the last cycle (between the last two writes); None before the second write."""
     written: bool = False
     since: int | None = None
     """When the slice entered the cache (a running count); None while it is not cached."""
 
     def score(self) -> int | None:
+        """A resident's reads per cycle: the more of its last cycle's and the current one's."""
         return None if self.last is None else max(self.last, self.reads)
 
 
@@ -105,11 +107,13 @@ class CachePolicy:
         """Count a write of `key` and decide where it goes."""
         slot = self._slots[key]
         completed = slot.reads if slot.written else None
+        # A newcomer's reads per cycle: the fewer of its last two cycles' (of the one, early on).
+        proven = completed if completed is None or slot.last is None else min(completed, slot.last)
         slot.written = True
         self._rescore(slot, reads=0, last=completed)
         if slot.since is not None:
             return Admission(cached=True, entered=False)
-        victims = self._victims(slot.nbytes, completed)
+        victims = self._victims(slot.nbytes, proven)
         if victims is None:
             return Admission(cached=False, entered=False)
         for victim in victims:
