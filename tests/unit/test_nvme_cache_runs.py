@@ -65,8 +65,8 @@ def test_a_cached_run_has_the_bits_of_an_uncached_one_and_moves_fewer_disk_bytes
     assert cached_traffic[2:] == [(SLICES - cached, SLICES - cached)] * 4
 
 
-def test_evictions_during_training_keep_the_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16: over its first three steps the cache trades slices set-up took for slices read more often."""
+def _count_evictions(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """From now on, the keys of the slices every NvmeCache evicts."""
     evicted: list[Any] = []
     evict = NvmeCache._evict
 
@@ -74,15 +74,23 @@ def test_evictions_during_training_keep_the_bits(tmp_path: Path, monkeypatch: py
         evicted.append(key)
         return evict(cache, key)
 
-    losses, _, params, _ = _run(_config(tmp_path, dtype="bf16"), 4)
     monkeypatch.setattr(NvmeCache, "_evict", counting)
+    return evicted
+
+
+def test_evictions_during_training_keep_the_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16: over its first three steps the cache trades slices set-up took for slices read more often."""
+    losses, _, params, _ = _run(_config(tmp_path, dtype="bf16"), 4)
+    evicted = _count_evictions(monkeypatch)
     cached_losses, traffic, cached_params, cached = _run(_config(tmp_path, dtype="bf16", cache=60_000), 4)
     assert evicted and cached > 0
     assert cached_losses == losses
     assert_same_params(cached_params, params)
 
 
-def test_checkpoints_cross_between_cached_and_uncached_runs_bitwise(tmp_path: Path) -> None:
+def test_checkpoints_cross_between_cached_and_uncached_runs_bitwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cached, uncached = _config(tmp_path, cache=60_000), _config(tmp_path)
     with tierzero.initialize(make_model(), cached) as engine:
         train(engine, 0, 3)
@@ -92,7 +100,10 @@ def test_checkpoints_cross_between_cached_and_uncached_runs_bitwise(tmp_path: Pa
         # the 6 cached ones (every unit's param, blocks.0's Adam states, blocks.1's exp_avg) come
         # from memory, 3 from the disk.
         assert engine.store.nvme_traffic() == (before[0] + 3 * 8192, before[1])
+        # The save read every slice once more, which evicts nothing in the steps after it.
+        evicted = _count_evictions(monkeypatch)
         train(engine, 3, 6)
+        assert evicted == []
         uninterrupted = engine.full_state_dict()
     for cfg in (uncached, cached):
         torch.manual_seed(123)
