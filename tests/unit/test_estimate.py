@@ -159,6 +159,29 @@ def test_cpu_too_small_says_so_and_its_fixes_work(tmp_path: Path, monkeypatch: p
     _train({**raw, "tiers": {**raw["tiers"], "cpu": {"capacity": need}}}, monkeypatch)
 
 
+def test_a_cache_the_cpu_tier_cannot_hold_says_how_much_to_keep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    raw = _raw(tmp_path, stage=3, params="nvme", grads="cpu", optimizer="nvme", unit_classes=("Linear",))
+    nvme = raw["tiers"]["nvme"]
+    plain = estimate(load_config(raw)).tiers[Tier.CPU]
+    raw["tiers"]["nvme"] = {**nvme, "cache": 96 << 10}
+    cached = estimate(load_config(raw)).tiers[Tier.CPU]
+    # The slices set-up wrote first fill 80 KiB of the 96, kept all run: the peak grows by them.
+    assert cached.working["cache"] == cached.need - plain.need == 80 << 10
+    raw["tiers"]["cpu"] = {"capacity": plain.need + (40 << 10)}
+    result = estimate(load_config(raw))
+    assert result.problems == [
+        f"cpu tier needs {format_size(cached.need)} per rank at peak, tiers.cpu.capacity is "
+        f"{format_size(plain.need + (40 << 10))}"
+    ]
+    assert result.fixes[0] == (
+        f"lower tiers.nvme.cache to 40.0 KiB (40960 bytes): cpu need drops from {format_size(cached.need)} "
+        f"to {format_size(plain.need + (40 << 10))}"
+    )
+    _train({**raw, "tiers": {**raw["tiers"], "nvme": {**nvme, "cache": 40 << 10}}}, monkeypatch)
+
+
 @pytest.mark.parametrize("cache", [0, 96 << 10], ids=["uncached", "cached"])
 @pytest.mark.parametrize("grads", ["cpu", "nvme"])
 @pytest.mark.parametrize("clipping", [1.0, 0.0], ids=["step-after-backward", "step-in-backward"])
