@@ -101,6 +101,8 @@ class CountingStore:
         self.bounce = 0
         """Bytes of bounce blocks the NVMe tier keeps (host memory outside any capacity)."""
         self.nvme_read = self.nvme_written = 0
+        self.evictions = 0
+        """Slices the NVMe cache evicted since the last `reset_traffic`."""
         self._cache = CachePolicy(tiers.nvme.cache) if tiers.nvme.cache else None
 
     # ---- the SliceStore protocol ----------------------------------------------------
@@ -244,13 +246,14 @@ class CountingStore:
         for victim in admission.evicted:
             nbytes = self._slices[victim].nbytes
             self.nvme_written += nbytes
+            self.evictions += 1
             self._add(Tier.CPU, victim.kind, Use.CACHE, -nbytes, "cache")
         if admission.entered:
             self._add(Tier.CPU, record.key.kind, Use.CACHE, record.nbytes, "cache")
         return admission.cached
 
     def reset_traffic(self) -> None:
-        self.nvme_read = self.nvme_written = 0
+        self.nvme_read = self.nvme_written = self.evictions = 0
 
     def _add(self, tier: Tier, kind: Kind, use: Use, delta: int, label: str) -> None:
         self._ledger.add(tier, kind, use, delta)

@@ -94,6 +94,8 @@ class Estimate:
     """NVMe bytes written in the first step (with the step in the next forward, only its first units')."""
     nvme_written_setup: int
     """NVMe bytes written by set-up: each slice's first value, but those tiers.nvme.cache keeps."""
+    steps: int
+    """Steps the dry run took; the per-step figures are the last one's (past 2: the cache settled)."""
     nvme_file: int
     """Bytes of this rank's preallocated swap file."""
     nvme_free: int | None
@@ -176,6 +178,7 @@ def estimate(
         nvme_written=run.nvme_written,
         nvme_written_first=run.nvme_written_first,
         nvme_written_setup=run.nvme_written_setup,
+        steps=run.steps,
         nvme_file=nvme_file,
         nvme_free=nvme.disk_free,
         disk=(disk or ASSUMED_DISK) if uses_nvme else None,
