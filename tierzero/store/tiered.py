@@ -55,9 +55,9 @@ class TieredStore:
         self._closed = False
         self._cache: NvmeCache | None = None
         if cache and Tier.NVME in tiers:
+            cpu, nvme = tiers[Tier.CPU], tiers[Tier.NVME]
             self._cache = NvmeCache(
-                budget=cache, cpu=tiers[Tier.CPU], nvme=tiers[Tier.NVME], swapper=swapper, ledger=self._ledger,
-                on_evict=self._evicted,
+                budget=cache, cpu=cpu, nvme=nvme, swapper=swapper, ledger=self._ledger, on_evict=self._evicted
             )
         swapper.observe_staging(self._host_pool_changed)
         observe_bounce = getattr(tiers.get(Tier.NVME), "observe_bounce", None)
