@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
 from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.store import TieredStore
-from tierzero.store.cache_policy import CachePolicy
+from tierzero.store.cache_policy import Admission, CachePolicy
 from tierzero.store.ledger import Use
 from tierzero.swapper import Swapper
 
@@ -200,3 +201,54 @@ def test_the_config_refuses_a_cache_beyond_the_cpu_capacity(tmp_path: Path) -> N
         "tiers.cpu.capacity is 1.0 MiB: lower tiers.nvme.cache or raise tiers.cpu.capacity"
     )
     assert load_config({**raw, "tiers": {**raw["tiers"], "nvme": {"path": str(tmp_path), "cache": "768KiB"}}})
+
+
+def test_random_reads_and_writes_decide_as_the_rule_says_and_stay_within_the_budget() -> None:
+    """Against the rule written out plainly (every resident looked at on every write)."""
+    rng = random.Random(0)
+    keys = _keys(30)
+    sizes = {key: rng.choice([100, 200, 300, 500]) for key in keys}
+    policy = CachePolicy(1500)
+    reads = dict.fromkeys(keys, 0)
+    cycles: dict[SliceKey, list[int]] = {key: [] for key in keys}  # completed cycles' reads, newest last
+    written: set[SliceKey] = set()
+    cached: dict[SliceKey, int] = {}  # key -> when it entered
+    evictions = 0
+    for key in keys:
+        policy.track(key, sizes[key])
+    for step in range(3000):
+        key = rng.choice(keys)
+        if rng.random() < 0.6:
+            reads[key] += 1
+            assert policy.read(key) is (key in cached)
+            continue
+        if key in written:
+            cycles[key].append(reads[key])
+        written.add(key)
+        reads[key] = 0
+        admission = policy.write(key)
+        if key in cached:
+            assert admission == Admission(cached=True, entered=False)
+            continue
+        newcomer = min(cycles[key][-2:]) if cycles[key] else None
+        free = 1500 - sum(sizes[k] for k in cached)
+        if sizes[key] <= free:
+            expected: tuple[SliceKey, ...] | None = ()
+        elif newcomer is None or sizes[key] > 1500:
+            expected = None
+        else:
+            scored = [(max(cycles[k][-1], reads[k]), since, k) for k, since in cached.items() if cycles[k]]
+            lower, expected, freed = sorted(s for s in scored if s[0] < newcomer), (), 0
+            for _, _, k in lower:
+                if freed < sizes[key] - free:
+                    expected, freed = (*expected, k), freed + sizes[k]
+            expected = expected if freed >= sizes[key] - free else None
+        assert admission.cached is (expected is not None), step
+        if expected is not None:
+            assert admission.evicted == expected, step
+            for k in expected:
+                del cached[k]
+            cached[key] = step
+            evictions += len(expected)
+        assert policy.used == sum(sizes[k] for k in cached) <= 1500
+    assert evictions > 100, evictions

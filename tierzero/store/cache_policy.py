@@ -77,8 +77,9 @@ class CachePolicy:
         self.used = 0
         """Bytes of the slices cached now."""
         self._slots: dict[SliceKey, _Slot] = {}
-        self._scores: Counter[int] = Counter()
-        """How many residents have each score (residents without one are never displaced)."""
+        self._scored: Counter[int] = Counter()
+        """Bytes of the residents with each score (residents without one are never displaced), so
+        that a write which cannot displace enough is refused without looking at every slice."""
         self._entered = 0
 
     def track(self, key: SliceKey, nbytes: int) -> None:
@@ -122,7 +123,7 @@ class CachePolicy:
         slot.since = self._entered
         self.used += slot.nbytes
         if (score := slot.score()) is not None:
-            self._scores[score] += 1
+            self._scored[score] += slot.nbytes
         return Admission(cached=True, entered=True, evicted=tuple(victims))
 
     def _victims(self, nbytes: int, score: int | None) -> list[SliceKey] | None:
@@ -132,7 +133,7 @@ class CachePolicy:
         need = self.used + nbytes - self.budget
         if need <= 0:
             return []
-        if score is None or not any(n and s < score for s, n in self._scores.items()):
+        if score is None or sum(n for s, n in self._scored.items() if s < score) < need:
             return None
         lower = sorted(
             (s, slot.since, key)
@@ -144,12 +145,13 @@ class CachePolicy:
             victims.append(key)
             freed += self._slots[key].nbytes
             if freed >= need:
-                return victims
-        return None
+                break
+        assert freed >= need, "the residents' bytes by score are out of step with the residents"
+        return victims
 
     def _leave(self, slot: _Slot) -> None:
         if (score := slot.score()) is not None:
-            self._scores[score] -= 1
+            self._scored[score] -= slot.nbytes
         slot.since = None
         self.used -= slot.nbytes
 
@@ -160,6 +162,6 @@ class CachePolicy:
         if slot.since is None or before == after:
             return
         if before is not None:
-            self._scores[before] -= 1
+            self._scored[before] -= slot.nbytes
         if after is not None:
-            self._scores[after] += 1
+            self._scored[after] += slot.nbytes
