@@ -19,10 +19,12 @@ so a cache smaller than the slices hits nothing. This one keeps a stable set:
   each of its last two cycles (in its only one, early in a run) than a resident in its
   last cycle or in the one under way: a newcomer proves itself twice, a resident once,
   so a one-off read (a checkpoint reads every slice once) moves nothing in a settled
-  cache. Residents go fewest reads first, oldest first among equals, and only when
-  they free enough bytes; otherwise nothing moves and the slice goes to disk. A
-  resident not written since it entered (a frozen slice, or one whose first cycle is
-  not over) has no count yet and stays.
+  cache. Residents go fewest reads first, among equals the one longest at its count
+  first, and only when they free enough bytes; otherwise nothing moves and the slice
+  goes to disk. A resident not written since it entered (a frozen slice, or one whose
+  first cycle is not over) has no count yet and stays. The residents' bytes are kept
+  per count, and the residents of each count in the order they reached it, so a write
+  is decided without looking at every resident.
 - So slices read equally often (the usual case: once a step) never displace each other
   and the set stays the one set-up filled; slices read more often, e.g. stage-3
   parameters gathered twice a step from the disk, take the place of slices read less,
@@ -31,7 +33,7 @@ so a cache smaller than the slices hits nothing. This one keeps a stable set:
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import defaultdict
 from dataclasses import dataclass
 
 from tierzero.slices import SliceKey
@@ -41,14 +43,14 @@ __all__ = ["Admission", "CachePolicy"]
 
 @dataclass(slots=True, kw_only=True)
 class _Slot:
+    key: SliceKey
     nbytes: int
     reads: int = 0
     """Reads since the last write."""
     last: int | None = None
     """Reads in the last cycle (between the last two writes); None before the second write."""
     written: bool = False
-    since: int | None = None
-    """When the slice entered the cache (a running count); None while it is not cached."""
+    cached: bool = False
 
     def score(self) -> int | None:
         """A resident's reads per cycle: the more of its last cycle's and the current one's."""
@@ -77,32 +79,30 @@ class CachePolicy:
         self.used = 0
         """Bytes of the slices cached now."""
         self._slots: dict[SliceKey, _Slot] = {}
-        self._scored: Counter[int] = Counter()
-        """Bytes of the residents with each score (residents without one are never displaced), so
-        that a write which cannot displace enough is refused without looking at every slice."""
-        self._entered = 0
+        self._by_score: defaultdict[int, dict[SliceKey, _Slot]] = defaultdict(dict)
+        """The residents with each score, in the order they reached it (those without one stay)."""
+        self._scored_bytes: defaultdict[int, int] = defaultdict(int)
 
     def track(self, key: SliceKey, nbytes: int) -> None:
         assert key not in self._slots, f"{key} is tracked already"
-        self._slots[key] = _Slot(nbytes=nbytes)
+        self._slots[key] = _Slot(key=key, nbytes=nbytes)
 
     def forget(self, key: SliceKey) -> bool:
         """Stop tracking `key`; whether it was cached (its entry is dropped, not written)."""
-        slot = self._slots[key]
-        cached = slot.since is not None
+        slot = self._slots.pop(key)
+        cached = slot.cached
         if cached:
             self._leave(slot)
-        del self._slots[key]
         return cached
 
     def cached(self, key: SliceKey) -> bool:
-        return self._slots[key].since is not None
+        return self._slots[key].cached
 
     def read(self, key: SliceKey) -> bool:
         """Count a read of `key`; whether it is a hit (served from the cache)."""
         slot = self._slots[key]
         self._rescore(slot, reads=slot.reads + 1, last=slot.last)
-        return slot.since is not None
+        return slot.cached
 
     def write(self, key: SliceKey) -> Admission:
         """Count a write of `key` and decide where it goes."""
@@ -112,56 +112,56 @@ class CachePolicy:
         proven = completed if completed is None or slot.last is None else min(completed, slot.last)
         slot.written = True
         self._rescore(slot, reads=0, last=completed)
-        if slot.since is not None:
+        if slot.cached:
             return Admission(cached=True, entered=False)
         victims = self._victims(slot.nbytes, proven)
         if victims is None:
             return Admission(cached=False, entered=False)
         for victim in victims:
             self._leave(self._slots[victim])
-        self._entered += 1
-        slot.since = self._entered
+        slot.cached = True
         self.used += slot.nbytes
-        if (score := slot.score()) is not None:
-            self._scored[score] += slot.nbytes
+        self._file(slot, slot.score())
         return Admission(cached=True, entered=True, evicted=tuple(victims))
 
     def _victims(self, nbytes: int, score: int | None) -> list[SliceKey] | None:
-        """Residents to evict so that `nbytes` fit (oldest of the lowest scores first), or None."""
+        """Residents to evict so that `nbytes` fit (lowest scores first), or None."""
         if nbytes > self.budget:
             return None
         need = self.used + nbytes - self.budget
         if need <= 0:
             return []
-        if score is None or sum(n for s, n in self._scored.items() if s < score) < need:
+        lower = sorted(s for s, n in self._scored_bytes.items() if n and score is not None and s < score)
+        if sum(self._scored_bytes[s] for s in lower) < need:
             return None
-        lower = sorted(
-            (s, slot.since, key)
-            for key, slot in self._slots.items()
-            if slot.since is not None and (s := slot.score()) is not None and s < score
-        )
         victims, freed = [], 0
-        for _, _, key in lower:
-            victims.append(key)
-            freed += self._slots[key].nbytes
-            if freed >= need:
-                break
-        assert freed >= need, "the residents' bytes by score are out of step with the residents"
-        return victims
+        for s in lower:
+            for key, slot in self._by_score[s].items():
+                victims.append(key)
+                freed += slot.nbytes
+                if freed >= need:
+                    return victims
+        raise AssertionError("the residents' bytes by score are out of step with the residents")
 
     def _leave(self, slot: _Slot) -> None:
-        if (score := slot.score()) is not None:
-            self._scored[score] -= slot.nbytes
-        slot.since = None
+        self._unfile(slot, slot.score())
+        slot.cached = False
         self.used -= slot.nbytes
 
     def _rescore(self, slot: _Slot, *, reads: int, last: int | None) -> None:
         before = slot.score()
         slot.reads, slot.last = reads, last
         after = slot.score()
-        if slot.since is None or before == after:
-            return
-        if before is not None:
-            self._scored[before] -= slot.nbytes
-        if after is not None:
-            self._scored[after] += slot.nbytes
+        if slot.cached and before != after:
+            self._unfile(slot, before)
+            self._file(slot, after)
+
+    def _file(self, slot: _Slot, score: int | None) -> None:
+        if score is not None:
+            self._by_score[score][slot.key] = slot
+            self._scored_bytes[score] += slot.nbytes
+
+    def _unfile(self, slot: _Slot, score: int | None) -> None:
+        if score is not None:
+            del self._by_score[score][slot.key]
+            self._scored_bytes[score] -= slot.nbytes
