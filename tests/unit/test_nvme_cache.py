@@ -59,7 +59,7 @@ def test_slices_read_more_often_take_the_place_of_those_read_less_and_stay() -> 
         policy.read(twice)
         assert policy.read(twice) is (cycle > 0)
         admission = policy.write(twice)
-        if cycle == 0:  # read twice in its one cycle so far: the oldest resident read once makes room
+        if cycle == 0:  # read twice in its one cycle so far: the resident longest at one read makes room
             assert (admission.cached, admission.entered, admission.evicted) == (True, True, (once,))
         else:
             assert (admission.cached, admission.entered, admission.evicted) == (True, False, ())
@@ -134,8 +134,8 @@ def test_the_cached_set_moves_no_disk_bytes_and_an_eviction_writes_the_newest_va
         _step(store, a, to=Tier.CPU, value=value[a][1], reads=0)
         _step(store, b, to=Tier.DEVICE, value=value[b][1], reads=0)
         assert store.nvme_traffic() == (0, SLICE)
-        # c is read twice between its writes, a and b once: c takes the place of the oldest, a,
-        # whose newest value goes to disk, and c's own write goes to the cache.
+        # c is read twice between its writes, as b was, a once: c takes the place of a, whose
+        # newest value goes to disk, and c's own write goes to the cache.
         store.reset_peaks()
         _step(store, c, to=Tier.CPU, value=value[c][1], reads=1)
         assert store.nvme_traffic() == (2 * SLICE, 2 * SLICE)
