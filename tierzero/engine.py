@@ -35,7 +35,7 @@ from tierzero.stages import STAGES, Homes, Stage3, StepScalars
 from tierzero.stages.binding import bind, unregister_params
 from tierzero.stages.grad_norm import clip_coefficient
 from tierzero.stages.param_prefetch import ParamPrefetch
-from tierzero.store import TieredStore
+from tierzero.store import TieredStore, Use
 from tierzero.store.protocol import SliceStore
 from tierzero.units import Unit, plan_units
 
@@ -366,6 +366,8 @@ class Engine:
                 tier.value: {"current": usage.current, "peak": usage.peak, "capacity": usage.capacity}
                 for tier, usage in tiers.items()
             },
+            # Host copies of NVMe-homed slices (tiers.nvme.cache), counted in the cpu tier's bytes above.
+            "nvme_cache": tiers[Tier.CPU].current_by_use[Use.CACHE],
         }
 
     def prefetch_report(self) -> Any:

@@ -33,6 +33,8 @@ class RunSummary:
     step_seconds: list[float] = field(default_factory=list)
     nvme_steps: list[tuple[int, int]] = field(default_factory=list)
     """Bytes of NVMe-homed state each step read and wrote (this rank)."""
+    nvme_cache: int = 0
+    """Bytes of NVMe-homed slices held in host memory at the end (tiers.nvme.cache)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -52,9 +54,11 @@ class RunSummary:
         ]
         if self.io_wait_s is not None:
             rows.append(("I/O wait", f"{self.io_wait_s:.2f} s"))
-        if self.nvme_steps and any(self.nvme_steps[-1]):
+        if self.nvme_steps and (any(self.nvme_steps[-1]) or self.nvme_cache):
             read, written = self.nvme_steps[-1]
             rows.append(("last step", f"{self.step_seconds[-1]:.1f} s, NVMe read {format_size(read)}, written {format_size(written)}"))
+        if self.nvme_cache:
+            rows.append(("NVMe cache", f"{format_size(self.nvme_cache)} of NVMe-homed slices in host memory"))
         lines = ["", "tierzero train summary", *(f"  {k:<20} {v}" for k, v in rows)]
         lines += ["", f"  {'tier':<8} {'peak':>12} {'capacity':>12}"]
         for tier in TIERS:

@@ -337,6 +337,7 @@ def _postfix(loss: float, tokens_per_s: float, summary: RunSummary, engine: Any)
 def _note_memory(engine: Any, summary: RunSummary, process: psutil.Process) -> None:
     report = engine.memory_report()
     summary.state_bytes = sum(report["kinds"].values())
+    summary.nvme_cache = int(report.get("nvme_cache", 0))
     for tier, usage in report["tiers"].items():
         summary.peak_tier_bytes[tier] = max(summary.peak_tier_bytes.get(tier, 0), int(usage["peak"]))
         summary.tier_capacity[tier] = usage["capacity"]

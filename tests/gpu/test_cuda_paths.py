@@ -203,3 +203,43 @@ def test_store_fetches_to_the_gpu_and_accounts_the_copy(tmp_path: Path, cuda: to
             store.release(key)
             store.unregister(key)
         assert store.report().tiers[Tier.DEVICE].current == 0
+
+
+def test_the_nvme_cache_serves_the_gpu_from_pinned_entries_in_stream_order(tmp_path: Path, cuda: torch.device) -> None:
+    cpu = CpuTier(pin_memory=True, reuse_limit=0)
+    tiers = {
+        Tier.DEVICE: DeviceTier(device=cuda, capacity=64 * MiB),
+        Tier.CPU: cpu,
+        Tier.NVME: NvmeTier(tmp_path, capacity=64 * MiB, block_size=MiB, queue_depth=4, threads=2, verify=True),
+    }
+    values = torch.randn(3 * MiB // 4 + 7, generator=torch.Generator().manual_seed(5))
+    n = values.numel() * 4
+    swapper = Swapper(buffer_size=MiB, buffer_count=2, host=cpu)
+    with TieredStore(tiers=tiers, swapper=swapper, cache=n) as store:  # room for one slice
+        a, b = SliceKey("a", Kind.MASTER), SliceKey("b", Kind.MASTER)
+        for key, value in ((a, values), (b, values + 1)):
+            store.register(key, numel=values.numel(), dtype=torch.float32, home=Tier.NVME)
+            store.write_back(key, value).wait(timeout=30)
+        assert store.nvme_traffic() == (0, n)  # a entered the cache; b went to disk
+        for step in range(3):
+            fetched = store.fetch(a, to=Tier.DEVICE).wait(timeout=30)
+            assert fetched.is_cuda and torch.equal(fetched.cpu(), values * 2**step)
+            torch.cuda._sleep(SPIN_CYCLES // 4)
+            fetched.mul_(2)  # queued behind the spin: the copy into the entry must follow it
+            store.write_back(a)
+            store.release(a)
+        assert store.nvme_traffic() == (0, n)
+        # b, read twice between its writes, takes a's place: a's newest value goes to disk.
+        for _ in range(2):
+            fetched = store.fetch(b, to=Tier.DEVICE).wait(timeout=30)
+            store.release(b)
+        fetched = store.fetch(b, to=Tier.DEVICE).wait(timeout=30)
+        fetched.add_(1)
+        store.write_back(b)
+        store.release(b)
+        assert store.nvme_traffic() == (3 * n, 2 * n)
+        assert torch.equal(store.fetch(a, to=Tier.DEVICE).wait(timeout=30).cpu(), values * 8)  # from the disk
+        store.release(a)
+        assert torch.equal(store.fetch(b, to=Tier.CPU).wait(timeout=30), values + 1 + 1)  # from the cache
+        store.release(b)
+        assert store.nvme_traffic() == (4 * n, 2 * n)

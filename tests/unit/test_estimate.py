@@ -71,7 +71,7 @@ def _train(raw: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> tuple[T.RunS
 
     monkeypatch.setattr(Engine, "memory_report", recording)
     summary = T.train(load_config(raw), progress=False, out=io.StringIO())
-    assert summary.steps == 3 and all(loss == loss for loss in summary.losses)
+    assert summary.steps == raw["train"]["steps"] and all(loss == loss for loss in summary.losses)
     return summary, reports[-1]
 
 
@@ -91,9 +91,13 @@ PLACEMENTS = [
 IN_BACKWARD = [(3, "nvme", "cpu", "cpu", "bf16", ("Linear",)), (3, "cpu", "cpu", "cpu", "fp32", ())]
 
 
+# The oversized layout with 96 KiB of its NVMe slices cached in host memory (tiers.nvme.cache).
+CACHED = (3, "nvme", "nvme", "nvme", "fp32", ("Linear",), 1.0, 96 << 10)
+
+
 @pytest.mark.parametrize(
-    ("stage", "params", "grads", "optimizer", "dtype", "unit_classes", "clipping"),
-    [(*p, 1.0) for p in PLACEMENTS] + [(*p, 0.0) for p in IN_BACKWARD],
+    ("stage", "params", "grads", "optimizer", "dtype", "unit_classes", "clipping", "cache"),
+    [(*p, 1.0, 0) for p in PLACEMENTS] + [(*p, 0.0, 0) for p in IN_BACKWARD] + [CACHED],
 )
 def test_estimate_matches_measured_run(
     stage: int,
@@ -103,6 +107,7 @@ def test_estimate_matches_measured_run(
     dtype: str,
     unit_classes: tuple[str, ...],
     clipping: float,
+    cache: int,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -110,6 +115,7 @@ def test_estimate_matches_measured_run(
         tmp_path, stage=stage, params=params, grads=grads, optimizer=optimizer, dtype=dtype, unit_classes=unit_classes
     )
     raw["gradient_clipping"] = clipping
+    raw["tiers"]["nvme"]["cache"] = cache
     predicted = estimate(load_config(raw))
     summary, report = _train(raw, monkeypatch)
 
@@ -121,6 +127,8 @@ def test_estimate_matches_measured_run(
         assert abs(est.peak - measured) <= 0.10 * measured, (tier, est.peak, measured, est.working)
         if tier is Tier.NVME:
             assert est.peak == measured  # the NVMe ledger holds homes only: exact
+    # The cache keeps the set set-up filled: the estimate's bytes are the run's, exactly.
+    assert predicted.tiers[Tier.CPU].working.get("cache", 0) == report["nvme_cache"] == (81920 if cache else 0)
 
 
 def test_cpu_too_small_says_so_and_its_fixes_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,15 +159,61 @@ def test_cpu_too_small_says_so_and_its_fixes_work(tmp_path: Path, monkeypatch: p
     _train({**raw, "tiers": {**raw["tiers"], "cpu": {"capacity": need}}}, monkeypatch)
 
 
+def test_a_cache_the_cpu_tier_cannot_hold_says_how_much_to_keep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    raw = _raw(tmp_path, stage=3, params="nvme", grads="cpu", optimizer="nvme", unit_classes=("Linear",))
+    nvme = raw["tiers"]["nvme"]
+    plain = estimate(load_config(raw)).tiers[Tier.CPU]
+    raw["tiers"]["nvme"] = {**nvme, "cache": 96 << 10}
+    cached = estimate(load_config(raw)).tiers[Tier.CPU]
+    # The slices set-up wrote first fill 80 KiB of the 96, kept all run: the peak grows by them.
+    assert cached.working["cache"] == cached.need - plain.need == 80 << 10
+    raw["tiers"]["cpu"] = {"capacity": plain.need + (40 << 10)}
+    result = estimate(load_config(raw))
+    assert result.problems == [
+        f"cpu tier needs {format_size(cached.need)} per rank at peak, tiers.cpu.capacity is "
+        f"{format_size(plain.need + (40 << 10))}"
+    ]
+    assert result.fixes[0] == (
+        f"lower tiers.nvme.cache to 40.0 KiB (40960 bytes): cpu need drops from {format_size(cached.need)} "
+        f"to {format_size(plain.need + (40 << 10))}"
+    )
+    _train({**raw, "tiers": {**raw["tiers"], "nvme": {**nvme, "cache": 40 << 10}}}, monkeypatch)
+
+
+def test_the_estimate_steps_until_the_cache_settles_and_gives_that_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 block units: the cache trades a few slices set-up took in the first steps."""
+    raw = _raw(tmp_path, stage=3, params="nvme", grads="cpu", optimizer="nvme", dtype="bf16")
+    raw["tiers"]["nvme"]["cache"] = 256 << 10
+    raw["train"]["steps"] = 5
+    result = estimate(load_config(raw))
+    assert result.steps == 3
+    assert "nvme per step: read 1.8 MiB, write 2.1 MiB (step 3, once the nvme cache has settled)" in format_estimate(
+        result
+    )
+    summary, _ = _train(raw, monkeypatch)
+    # The run's second step still reads 200 KiB more; from the third on, each step is the estimate's.
+    for read, written in summary.nvme_steps[2:]:
+        assert written == result.nvme_written
+        assert result.nvme_read <= read <= 1.10 * result.nvme_read
+
+
+@pytest.mark.parametrize("cache", [0, 96 << 10], ids=["uncached", "cached"])
 @pytest.mark.parametrize("grads", ["cpu", "nvme"])
 @pytest.mark.parametrize("clipping", [1.0, 0.0], ids=["step-after-backward", "step-in-backward"])
-def test_nvme_traffic_and_step_floor(clipping: float, grads: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nvme_traffic_and_step_floor(
+    clipping: float, grads: str, cache: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tierzero.offload.nvme import NvmeTier
 
     # Linear units, as configs/oversized.yaml: many small steps, each one's write-back still
     # pending when the next backward asks the pipeline for room.
     raw = _raw(tmp_path, stage=3, params="nvme", grads=grads, optimizer="nvme", unit_classes=("Linear",))
     raw["gradient_clipping"] = clipping
+    raw["tiers"]["nvme"]["cache"] = cache
     disk = Bandwidth(read=2.0e9, write=1.0e9, source="test")
     flops = Bandwidth(read=1.0e11, write=1.0e11, source="test")
     result = estimate(load_config(raw), disk=disk, flops=flops)
@@ -184,7 +238,14 @@ def test_nvme_traffic_and_step_floor(clipping: float, grads: str, tmp_path: Path
     # Reads follow the prefetcher: the learning step reads each shard on demand, later ones
     # keep a shard resident for its next use; the step in backward takes the backward's
     # parameters as its master where the pipeline has room, which the estimate takes it always has.
-    assert moved["write"] == result.tiers[Tier.NVME].home_total + result.nvme_written_first + 2 * result.nvme_written
+    assert moved["write"] == result.nvme_written_setup + result.nvme_written_first + 2 * result.nvme_written
+    kept = result.tiers[Tier.NVME].home_total - result.nvme_written_setup  # first values the cache took
+    assert kept == 0 if cache == 0 else 0 < kept <= cache
+    assert result.tiers[Tier.CPU].working.get("cache", 0) <= cache  # evictions land before their successors enter
+    if cache:
+        # Each slice the cache took at set-up is read and written once a step, in memory now.
+        plain = estimate(load_config({**raw, "tiers": {**raw["tiers"], "nvme": {**raw["tiers"]["nvme"], "cache": 0}}}))
+        assert (plain.nvme_read - result.nvme_read, plain.nvme_written - result.nvme_written) == (kept, kept)
     if clipping == 0.0:
         assert result.nvme_written_first == result.nvme_written  # the step ran in backward: whole
         assert result.nvme_read_first > result.nvme_read  # the forward's shards kept for the backward

@@ -163,7 +163,8 @@ def test_accounting_is_exact_per_tier_kind_and_use(tmp_path) -> None:
         device = report.tiers[Tier.DEVICE]
         assert device.current == 2000 + 4000 + 12000 + 2000
         assert device.current_by_kind[Kind.MASTER] == 4000 and device.current_by_kind[Kind.GATHERED] == 2000
-        assert device.current_by_use == {Use.HOME: 2000, Use.FETCHED: 16000, Use.SCRATCH: 2000, Use.STAGING: 0}
+        uses = {Use.HOME: 2000, Use.FETCHED: 16000, Use.SCRATCH: 2000, Use.STAGING: 0, Use.CACHE: 0}
+        assert device.current_by_use == uses
         assert store.kind_bytes()[Kind.MASTER] == 4000  # homes only: the fetched copy is not counted
         cpu = report.tiers[Tier.CPU]
         # The 12000-byte nvme->device fetch went through the swapper's two 4096-byte staging buffers
@@ -231,7 +232,8 @@ def _config(path, *, optimizer: Tier) -> SimpleNamespace:
             device=SimpleNamespace(capacity=1 << 20),
             cpu=SimpleNamespace(capacity=2 << 20, pin_memory=True),
             nvme=SimpleNamespace(
-                path=str(path), capacity=1 << 20, block_size=1 << 20, queue_depth=2, threads=1, verify=True, backend="pread"
+                path=str(path), capacity=1 << 20, block_size=1 << 20, queue_depth=2, threads=1, verify=True,
+                backend="pread", cache=0,
             ),
         ),
         swapper=SimpleNamespace(buffer_size=1 << 16, buffer_count=3),

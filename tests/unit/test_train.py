@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import math
 import os
@@ -118,6 +119,12 @@ def test_summary_table_format() -> None:
         "  tier             peak     capacity",
         "  device        8.0 MiB     16.0 MiB",
         "  nvme         48.0 MiB    unbounded",
+    ]
+    # A cache that took every NVMe byte out of the step still shows the step, and what it holds.
+    cached = dataclasses.replace(summary, nvme_steps=[(0, 0)], step_seconds=[1.25], nvme_cache=3 * MiB)
+    assert cached.format().splitlines()[9:11] == [
+        "  last step            1.2 s, NVMe read 0 B, written 0 B",
+        "  NVMe cache           3.0 MiB of NVMe-homed slices in host memory",
     ]
 
 

@@ -114,3 +114,11 @@ def _check_nvme_placement(cfg: Config) -> None:
             "settings or raise tiers.cpu.capacity",
             key="swapper.buffer_count",
         )
+    cache = cfg.tiers.nvme.cache
+    if cpu_capacity is not None and cache and staging + cache > cpu_capacity:
+        raise ConfigError(
+            f"tiers.nvme.cache {format_size(cache)} and the swapper's staging {format_size(staging)} need "
+            f"{format_size(staging + cache)} of host memory but tiers.cpu.capacity is {format_size(cpu_capacity)}: "
+            "lower tiers.nvme.cache or raise tiers.cpu.capacity",
+            key="tiers.nvme.cache",
+        )

@@ -231,6 +231,11 @@ class NvmeTierConfig(Section):
     """Checksum every slice written and check it when read back."""
     backend: str = setting("pread", choice_check(("pread", "aiofiles")))
     """pread: os.preadv/pwritev on a thread pool; aiofiles: asyncio file I/O."""
+    cache: int = setting(0, size_check(allow_zero=True, limit=MAX_CAPACITY))
+    """Bytes of host memory that keep NVMe-homed slices cached (0: off): a cached slice is read from and
+    written to memory, and reaches the disk only when evicted. Counted in the cpu tier, within
+    tiers.cpu.capacity together with the swapper's staging. The slices first written fill it; later ones
+    enter only in place of slices read fewer times between writes (tierzero/store/cache_policy.py)."""
 
     def _validate(self) -> None:
         if self.capacity is not None and self.block_size > self.capacity:

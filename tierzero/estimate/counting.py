@@ -18,6 +18,11 @@ store only says how much. What it models of the mechanism below the store:
   the buffers it made; NVMe writes from host memory the store did not allocate (the
   first value of a slice, a published compute-dtype shard) pass through the NVMe
   tier's bounce blocks, which it keeps too and which count against no capacity.
+- With `tiers.nvme.cache`, the real store's own `CachePolicy` decides which NVMe-homed
+  slices are cached, so the NVMe bytes follow the real cache's exactly. A cached slice's
+  fetch and write-back are memory copies: no disk bytes, staging or bounce blocks. An
+  entry counts in the cpu tier from its first write until its eviction, whose disk write
+  the real store waits for before it makes the entry that takes its place.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from tierzero.config import SwapperConfig, TiersConfig
 from tierzero.offload.staging import StagingStats
 from tierzero.slices import MODEL_STATE_KINDS, Kind, SliceKey, Tier, storage_id
 from tierzero.store import StoreReport, Use
+from tierzero.store.cache_policy import CachePolicy
 from tierzero.store.ledger import Ledger
 from tierzero.transfer import Transfer, TransferOutcome
 
@@ -106,6 +112,9 @@ class CountingStore:
         """Bytes copied between the device and cpu tiers (fetches, write-backs, adopted copies)."""
         self.by_slice: dict[SliceKey, list[int]] = {}
         """NVMe bytes [read, written], by slice."""
+        self.evictions = 0
+        """Slices the NVMe cache evicted since the last `reset_traffic`."""
+        self._cache = CachePolicy(tiers.nvme.cache) if tiers.nvme.cache else None
 
     # ---- the SliceStore protocol ----------------------------------------------------
 
@@ -115,6 +124,8 @@ class CountingStore:
         record = self._slices[key] = _Slice(key=key, numel=numel, dtype=dtype, home=home)
         if home is not Tier.NVME:
             record.home_tensor = record.tensor()
+        elif self._cache is not None:
+            self._cache.track(key, record.nbytes)
         self._add(home, key.kind, Use.HOME, record.nbytes, "home")
 
     def home_tensor(self, key: SliceKey) -> torch.Tensor:
@@ -137,10 +148,14 @@ class CountingStore:
             record.fetched = Transfer.ready(record.home_tensor)
         else:
             self._add(to, key.kind, Use.FETCHED, record.nbytes, "fetched")
-            if record.home is Tier.NVME:
-                self.nvme_read += record.nbytes
-                self.by_slice.setdefault(key, [0, 0])[0] += record.nbytes
-            self._move(record.home, to, record.nbytes)
+            hit = record.home is Tier.NVME and self._cache is not None and self._cache.read(key)
+            if hit:  # a cached slice comes up from host memory: no disk bytes, no staging
+                self._move(Tier.CPU, to, record.nbytes)
+            else:
+                if record.home is Tier.NVME:
+                    self.nvme_read += record.nbytes
+                    self.by_slice.setdefault(key, [0, 0])[0] += record.nbytes
+                self._move(record.home, to, record.nbytes)
             record.fetched = Transfer.ready(record.tensor())
         for write in list(record.writes):
             write.result()  # a read is ordered after the key's pending writes
@@ -177,7 +192,7 @@ class CountingStore:
         if record.home is not Tier.NVME and source is not record.home:
             self._move(source, record.home, record.nbytes)
         write = _LandsWhenAsked() if self._lands_when_asked else _LandsWhenWaited()
-        if record.home is Tier.NVME:
+        if record.home is Tier.NVME and not self._cached_write(record):
             self.nvme_written += record.nbytes
             self.by_slice.setdefault(key, [0, 0])[1] += record.nbytes
             self._move(source, Tier.NVME, record.nbytes)
@@ -244,8 +259,23 @@ class CountingStore:
 
     # ---- counting -------------------------------------------------------------------
 
+    def _cached_write(self, record: _Slice) -> bool:
+        """Ask the cache where a write of `record` goes; book its entry and count its evictions."""
+        if self._cache is None:
+            return False
+        admission = self._cache.write(record.key)
+        for victim in admission.evicted:
+            nbytes = self._slices[victim].nbytes
+            self.nvme_written += nbytes
+            self.by_slice.setdefault(victim, [0, 0])[1] += nbytes
+            self.evictions += 1
+            self._add(Tier.CPU, victim.kind, Use.CACHE, -nbytes, "cache")
+        if admission.entered:
+            self._add(Tier.CPU, record.key.kind, Use.CACHE, record.nbytes, "cache")
+        return admission.cached
+
     def reset_traffic(self) -> None:
-        self.nvme_read = self.nvme_written = self.memory_copied = 0
+        self.nvme_read = self.nvme_written = self.memory_copied = self.evictions = 0
         self.by_slice = {}
 
     def _add(self, tier: Tier, kind: Kind, use: Use, delta: int, label: str) -> None:

@@ -50,20 +50,28 @@ class DryRun:
     nvme_read_first: int
     """NVMe bytes read by the first step, which learns the unit order."""
     nvme_read: int
-    """NVMe bytes read by a later step."""
+    """NVMe bytes read by a later step (the first in which the NVMe cache evicts nothing)."""
     nvme_written: int
-    """NVMe bytes written by a later step."""
+    """NVMe bytes written by that step."""
     nvme_written_first: int
     """NVMe bytes written by the first step."""
     memory_copied: int
     """Bytes a later step copies between the device and cpu tiers (host memory both, without a GPU)."""
     nvme_by_slice: dict[SliceKey, tuple[int, int]]
     """NVMe bytes (read, written) by a later step, by slice (the placement planner's fill order)."""
+    nvme_written_setup: int
+    """NVMe bytes written by set-up: every slice's first value but those the cache keeps."""
+    steps: int
+    """Optimizer steps the dry run took: two, or more while the NVMe cache was still settling."""
+
+
+_MAX_STEPS = 8
+"""The most optimizer steps a dry run takes while the NVMe cache settles."""
 
 
 def dry_run(cfg: Config, *, world_size: int, homes: Homes | None = None) -> DryRun:
-    """Run set-up and two optimizer steps of `cfg` as rank 0 of `world_size`, counting bytes;
-    `homes` places the slices (default: the config's `offload` tiers)."""
+    """Run set-up and two optimizer steps of `cfg` (more while the NVMe cache settles) as rank 0
+    of `world_size`, counting bytes; `homes` places the slices (default: the config's `offload`)."""
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
     # Two replays (see counting.py): writes that land when asked give the traffic of a disk that
@@ -84,6 +92,8 @@ def dry_run(cfg: Config, *, world_size: int, homes: Homes | None = None) -> DryR
         nvme_written_first=fast.written_first,
         memory_copied=fast.copied,
         nvme_by_slice=fast.by_slice,
+        nvme_written_setup=fast.written_setup,
+        steps=fast.steps,
     )
 
 
@@ -98,6 +108,8 @@ class _Replay:
     written: int = 0
     copied: int = 0
     by_slice: dict[SliceKey, tuple[int, int]] = field(default_factory=dict)
+    written_setup: int = 0
+    steps: int = 0
 
 
 def _replay(cfg: Config, *, world_size: int, homes: Homes | None, lands_when_asked: bool) -> tuple[_Replay, Engine]:
@@ -109,13 +121,19 @@ def _replay(cfg: Config, *, world_size: int, homes: Homes | None, lands_when_ask
     run = _Replay(store=store, model=model, parameters=count_parameters(model))
     engine = Engine(model, cfg, ctx=ctx, store=store, comm=comm, homes=homes)
     try:
+        run.written_setup = store.nvme_written
         store.reset_traffic()
         _step(engine, cfg)
         run.read_first, run.written_first = store.nvme_read, store.nvme_written
-        store.reset_traffic()
-        _step(engine, cfg)
+        run.steps = 1
         # A step each: the second window holds the rest of the first step (run in the second
         # forward, when the step waits for it) and the start of the second, one step's worth.
+        # The NVMe cache may trade slices in its first steps (store/cache_policy.py): the
+        # later step is the first in which it evicts nothing.
+        while run.steps == 1 or (store.evictions and run.steps < _MAX_STEPS):
+            store.reset_traffic()
+            _step(engine, cfg)
+            run.steps += 1
         run.read, run.written, run.copied = store.nvme_read, store.nvme_written, store.memory_copied
         run.by_slice = {key: (read, written) for key, (read, written) in store.by_slice.items()}
     finally:

@@ -48,7 +48,8 @@ class TierEstimate:
     homes: dict[Kind, int] = field(default_factory=lambda: dict.fromkeys(MODEL_STATE_KINDS, 0))
     working: dict[str, int] = field(default_factory=dict)
     """Peak transient bytes by use: gathered (stage-3 full units), scratch (gradients, step), fetched
-    (copies of slices homed elsewhere), staging (the swapper's pool), bounce (the NVMe tier's)."""
+    (copies of slices homed elsewhere), staging (the swapper's pool), bounce (the NVMe tier's), cache
+    (tiers.nvme.cache's entries)."""
     peak: int = 0
     """The store ledger's peak for this tier (`engine.memory_report()["tiers"][tier]["peak"]`)."""
     uncounted: int = 0
@@ -96,6 +97,10 @@ class Estimate:
     """Bytes copied between the device and cpu tiers per optimizer step, per rank."""
     nvme_by_slice: dict[SliceKey, tuple[int, int]]
     """NVMe bytes (read, written) per optimizer step, by slice."""
+    nvme_written_setup: int
+    """NVMe bytes written by set-up: each slice's first value, but those tiers.nvme.cache keeps."""
+    steps: int
+    """Steps the dry run took; the per-step figures are the last one's (past 2: the cache settled)."""
     nvme_file: int
     """Bytes of this rank's preallocated swap file."""
     nvme_free: int | None
@@ -183,6 +188,8 @@ def estimate(
         nvme_written_first=run.nvme_written_first,
         memory_copied=run.memory_copied,
         nvme_by_slice=run.nvme_by_slice,
+        nvme_written_setup=run.nvme_written_setup,
+        steps=run.steps,
         nvme_file=nvme_file,
         nvme_free=nvme.disk_free,
         disk=(disk or ASSUMED_DISK) if uses_nvme else None,
@@ -284,6 +291,8 @@ def _fixes(cfg: Any, result: Estimate, *, world_size: int) -> list[str]:
     """One line per change that would make `cfg` fit: a placement move that fits, else raising a capacity."""
     fixes: list[str] = []
     short = [t for t in (Tier.DEVICE, Tier.CPU) if not result.tiers[t].fits]
+    if short == [Tier.CPU] and (fix := _smaller_cache(cfg, result, world_size=world_size)):
+        fixes.append(fix)
     for overrides, what in _MOVES:
         if any(_current(cfg, key) == value for key, value in overrides.items() if key.startswith("offload")):
             continue
@@ -308,6 +317,24 @@ def _fixes(cfg: Any, result: Estimate, *, world_size: int) -> list[str]:
             f"point tiers.nvme.path at a disk with {format_size(result.nvme_file)} free, or move state to cpu"
         )
     return fixes
+
+
+def _smaller_cache(cfg: Any, result: Estimate, *, world_size: int) -> str | None:
+    """Keep fewer bytes in tiers.nvme.cache by what the cpu tier lacks, where that is enough."""
+    cpu = result.tiers[Tier.CPU]
+    cached = cpu.working.get("cache", 0)  # the budget's bytes the slices filled, at most the budget
+    if not cached:
+        return None
+    assert cpu.capacity is not None
+    smaller = max(0, cached - (cpu.need - cpu.capacity))
+    cfg = load_config(cfg, overrides={"tiers.nvme.cache": smaller})
+    moved = estimate(cfg, world_size=world_size, disk=result.disk, suggest=False)
+    if not moved.fits:
+        return None
+    return (
+        f"lower tiers.nvme.cache to {format_size(smaller)} ({smaller} bytes): cpu need drops from "
+        f"{format_size(cpu.need)} to {format_size(moved.tiers[Tier.CPU].need)}"
+    )
 
 
 def _current(cfg: Any, key: str) -> Any:

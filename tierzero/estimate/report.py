@@ -85,7 +85,9 @@ def format_estimate(result: Estimate, *, budgets: MachineBudgets | None = None) 
     ]
     if result.disk is not None:
         lines += [
-            f"nvme per step: read {fs(result.nvme_read)}, write {fs(result.nvme_written)}; swap file {fs(result.nvme_file)}"
+            f"nvme per step: read {fs(result.nvme_read)}, write {fs(result.nvme_written)}"
+            + ("" if result.steps <= 2 else f" (step {result.steps}, once the nvme cache has settled)")
+            + f"; swap file {fs(result.nvme_file)}"
             + ("" if result.nvme_free is None else f", {fs(result.nvme_free)} free"),
             f"disk: {result.disk.source}",
         ]

@@ -20,13 +20,13 @@ from tierzero.slices import Tier
 class TierCapacityError(MemoryError):
     """A tier was asked for more bytes than its capacity allows; nothing was spilled."""
 
-    def __init__(self, tier: Tier, *, need: int, used: int, capacity: int, what: str = "") -> None:
+    def __init__(self, tier: Tier, *, need: int, used: int, capacity: int, what: str = "", fix: str = "") -> None:
         self.tier, self.need, self.used, self.capacity = tier, need, used, capacity
         target = f" for {what}" if what else ""
         super().__init__(
             f"{tier.value} tier is full: needs {format_size(need)}{target}, "
             f"{format_size(used)} of its {format_size(capacity)} capacity already in use; "
-            f"raise tiers.{tier.value}.capacity or move state to a lower tier"
+            + (fix or f"raise tiers.{tier.value}.capacity or move state to a lower tier")
         )
 
 

@@ -25,6 +25,8 @@ class Use(enum.Enum):
     FETCHED = "fetched"
     SCRATCH = "scratch"
     STAGING = "staging"
+    CACHE = "cache"
+    """Host copies of NVMe-homed slices, newer than their homes (tiers.nvme.cache)."""
 
 
 @dataclass(frozen=True, slots=True)

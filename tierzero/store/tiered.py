@@ -11,6 +11,9 @@ record is settled against its transfers whenever it is touched. `release` does
 not block: the copy is freed, and its bytes leave the accounting, once the
 copy's reads and writes have finished, so a release right after a write_back
 never frees memory a transfer still reads.
+
+With `tiers.nvme.cache`, a cached NVMe-homed slice is fetched from and written back
+to its host entry instead of the disk (store/nvme_cache.py); the states are the same.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
 from tierzero.slices import MODEL_STATE_KINDS, Kind, SliceKey, Tier
 from tierzero.store.ledger import Ledger, StoreReport, Use
+from tierzero.store.nvme_cache import NvmeCache
 from tierzero.store.records import FETCHED_STATES, ScratchRecord, SliceRecord, SliceState
 from tierzero.swapper import Swapper
 from tierzero.transfer import Transfer
@@ -37,7 +41,8 @@ __all__ = ["SliceState", "TieredStore"]
 class TieredStore:
     """Slices homed in tiers, moved by a swapper, accounted per tier and kind; see the module note."""
 
-    def __init__(self, *, tiers: dict[Tier, TierStorage], swapper: Swapper) -> None:
+    def __init__(self, *, tiers: dict[Tier, TierStorage], swapper: Swapper, cache: int = 0) -> None:
+        """`cache`: bytes of host memory that keep NVMe-homed slices (`tiers.nvme.cache`; 0: none)."""
         for tier, storage in tiers.items():
             assert storage.tier is tier, f"the {storage.tier.value} tier was given as {tier.value}"
         self._tiers = dict(tiers)
@@ -48,6 +53,12 @@ class TieredStore:
         self._lock = threading.RLock()
         self._nvme_read = self._nvme_written = 0
         self._closed = False
+        self._cache: NvmeCache | None = None
+        if cache and Tier.NVME in tiers:
+            cpu, nvme = tiers[Tier.CPU], tiers[Tier.NVME]
+            self._cache = NvmeCache(
+                budget=cache, cpu=cpu, nvme=nvme, swapper=swapper, ledger=self._ledger, on_evict=self._evicted
+            )
         swapper.observe_staging(self._host_pool_changed)
         observe_bounce = getattr(tiers.get(Tier.NVME), "observe_bounce", None)
         if observe_bounce is not None:
@@ -80,7 +91,9 @@ class TieredStore:
         storages: dict[Tier, TierStorage] = {Tier.DEVICE: device_tier, Tier.CPU: cpu}
         if nvme:
             storages[Tier.NVME] = NvmeTier.from_config(tiers.nvme, rank=rank, capacity=nvme_capacity, run_id=run_id)
-        return cls(tiers=storages, swapper=Swapper.from_config(swapper, host=cpu, host_device=on_host))
+        return cls(
+            tiers=storages, swapper=Swapper.from_config(swapper, host=cpu, host_device=on_host), cache=tiers.nvme.cache
+        )
 
     @property
     def swapper(self) -> Swapper:
@@ -102,6 +115,8 @@ class TieredStore:
             region = storage.allocate(numel * dtype.itemsize, label=str(key))
             self._slices[key] = SliceRecord(key=key, numel=numel, dtype=dtype, home=region)
             self._ledger.add(home, key.kind, Use.HOME, region.nbytes)
+            if self._cache is not None and home is Tier.NVME:
+                self._cache.track(key, region)
 
     def home_tensor(self, key: SliceKey) -> torch.Tensor:
         """The typed 1-D home of a device- or cpu-homed slice (no copy), once its pending writes have landed."""
@@ -143,16 +158,17 @@ class TieredStore:
     def _read_copy(self, record: SliceRecord, to: Tier) -> Transfer[torch.Tensor]:
         """Allocate the copy in `to` (or raise, changing nothing) and start reading the home into it."""
         copy = self._storage(to, what=f"a fetched copy of {record.key}").allocate(record.nbytes, label=f"{record.key} fetched")
+        home, cache = record.home, (self._cache if record.home.tier is Tier.NVME else None)
         try:
-            transfer = self._swapper.read(
-                key=record.key, storage=self._tiers[record.home.tier], region=record.home, dst=copy.buffer, dst_tier=to
-            )
+            transfer = None if cache is None else cache.read(record.key, copy.buffer)
+            if transfer is None:
+                storage = self._tiers[home.tier]
+                transfer = self._swapper.read(key=record.key, storage=storage, region=home, dst=copy.buffer, dst_tier=to)
+                self._nvme_read += record.nbytes if home.tier is Tier.NVME else 0
         except BaseException:
             self._tiers[to].free(copy)
             raise
         self._ledger.add(to, record.key.kind, Use.FETCHED, copy.nbytes)
-        if record.home.tier is Tier.NVME:
-            self._nvme_read += record.nbytes
         record.copy_tier, record.copy = to, copy
         return transfer.then(lambda _: _typed(copy.buffer, record.dtype, record.numel))
 
@@ -213,12 +229,14 @@ class TieredStore:
             else:
                 source, source_tier = self._source_bytes(record, src)
             assert source is not None and source_tier is not None
-            transfer = self._swapper.write(
-                key=key, storage=self._tiers[record.home.tier], region=record.home, src=source, src_tier=source_tier
-            )
+            cache = self._cache if record.home.tier is Tier.NVME else None
+            transfer = None if cache is None else cache.write(key, source)
+            if transfer is None:
+                transfer = self._swapper.write(
+                    key=key, storage=self._tiers[record.home.tier], region=record.home, src=source, src_tier=source_tier
+                )
+                self._nvme_written += record.nbytes if record.home.tier is Tier.NVME else 0
             record.writes.append(transfer)
-            if record.home.tier is Tier.NVME:
-                self._nvme_written += record.nbytes
             if record.state is not SliceState.HOME:
                 record.state = SliceState.WRITING
             return transfer
@@ -244,6 +262,8 @@ class TieredStore:
             record.settle()
             record.require(SliceState.HOME, action="unregister")
             del self._slices[key]
+            if self._cache is not None and record.home.tier is Tier.NVME:
+                self._cache.forget(key)
         for write in record.writes:
             write.future.exception()
         self._tiers[record.home.tier].free(record.home)
@@ -295,7 +315,8 @@ class TieredStore:
         return report
 
     def nvme_traffic(self) -> tuple[int, int]:
-        """Bytes of NVMe-homed slices read and written so far, counted as each move is asked for."""
+        """Bytes of NVMe-homed slices read from and written to the disk so far, counted as each move is
+        asked for: a cached slice's fetch and write-back are not, its eviction is."""
         with self._lock:
             return self._nvme_read, self._nvme_written
 
@@ -316,6 +337,8 @@ class TieredStore:
             records, scratch = list(self._slices.values()), list(self._scratch.values())
             self._slices.clear()
             self._scratch.clear()
+        if self._cache is not None:
+            self._cache.close()
         for record in records:
             if record.copy is not None:
                 self._tiers[record.copy.tier].free(record.copy)
@@ -330,6 +353,12 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _evicted(self, key: SliceKey, write: Transfer[None]) -> None:
+        """A cached slice left the cache: its entry is on its way to the disk (called under the lock)."""
+        record = self._slices[key]
+        record.writes.append(write)
+        self._nvme_written += record.nbytes
 
     def _record(self, key: SliceKey) -> SliceRecord:
         record = self._slices.get(key)
