@@ -11,6 +11,18 @@ cost model of the ZeRO paper:
 At world size 1 nothing is sent and nothing is counted; the functions then reduce to
 local copies, so the stages call them unconditionally.
 
+[Note: bytes inside and across nodes]
+Each count is also split by where its bytes go: to peers on this rank's node (`intra`)
+or on other nodes (`inter`), under the direct exchange below, where a rank sends its
+1/N piece of the buffer to each of the N-1 other members. With p of them on other nodes,
+an all-gather or reduce-scatter of B bytes sends p * B/N across nodes and the rest,
+(N-1-p) * B/N, inside the node; an all-reduce counts as a reduce-scatter plus an
+all-gather, 2p * B/N (rounded down like the ring total) across nodes. On gloo this is
+exactly what goes on the wire; NCCL's own algorithms move the same total and split it
+their own way, so there the split is the model, not a measurement. A group knows its
+members' global ranks (`members`) and the ranks per node (`local_world_size`, torchrun's
+contiguous numbering: global rank g is on node g // local_world_size).
+
 [Note: direct exchange on gloo]
 gloo's own flat all-gather and reduce-scatter cost 1.5-4x what a plain exchange of the
 same bytes costs on this kind of machine (its reduce-scatter runs about as long as an
@@ -58,12 +70,18 @@ class CommCounter:
     """Bytes this rank sent per collective since the last reset."""
 
     sent: dict[Collective, int] = field(default_factory=lambda: dict.fromkeys(Collective, 0))
+    inter: dict[Collective, int] = field(default_factory=lambda: dict.fromkeys(Collective, 0))
+    """The part of `sent` that went to other nodes (see [Note: bytes inside and across nodes])."""
     calls: dict[Collective, int] = field(default_factory=lambda: dict.fromkeys(Collective, 0))
     sequence: int = 0
     """Collectives issued over the group's life (never reset): the direct exchange's tags."""
 
-    def add(self, op: Collective, nbytes: int) -> None:
+    def add(self, op: Collective, nbytes: int, *, inter: int = 0) -> None:
+        """Count `nbytes` sent by one call of `op`, `inter` of them to other nodes."""
+        if not 0 <= inter <= nbytes:
+            raise ValueError(f"{inter} bytes across nodes out of {nbytes} sent: expected 0 <= inter <= sent")
         self.sent[op] += nbytes
+        self.inter[op] += inter
         self.calls[op] += 1
 
     def next_tag(self) -> int:
@@ -73,9 +91,14 @@ class CommCounter:
     def report(self) -> dict[str, int]:
         return {op.value: n for op, n in self.sent.items()}
 
+    def links(self) -> dict[str, dict[str, int]]:
+        """Per collective, the bytes sent inside this rank's node and across nodes."""
+        return {op.value: {"intra": n - self.inter[op], "inter": self.inter[op]} for op, n in self.sent.items()}
+
     def reset(self) -> None:
         for op in Collective:
             self.sent[op] = 0
+            self.inter[op] = 0
             self.calls[op] = 0
 
 
@@ -90,6 +113,22 @@ class CommGroup:
     dry_run: bool = False
     """Count every collective's bytes and move none: `tierzero estimate` runs the engine at a
     world size it does not have, over tensors that hold no values (the meta device)."""
+    name: str = "world"
+    """What `engine.comm_report(per_group=True)` calls the group."""
+    members: tuple[int, ...] = ()
+    """Global ranks of the group's members, in group-rank order; empty: 0 .. world_size - 1."""
+    local_world_size: int = 0
+    """Ranks per node in the job, numbered contiguously by node; 0: every rank on one node."""
+
+    def global_rank(self, rank: int) -> int:
+        return self.members[rank] if self.members else rank
+
+    def peers_across_nodes(self) -> int:
+        """Members on another node than this rank's (see [Note: bytes inside and across nodes])."""
+        if self.local_world_size == 0:
+            return 0
+        node = self.global_rank(self.rank) // self.local_world_size
+        return sum(self.global_rank(r) // self.local_world_size != node for r in range(self.world_size))
 
     @classmethod
     def single(cls) -> CommGroup:
@@ -112,7 +151,9 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatte
 def _count(comm: CommGroup, op: Collective, full: torch.Tensor) -> None:
     """Count `op` over `full` (the whole buffer: gather output, scatter input, all-reduce tensor)."""
     nbytes = full.numel() * full.element_size()
-    comm.counter.add(op, ring_bytes(op, nbytes=nbytes, world_size=comm.world_size))
+    factor = 2 if op is Collective.ALL_REDUCE else 1
+    inter = factor * comm.peers_across_nodes() * nbytes // comm.world_size
+    comm.counter.add(op, ring_bytes(op, nbytes=nbytes, world_size=comm.world_size), inter=inter)
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ from tierzero.checkpoint import RootLock, claim_root, load_checkpoint, probe_roo
 from tierzero.config import Config
 from tierzero.groups import GroupRules
 from tierzero.materialize import flat_fp32, has_meta, materialize_rest, materialize_unit, unit_on_meta
+from tierzero.mesh import Mesh, build_mesh, launcher_topology
 from tierzero.optim import make_optimizer
 from tierzero.precision import dtype_of, make_loss_scaler
 from tierzero.prefetch import Prefetcher
@@ -37,6 +38,7 @@ from tierzero.stages.grad_norm import clip_coefficient
 from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.store import TieredStore
 from tierzero.store.protocol import SliceStore
+from tierzero.topology import Topology
 from tierzero.units import Unit, plan_units
 
 
@@ -59,20 +61,26 @@ class Engine:
         comm: C.CommGroup | None = None,
         weights: PretrainedWeights | None = None,
         lr_lambda: Callable[[int], float] | None = None,
+        topology: Topology | None = None,
     ) -> None:
         """`store` and `comm` default to a `TieredStore` built from `cfg` and the default process
         group's collectives; `tierzero estimate` passes a counting store and a dry-run group.
         `weights` (checked against `model`) gives every parameter and persistent buffer its
         pretrained value, streamed unit by unit; without it a meta-built model is initialised.
         `lr_lambda(k)` multiplies `optimizer.lr` for optimizer step k (0 first), as
-        `torch.optim.lr_scheduler.LambdaLR` does; default: the config's `scheduler`."""
+        `torch.optim.lr_scheduler.LambdaLR` does; default: the config's `scheduler`.
+        `topology` (which ranks share a node) defaults to the launcher's (tierzero/mesh.py)."""
         self.cfg, self._ctx, self._weights = cfg, ctx, weights
         # The model reaches the device unit by unit in _install, never whole: a meta-built one is
         # materialised a unit at a time (see [Note: meta init] in materialize.py), a materialised
         # one has each unit copied and its own parameters dropped in turn.
         self._meta = has_meta(model)
         self.module = model
-        self.comm = comm or C.CommGroup(rank=ctx.rank, world_size=ctx.world_size, counter=C.CommCounter())
+        # A given group (the estimate's dry run) is one node unless told otherwise.
+        topology = topology or launcher_topology(world_size=ctx.world_size, rank=ctx.rank, one_node=comm is not None)
+        self.mesh = Mesh(topology=topology, shard=comm) if comm is not None else build_mesh(topology)
+        """The groups this engine sends over, and the node layout comm_report splits their bytes by."""
+        self.comm = self.mesh.shard
         self.global_step = 0
         self._lr_lambda = lr_lambda or schedule_lambda(Schedule.of(cfg.scheduler, train_steps=cfg.train.steps))
         self.lr = self._scheduled_lr()
@@ -369,11 +377,14 @@ class Engine:
         """
         return None if self.param_prefetch is None else self.param_prefetch.last_report
 
-    def comm_report(self) -> dict[str, int]:
-        return self.comm.counter.report()
+    def comm_report(self, *, per_group: bool = False) -> dict[str, Any]:
+        """Bytes this rank sent since the last reset per collective, under ring accounting (comm.py);
+        `per_group`: by group and collective, the bytes sent inside this rank's node (`intra`) and
+        across nodes (`inter`), see [Note: bytes inside and across nodes] in comm.py."""
+        return self.mesh.report(per_group=per_group)
 
     def reset_comm_report(self) -> None:
-        self.comm.counter.reset()
+        self.mesh.reset()
 
     def _require_open(self, what: str) -> None:
         if self._closed:

@@ -1,0 +1,109 @@
+"""The data-parallel groups the engine sends over, built from the node layout.
+
+Plain ZeRO shards over the whole job: one group, `world`. Hybrid sharding
+(`zero.shard_group_size` S < N ranks, HSDP / MiCS) shards inside groups of S consecutive
+ranks (`shard`: ranks kS .. kS + S - 1) and keeps one replica of the shards per group; the
+ranks holding the same shard form a `replica` group (ranks s, s + S, s + 2S, ...), over
+which the sharded gradients are summed once per step. With S equal to the ranks per node,
+every gather and reduce-scatter stays inside the node, and only the replicas' sum crosses.
+
+Every group counts its own bytes (`CommGroup.counter`), split inside and across nodes by
+the `Topology` (see [Note: bytes inside and across nodes] in comm.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from tierzero.comm import Collective, CommCounter, CommGroup
+from tierzero.topology import Topology
+
+__all__ = ["Mesh", "build_mesh", "launcher_topology"]
+
+
+@dataclass(frozen=True, slots=True)
+class Mesh:
+    """This rank's data-parallel groups: `shard` (what ZeRO shards over) and, when hybrid, `replica`."""
+
+    topology: Topology
+    shard: CommGroup
+    replica: CommGroup | None = None
+    """Hybrid sharding only: the ranks that hold this rank's shard, one per shard group."""
+
+    @property
+    def groups(self) -> list[CommGroup]:
+        return [self.shard] if self.replica is None else [self.shard, self.replica]
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that each train on their own micro-batch: the whole job."""
+        return self.topology.world_size
+
+    def report(self, *, per_group: bool) -> dict[str, Any]:
+        """Bytes sent per collective, summed over the groups; or per group, inside and across nodes."""
+        if per_group:
+            return {group.name: group.counter.links() for group in self.groups}
+        total = dict.fromkeys((op.value for op in Collective), 0)
+        for group in self.groups:
+            for op, sent in group.counter.report().items():
+                total[op] += sent
+        return total
+
+    def reset(self) -> None:
+        for group in self.groups:
+            group.counter.reset()
+
+
+def launcher_topology(
+    *, world_size: int, rank: int, one_node: bool = False, env: Mapping[str, str] = os.environ
+) -> Topology:
+    """The node layout torchrun describes (LOCAL_WORLD_SIZE); a single process, or `one_node`, is one node."""
+    if world_size == 1 or one_node:
+        return Topology(world_size=world_size, rank=rank, local_world_size=world_size)
+    return Topology.from_env(env, world_size=world_size, rank=rank)
+
+
+def build_mesh(topology: Topology, *, shard_group_size: int = 0, dry_run: bool = False) -> Mesh:
+    """The groups for `topology`, sharding over groups of `shard_group_size` ranks (0: the whole job).
+
+    A collective call when hybrid and not `dry_run`: every rank creates every shard group
+    (in order), then every replica group, as `new_group` requires. A dry run (`tierzero
+    estimate`) creates no process group; its groups only count.
+    """
+    n, rank, per_node = topology.world_size, topology.rank, topology.local_world_size
+    size = shard_group_size or n
+    if n % size:
+        raise ValueError(
+            f"zero.shard_group_size is {size}, which does not divide the {n} ranks of the job: "
+            f"set it to a divisor of {n} (the ranks per node, {per_node}, is the usual choice), or 0 to shard over all"
+        )
+    if size == n:
+        group = CommGroup(rank=rank, world_size=n, counter=CommCounter(), dry_run=dry_run, local_world_size=per_node)
+        return Mesh(topology=topology, shard=group)
+    shard_ranks = [list(range(k * size, (k + 1) * size)) for k in range(n // size)]
+    replica_ranks = [list(range(s, n, size)) for s in range(size)]
+    shard_pg = _new_groups(shard_ranks, rank // size, dry_run=dry_run)
+    replica_pg = _new_groups(replica_ranks, rank % size, dry_run=dry_run)
+    common = {"dry_run": dry_run, "local_world_size": per_node}
+    shard = CommGroup(
+        rank=rank % size, world_size=size, counter=CommCounter(), group=shard_pg, name="shard",
+        members=tuple(shard_ranks[rank // size]), **common,
+    )  # fmt: skip
+    replica = CommGroup(
+        rank=rank // size, world_size=n // size, counter=CommCounter(), group=replica_pg, name="replica",
+        members=tuple(replica_ranks[rank % size]), **common,
+    )  # fmt: skip
+    return Mesh(topology=topology, shard=shard, replica=replica)
+
+
+def _new_groups(groups: list[list[int]], mine: int, *, dry_run: bool) -> dist.ProcessGroup | None:
+    """Create each group in order (every rank takes part in every call) and return group `mine`."""
+    if dry_run:
+        return None
+    created = [dist.new_group(ranks) for ranks in groups]
+    return created[mine]
