@@ -38,7 +38,6 @@ from tierzero.stages.grad_norm import clip_coefficient
 from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.store import TieredStore
 from tierzero.store.protocol import SliceStore
-from tierzero.topology import Topology
 from tierzero.units import Unit, plan_units
 
 
@@ -58,29 +57,30 @@ class Engine:
         *,
         ctx: D.DistContext,
         store: SliceStore | None = None,
-        comm: C.CommGroup | None = None,
+        mesh: Mesh | None = None,
         weights: PretrainedWeights | None = None,
         lr_lambda: Callable[[int], float] | None = None,
-        topology: Topology | None = None,
     ) -> None:
-        """`store` and `comm` default to a `TieredStore` built from `cfg` and the default process
-        group's collectives; `tierzero estimate` passes a counting store and a dry-run group.
+        """`store` and `mesh` default to a `TieredStore` built from `cfg` and groups over the default
+        process group (tierzero/mesh.py); `tierzero estimate` passes a counting store and dry-run groups.
         `weights` (checked against `model`) gives every parameter and persistent buffer its
         pretrained value, streamed unit by unit; without it a meta-built model is initialised.
         `lr_lambda(k)` multiplies `optimizer.lr` for optimizer step k (0 first), as
         `torch.optim.lr_scheduler.LambdaLR` does; default: the config's `scheduler`.
-        `topology` (which ranks share a node) defaults to the launcher's (tierzero/mesh.py)."""
+        The mesh's node layout is the launcher's (LOCAL_WORLD_SIZE), which comm_report splits bytes by."""
         self.cfg, self._ctx, self._weights = cfg, ctx, weights
         # The model reaches the device unit by unit in _install, never whole: a meta-built one is
         # materialised a unit at a time (see [Note: meta init] in materialize.py), a materialised
         # one has each unit copied and its own parameters dropped in turn.
         self._meta = has_meta(model)
         self.module = model
-        # A given group (the estimate's dry run) is one node unless told otherwise.
-        topology = topology or launcher_topology(world_size=ctx.world_size, rank=ctx.rank, one_node=comm is not None)
-        self.mesh = Mesh(topology=topology, shard=comm) if comm is not None else build_mesh(topology)
+        if mesh is None:
+            topology = launcher_topology(world_size=ctx.world_size, rank=ctx.rank)
+            mesh = build_mesh(topology, shard_group_size=int(cfg.zero.shard_group_size))
+        self.mesh = mesh
         """The groups this engine sends over, and the node layout comm_report splits their bytes by."""
         self.comm = self.mesh.shard
+        """What ZeRO shards over: the whole job, or this rank's shard group (hybrid sharding)."""
         self.global_step = 0
         self._lr_lambda = lr_lambda or schedule_lambda(Schedule.of(cfg.scheduler, train_steps=cfg.train.steps))
         self.lr = self._scheduled_lr()
@@ -93,7 +93,7 @@ class Engine:
         self._skips_overflow = self._param_dtype == torch.float16
         rules = GroupRules.from_config(cfg.optimizer)
         self.units = plan_units(
-            model, world_size=ctx.world_size, unit_classes=list(cfg.zero.unit_classes), group_of=rules.group_of
+            model, world_size=self.comm.world_size, unit_classes=list(cfg.zero.unit_classes), group_of=rules.group_of
         )
         stage_class = STAGES[cfg.zero.stage]
         optimizer = make_optimizer(cfg.optimizer, rules.groups)
@@ -109,7 +109,7 @@ class Engine:
         self.store = store if store is not None else self._make_store()
         self._hooks: list[Any] = []
         self._closed = False
-        self._root_locks: dict[Path, RootLock] = {}
+        self._root_locks: dict[Path, RootLock | None] = {}
         """Checkpoint roots this engine saves into, each locked against other runs until close."""
         try:
             self.param_prefetch: ParamPrefetch | None = None
@@ -127,6 +127,7 @@ class Engine:
                 plan=self.plan,
                 store=self.store,
                 comm=self.comm,
+                replica=self.mesh.replica,
                 optimizer=optimizer,
                 param_dtype=self._param_dtype,
                 homes=homes,
@@ -150,13 +151,9 @@ class Engine:
         capacity = max(self.plan.nvme_bytes(), IO_ALIGNMENT) if self.cfg.tiers.nvme.capacity is None else None
         offload = self.cfg.offload
         return TieredStore.from_config(
-            self.cfg.tiers,
-            self.cfg.swapper,
-            nvme=Tier.NVME in (offload.params, offload.gradients, offload.optimizer),
-            rank=self._ctx.rank,
-            device=self._ctx.device,
-            nvme_capacity=capacity,
-        )
+            self.cfg.tiers, self.cfg.swapper, nvme=Tier.NVME in (offload.params, offload.gradients, offload.optimizer),
+            rank=self._ctx.rank, device=self._ctx.device, nvme_capacity=capacity,
+        )  # fmt: skip
 
     def _saved_activations(self) -> SavedActivations | None:
         """Counted (and offloaded) where the `activations` section asks for it (tierzero/activations.py)."""
@@ -202,7 +199,7 @@ class Engine:
         if unit_on_meta(unit):
             return materialize_unit(self.module, unit, seed=int(self.cfg.train.seed) + index).to(device), 0
         full = flat_fp32(unit, device=device)
-        if self.comm.world_size > 1:
+        if self.mesh.data_parallel_size > 1:
             # Every rank starts from rank 0's weights, as DistributedDataParallel does.
             torch.distributed.broadcast(full, src=0)
         return full, 0
@@ -228,7 +225,7 @@ class Engine:
         if self.stage.last_micro_step and self._steps_in_backward():
             # Nothing of the step waits for all gradients: each unit steps as soon as its own
             # gradient is complete, overlapping the rest of backward; step() then only counts.
-            grad_scale = 1.0 / (self.comm.world_size * self.cfg.gradient_accumulation_steps * scale)
+            grad_scale = 1.0 / (self.mesh.data_parallel_size * self.cfg.gradient_accumulation_steps * scale)
             self.stage.begin_backward_step(self._scalars(grad_scale))
         elif self.stage.last_micro_step and isinstance(self.stage, Stage3) and self.cfg.zero.overlap_step:
             # The step waits for every gradient: its first units' states are read while backward ends.
@@ -243,7 +240,7 @@ class Engine:
         if self._micro_steps % self.cfg.gradient_accumulation_steps:
             return
         self.stage.prepare_grads()
-        grad_scale = 1.0 / (self.comm.world_size * self.cfg.gradient_accumulation_steps * self._scaler.scale)
+        grad_scale = 1.0 / (self.mesh.data_parallel_size * self.cfg.gradient_accumulation_steps * self._scaler.scale)
         clip = float(self.cfg.gradient_clipping)
         norm = self._global_grad_norm(grad_scale) if clip > 0 or self._skips_overflow else 0.0
         if self._skips_overflow:
@@ -310,7 +307,9 @@ class Engine:
         self._require_open("save_checkpoint()")
         self._settle_step()
         path = self.claim_checkpoint_root(root)
-        return save_checkpoint(self, path, keep=self.cfg.checkpoint.keep if keep is None else keep)
+        keep = self.cfg.checkpoint.keep if keep is None else keep
+        # Hybrid sharding: one replica's shards are the whole state; the first replica saves them.
+        return self.mesh.on_first_replica(lambda: save_checkpoint(self, path, keep=keep), share=True)
 
     def claim_checkpoint_root(self, root: str | os.PathLike[str] | None = None) -> Path:
         """Lock the checkpoint root (default checkpoint.dir) for this engine's life, and check one
@@ -323,7 +322,7 @@ class Engine:
         path = Path(os.path.abspath(self._checkpoint_root(root)))
         if path not in self._root_locks:
             probe_root(path)  # made 0700 if new, and a probe written: what fails says why
-            self._root_locks[path] = claim_root(self, path)
+            self._root_locks[path] = self.mesh.on_first_replica(lambda: claim_root(self, path))
         return path
 
     def load_checkpoint(self, root: str | os.PathLike[str] | None = None) -> Path:
@@ -348,12 +347,12 @@ class Engine:
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
             full = self.stage.gather_fp32(unit)
-            if self.comm.rank == 0:
+            if self._ctx.rank == 0:
                 for slot in unit.slots:
                     value = slot.view(full).detach().to("cpu", copy=True)
                     for b in slot.bindings:
                         out[b.name] = value
-        if self.comm.rank != 0:
+        if self._ctx.rank != 0:
             return None
         return {name: out[name] for name in self._param_names}
 
@@ -405,7 +404,8 @@ class Engine:
             stage.finish(closing=True)
         self.store.close()
         for lock in self._root_locks.values():
-            lock.release()
+            if lock is not None:  # another replica's: the first replica's ranks hold the lock
+                lock.release()
         self._root_locks.clear()
         D.teardown(self._ctx)
 

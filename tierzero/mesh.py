@@ -14,9 +14,9 @@ the `Topology` (see [Note: bytes inside and across nodes] in comm.py).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -24,6 +24,8 @@ from tierzero.comm import Collective, CommCounter, CommGroup
 from tierzero.topology import Topology
 
 __all__ = ["Mesh", "build_mesh", "launcher_topology"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +60,37 @@ class Mesh:
         for group in self.groups:
             group.counter.reset()
 
+    def on_first_replica(self, fn: Callable[[], T], *, share: bool = False) -> T | None:
+        """Run `fn` on the first replica's ranks only (every rank when not hybrid): for what one
+        copy of the shards does, a checkpoint's save. A collective over the job: the other
+        replicas wait for global rank 0's outcome, and raise when it failed, so no rank is left
+        waiting for one that raised. `share`: they return rank 0's result (picklable), else None.
+        """
+        if self.replica is None:
+            return fn()
+        value: Any = None
+        outcome: tuple[str, Any] = ("ok", None)
+        error: BaseException | None = None
+        if self.replica.rank == 0:
+            try:
+                value = fn()
+                outcome = ("ok", value if share else None)
+            except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+                error, outcome = exc, ("error", f"{type(exc).__name__}: {exc}")
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        kind, shared = box[0]
+        if error is not None:
+            raise error
+        if kind == "error":
+            raise RuntimeError(f"rank 0 failed where the first replica works alone (this rank waited): {shared}")
+        return value if self.replica.rank == 0 else shared
 
-def launcher_topology(
-    *, world_size: int, rank: int, one_node: bool = False, env: Mapping[str, str] = os.environ
-) -> Topology:
-    """The node layout torchrun describes (LOCAL_WORLD_SIZE); a single process, or `one_node`, is one node."""
-    if world_size == 1 or one_node:
-        return Topology(world_size=world_size, rank=rank, local_world_size=world_size)
+
+def launcher_topology(*, world_size: int, rank: int, env: Mapping[str, str] = os.environ) -> Topology:
+    """The node layout torchrun describes (LOCAL_WORLD_SIZE); a single process is one node."""
+    if world_size == 1:
+        return Topology(world_size=1, rank=0, local_world_size=1)
     return Topology.from_env(env, world_size=world_size, rank=rank)
 
 

@@ -64,6 +64,7 @@ _MAPPING_ROWS = (
     ("zero_optimization.stage3_param_persistence_threshold", "zero.param_persistence_threshold", "elements; tierzero compares each unit's parameter count"),
     ("zero_optimization.reduce_bucket_size", "zero.reduce_bucket_size", "elements x dtype bytes"),
     ("zero_optimization.overlap_comm", "zero.overlap_comm", ""),
+    ("zero_optimization.mics_shard_size", "zero.shard_group_size", "-1 (MiCS off): absent"),
     ("aio.block_size / queue_depth / thread_count", "tiers.nvme.block_size / queue_depth / threads", "intra_op_parallelism also sets threads"),
     ("optimizer.type", "optimizer.type", "AdamW, Adam (AdamW unless adam_w_mode is false), SGD"),
     ("optimizer.params.lr / betas / eps / weight_decay / momentum", "optimizer.*", ""),
@@ -165,6 +166,9 @@ def _translate_zero(zero: Reader, out: Translation, *, dtype_bytes: int) -> None
     overlap = zero.pop("overlap_comm")
     if overlap is not None:
         out.set("zero.overlap_comm", overlap, origin=zero.key("overlap_comm"))
+    mics = zero.pop("mics_shard_size")
+    if mics is not None and mics != -1:  # -1: DeepSpeed's "MiCS off"
+        out.set("zero.shard_group_size", mics, origin=zero.key("mics_shard_size"))
     zero.finish()
 
 

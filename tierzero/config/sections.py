@@ -92,6 +92,19 @@ class ZeroConfig(Section):
     """Stage 3: units whose parameter count is below this threshold stay gathered on the device
     between forward and backward instead of being released after forward and gathered again for
     backward (0: every unit is released)."""
+    shard_group_size: int = setting(0, int_check(0, limit=1 << 20))
+    """Hybrid sharding (HSDP, MiCS), stage 3: shard inside groups of this many consecutive ranks
+    (the ranks per node is the usual choice), each group a replica of the others; the sharded
+    gradients are summed across the replicas once per micro-step. It must divide the world
+    size. 0 or the world size: shard over every rank."""
+
+    def _validate(self) -> None:
+        if self.shard_group_size and self.stage != 3:
+            raise ConfigError(
+                f"zero.shard_group_size is {self.shard_group_size}, which needs zero.stage 3 (got {self.stage}): "
+                "set zero.stage to 3, or zero.shard_group_size to 0",
+                key="zero.shard_group_size",
+            )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

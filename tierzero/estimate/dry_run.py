@@ -16,14 +16,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tierzero.comm import CommCounter, CommGroup
 from tierzero.config import Config
 from tierzero.dist import DistContext
 from tierzero.engine import Engine
 from tierzero.estimate.counting import CountingStore
+from tierzero.mesh import build_mesh
 from tierzero.models import build_model, count_parameters
 from tierzero.slices import Tier
 from tierzero.stages.plan import SlicePlan
+from tierzero.topology import Topology
 from tierzero.train import micro_step
 
 __all__ = ["DryRun", "dry_run"]
@@ -61,9 +62,14 @@ def dry_run(cfg: Config, *, world_size: int) -> DryRun:
     model = build_model(cfg.model, device="meta", seed=cfg.train.seed)
     parameters = count_parameters(model)
     store = CountingStore(cfg.tiers, cfg.swapper, cuda=torch.cuda.is_available())
-    comm = CommGroup(rank=0, world_size=world_size, counter=CommCounter(), dry_run=True)
+    # Rank 0 of one node: the estimate counts bytes, not which node they reach.
+    mesh = build_mesh(
+        Topology(world_size=world_size, rank=0, local_world_size=world_size),
+        shard_group_size=int(cfg.zero.shard_group_size),
+        dry_run=True,
+    )
     ctx = DistContext(rank=0, world_size=world_size, local_rank=0, device=torch.device("meta"), created_group=False)
-    engine = Engine(model, cfg, ctx=ctx, store=store, comm=comm)
+    engine = Engine(model, cfg, ctx=ctx, store=store, mesh=mesh)
     try:
         store.reset_traffic()
         _step(engine, cfg)

@@ -48,8 +48,11 @@ class Stage(ABC):
         overlap: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         activations: SavedActivations | None = None,
+        replica: C.CommGroup | None = None,
     ) -> None:
         self.units, self.plan, self.store, self.comm, self.optimizer = units, plan, store, comm, optimizer
+        self.replica = replica
+        """Hybrid sharding: the ranks holding this rank's shards, over which gradients are summed too."""
         self.param_dtype, self.homes, self.device, self.overlap = param_dtype, homes, device, overlap
         self.bucket_bytes = bucket_bytes
         """Collectives wait for this many bytes of ready units before they start (`zero.reduce_bucket_size`)."""
@@ -226,7 +229,7 @@ class Stage(ABC):
         See [Note: gradient buckets] for when the collective starts and how many units
         may wait in scratch, which bounds the gradient scratch.
         """
-        if self.comm.world_size == 1:
+        if self.comm.world_size == 1 and self.replica is None:
             # The reduce-scatter of one rank is the identity: add each gradient into its place.
             final = unit.pending_uses == 0
             with self.slice(unit, Kind.GRAD, write=True) as shard:

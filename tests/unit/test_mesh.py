@@ -1,0 +1,58 @@
+"""Hybrid sharding's groups and settings without a process group: the mesh, the config, the estimate."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierzero.config import ConfigError, load_config
+from tierzero.estimate.dry_run import dry_run
+from tierzero.mesh import build_mesh
+from tierzero.topology import Topology
+
+MODEL = {"type": "gpt", "vocab_size": 64, "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 16}
+
+
+def test_shard_and_replica_groups_of_a_hybrid_mesh() -> None:
+    """8 ranks, 2 nodes of 4, shards over each node: rank 6 is shard rank 2 of ranks 4-7 and replica 1 of ranks 2, 6."""
+    mesh = build_mesh(Topology(world_size=8, rank=6, local_world_size=4), shard_group_size=4, dry_run=True)
+    assert (mesh.shard.rank, mesh.shard.world_size, mesh.shard.members) == (2, 4, (4, 5, 6, 7))
+    assert mesh.replica is not None
+    assert (mesh.replica.rank, mesh.replica.world_size, mesh.replica.members) == (1, 2, (2, 6))
+    assert mesh.shard.peers_across_nodes() == 0 and mesh.replica.peers_across_nodes() == 1
+    assert mesh.data_parallel_size == 8
+    assert [g.name for g in mesh.groups] == ["shard", "replica"]
+
+
+@pytest.mark.parametrize("size", [0, 8])
+def test_no_or_whole_job_shard_groups_are_plain_zero(size: int) -> None:
+    mesh = build_mesh(Topology(world_size=8, rank=3, local_world_size=4), shard_group_size=size, dry_run=True)
+    assert mesh.replica is None
+    assert (mesh.shard.name, mesh.shard.rank, mesh.shard.world_size) == ("world", 3, 8)
+
+
+def test_a_shard_group_size_that_does_not_divide_the_job_is_refused() -> None:
+    refusal = r"zero.shard_group_size is 3, which does not divide the 8 ranks.*divisor of 8"
+    with pytest.raises(ValueError, match=refusal):
+        build_mesh(Topology(world_size=8, rank=0, local_world_size=4), shard_group_size=3, dry_run=True)
+
+
+def test_hybrid_sharding_needs_stage_3() -> None:
+    with pytest.raises(ConfigError, match=r"zero.shard_group_size is 2, which needs zero.stage 3 \(got 2\)"):
+        load_config({"zero": {"stage": 2, "shard_group_size": 2}})
+
+
+def test_deepspeed_mics_shard_size_maps_to_the_shard_group_size() -> None:
+    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "mics_shard_size": 4}}
+    assert load_config(ds).zero.shard_group_size == 4
+    ds["zero_optimization"]["mics_shard_size"] = -1
+    assert load_config(ds).zero.shard_group_size == 0
+
+
+def test_the_estimate_shards_over_the_shard_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 ranks in 2 groups of 2: each rank keeps half of every unit, as plain ZeRO at world size 2 does."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    raw = {"zero": {"stage": 3}, "model": MODEL, "train": {"seq_len": 8, "micro_batch_size": 1}}
+    flat2 = dry_run(load_config(raw), world_size=2)
+    raw["zero"]["shard_group_size"] = 2
+    hybrid = dry_run(load_config(raw), world_size=4)
+    assert [(s.kind, s.numel) for s in hybrid.plan.all()] == [(s.kind, s.numel) for s in flat2.plan.all()]
