@@ -31,7 +31,7 @@ from tierzero.prefetch import Prefetcher
 from tierzero.pretrained import PretrainedWeights
 from tierzero.schedule import Schedule
 from tierzero.schedule import lr_lambda as schedule_lambda
-from tierzero.slices import IO_ALIGNMENT, MODEL_STATE_KINDS, Kind, Tier
+from tierzero.slices import IO_ALIGNMENT, Kind, Tier, shown_kinds
 from tierzero.stages import STAGES, Homes, Stage3, StepScalars
 from tierzero.stages.binding import bind, unregister_params
 from tierzero.stages.grad_norm import clip_coefficient
@@ -66,18 +66,17 @@ class Engine:
         `weights` (checked against `model`) gives every parameter and persistent buffer its
         pretrained value, streamed unit by unit; without it a meta-built model is initialised.
         `lr_lambda(k)` multiplies `optimizer.lr` for optimizer step k (0 first), as
-        `torch.optim.lr_scheduler.LambdaLR` does; default: the config's `scheduler`.
-        The mesh's node layout is the launcher's (LOCAL_WORLD_SIZE), which comm_report splits bytes by."""
+        `torch.optim.lr_scheduler.LambdaLR` does; default: the config's `scheduler`."""
         self.cfg, self._ctx, self._weights = cfg, ctx, weights
         # The model reaches the device unit by unit in _install, never whole: a meta-built one is
         # materialised a unit at a time (see [Note: meta init] in materialize.py), a materialised
         # one has each unit copied and its own parameters dropped in turn.
         self._meta = has_meta(model)
         self.module = model
-        if mesh is None:
-            topology = launcher_topology(world_size=ctx.world_size, rank=ctx.rank)
-            mesh = build_mesh(topology, shard_group_size=int(cfg.zero.shard_group_size))
-        self.mesh = mesh
+        self.mesh = mesh or build_mesh(
+            launcher_topology(world_size=ctx.world_size, rank=ctx.rank),  # LOCAL_WORLD_SIZE
+            shard_group_size=cfg.zero.shard_group_size, hpz_partition_size=cfg.zero.hpz_partition_size,
+        )  # fmt: skip
         """The groups this engine sends over, and the node layout comm_report splits their bytes by."""
         self.comm = self.mesh.shard
         """What ZeRO shards over: the whole job, or this rank's shard group (hybrid sharding)."""
@@ -105,6 +104,7 @@ class Engine:
             grad_dtype=dtype_of(cfg.precision.reduce_dtype or cfg.precision.param_dtype),
             state_kinds=optimizer.state_kinds,
             homes=homes,
+            secondary_parts=self.mesh.secondary_parts,
         )
         self.store = store if store is not None else self._make_store()
         self._hooks: list[Any] = []
@@ -121,22 +121,14 @@ class Engine:
                     "persistence_threshold": int(cfg.zero.param_persistence_threshold),
                     "gather_ahead": int(cfg.zero.gather_ahead),
                     "gather_budget": int(cfg.prefetch.max_live_bytes),
+                    "secondary": self.mesh.secondary,
                 }
             self.stage = stage_class(
-                units=self.units,
-                plan=self.plan,
-                store=self.store,
-                comm=self.comm,
-                replica=self.mesh.replica,
-                optimizer=optimizer,
-                param_dtype=self._param_dtype,
-                homes=homes,
-                device=ctx.device,
-                overlap=bool(cfg.zero.overlap_comm),
-                bucket_bytes=int(cfg.zero.reduce_bucket_size),
-                activations=self._saved_activations(),
-                **extra,
-            )
+                units=self.units, plan=self.plan, store=self.store, comm=self.comm, replica=self.mesh.replica,
+                optimizer=optimizer, param_dtype=self._param_dtype, homes=homes, device=ctx.device,
+                overlap=bool(cfg.zero.overlap_comm), bucket_bytes=int(cfg.zero.reduce_bucket_size),
+                activations=self._saved_activations(), **extra,
+            )  # fmt: skip
             self.stage.grad_norm.enabled = float(cfg.gradient_clipping) > 0 or self._skips_overflow
             self._install()
         except BaseException:
@@ -360,7 +352,7 @@ class Engine:
         kinds = self.store.kind_bytes()
         tiers = self.store.report().tiers
         return {
-            "kinds": {kind.value: int(kinds.get(kind, 0)) for kind in MODEL_STATE_KINDS},
+            "kinds": {kind.value: int(kinds.get(kind, 0)) for kind in shown_kinds(kinds)},
             # What autograd saved, at its peak per tier since the last reset (tierzero/activations.py).
             "activations": {tier.value: usage.peak_by_kind.get(Kind.ACTIVATION, 0) for tier, usage in tiers.items()},
             "tiers": {

@@ -6,6 +6,9 @@ ranks (`shard`: ranks kS .. kS + S - 1) and keeps one replica of the shards per 
 ranks holding the same shard form a `replica` group (ranks s, s + S, s + 2S, ...), over
 which the sharded gradients are summed once per step. With S equal to the ranks per node,
 every gather and reduce-scatter stays inside the node, and only the replicas' sum crosses.
+ZeRO++'s hpZ (`zero.hpz_partition_size` H) shards over the whole job and adds `hpz`: groups of
+H consecutive ranks (a node), over which backward gathers a unit from the secondary copy its
+forward gather left (stages/stage3.py).
 
 Every group counts its own bytes (`CommGroup.counter`), split inside and across nodes by
 the `Topology` (see [Note: bytes inside and across nodes] in comm.py).
@@ -36,10 +39,17 @@ class Mesh:
     shard: CommGroup
     replica: CommGroup | None = None
     """Hybrid sharding only: the ranks that hold this rank's shard, one per shard group."""
+    secondary: CommGroup | None = None
+    """hpZ only: the ranks that split the secondary copy of the parameters (this rank's node)."""
 
     @property
     def groups(self) -> list[CommGroup]:
-        return [self.shard] if self.replica is None else [self.shard, self.replica]
+        return [group for group in (self.shard, self.replica, self.secondary) if group is not None]
+
+    @property
+    def secondary_parts(self) -> int:
+        """hpZ: the parts each unit's secondary copy is split into (0 without hpZ)."""
+        return 0 if self.secondary is None else self.secondary.world_size
 
     @property
     def data_parallel_size(self) -> int:
@@ -94,8 +104,11 @@ def launcher_topology(*, world_size: int, rank: int, env: Mapping[str, str] = os
     return Topology.from_env(env, world_size=world_size, rank=rank)
 
 
-def build_mesh(topology: Topology, *, shard_group_size: int = 0, dry_run: bool = False) -> Mesh:
-    """The groups for `topology`, sharding over groups of `shard_group_size` ranks (0: the whole job).
+def build_mesh(
+    topology: Topology, *, shard_group_size: int = 0, hpz_partition_size: int = 0, dry_run: bool = False
+) -> Mesh:
+    """The groups for `topology`, sharding over groups of `shard_group_size` ranks (0: the whole job),
+    with hpZ's groups of `hpz_partition_size` ranks (0: none).
 
     A collective call when hybrid and not `dry_run`: every rank creates every shard group
     (in order), then every replica group, as `new_group` requires. A dry run (`tierzero
@@ -110,7 +123,7 @@ def build_mesh(topology: Topology, *, shard_group_size: int = 0, dry_run: bool =
         )
     if size == n:
         group = CommGroup(rank=rank, world_size=n, counter=CommCounter(), dry_run=dry_run, local_world_size=per_node)
-        return Mesh(topology=topology, shard=group)
+        return Mesh(topology=topology, shard=group, secondary=_secondary(topology, hpz_partition_size, dry_run=dry_run))
     shard_ranks = [list(range(k * size, (k + 1) * size)) for k in range(n // size)]
     replica_ranks = [list(range(s, n, size)) for s in range(size)]
     shard_pg = _new_groups(shard_ranks, rank // size, dry_run=dry_run)
@@ -125,6 +138,24 @@ def build_mesh(topology: Topology, *, shard_group_size: int = 0, dry_run: bool =
         members=tuple(replica_ranks[rank % size]), **common,
     )  # fmt: skip
     return Mesh(topology=topology, shard=shard, replica=replica)
+
+
+def _secondary(topology: Topology, size: int, *, dry_run: bool) -> CommGroup | None:
+    """hpZ's group of `size` consecutive ranks holding this rank (None when `size` is 0)."""
+    if not size:
+        return None
+    n, rank = topology.world_size, topology.rank
+    if n % size:
+        raise ValueError(
+            f"zero.hpz_partition_size is {size}, which does not divide the {n} ranks of the job: set it to "
+            f"a divisor of {n} (the ranks per node, {topology.local_world_size}, is the usual choice), or 0 for no hpZ"
+        )
+    ranks = [list(range(k * size, (k + 1) * size)) for k in range(n // size)]
+    group = dist.group.WORLD if size == n and not dry_run else _new_groups(ranks, rank // size, dry_run=dry_run)
+    return CommGroup(
+        rank=rank % size, world_size=size, counter=CommCounter(), group=group, name="hpz", dry_run=dry_run,
+        members=tuple(ranks[rank // size]), local_world_size=topology.local_world_size,
+    )  # fmt: skip
 
 
 def _new_groups(groups: list[list[int]], mine: int, *, dry_run: bool) -> dist.ProcessGroup | None:

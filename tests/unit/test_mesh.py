@@ -1,12 +1,15 @@
-"""Hybrid sharding's groups and settings without a process group: the mesh, the config, the estimate."""
+"""Hybrid sharding's and hpZ's groups and settings without a process group: the mesh, the config, the estimate."""
 
 from __future__ import annotations
 
 import pytest
 
 from tierzero.config import ConfigError, load_config
+from tierzero.estimate import estimate
 from tierzero.estimate.dry_run import dry_run
+from tierzero.estimate.report import to_json
 from tierzero.mesh import build_mesh
+from tierzero.slices import Kind, Tier
 from tierzero.topology import Topology
 
 MODEL = {"type": "gpt", "vocab_size": 64, "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 16}
@@ -56,3 +59,50 @@ def test_the_estimate_shards_over_the_shard_group(monkeypatch: pytest.MonkeyPatc
     raw["zero"]["shard_group_size"] = 2
     hybrid = dry_run(load_config(raw), world_size=4)
     assert [(s.kind, s.numel) for s in hybrid.plan.all()] == [(s.kind, s.numel) for s in flat2.plan.all()]
+
+
+def test_hpz_group_is_the_node_and_zero_still_shards_over_all() -> None:
+    mesh = build_mesh(Topology(world_size=8, rank=6, local_world_size=4), hpz_partition_size=4, dry_run=True)
+    assert (mesh.shard.name, mesh.shard.world_size, mesh.replica) == ("world", 8, None)
+    assert mesh.secondary is not None and mesh.secondary_parts == 4
+    assert (mesh.secondary.name, mesh.secondary.rank, mesh.secondary.members) == ("hpz", 2, (4, 5, 6, 7))
+    assert mesh.secondary.peers_across_nodes() == 0
+    with pytest.raises(ValueError, match=r"zero.hpz_partition_size is 3, which does not divide the 8 ranks"):
+        build_mesh(Topology(world_size=8, rank=0, local_world_size=4), hpz_partition_size=3, dry_run=True)
+
+
+@pytest.mark.parametrize(
+    ("zero", "refusal"),
+    [
+        ({"stage": 2, "hpz_partition_size": 2}, r"zero.hpz_partition_size is 2, which needs zero.stage 3 \(got 2\)"),
+        ({"hpz_partition_size": 1}, r"zero.hpz_partition_size is 1, which would keep a whole copy"),
+        ({"hpz_partition_size": 2, "shard_group_size": 2}, r"hybrid sharding already gathers inside its groups"),
+    ],
+)
+def test_hpz_settings_that_cannot_work_are_refused(zero: dict[str, int], refusal: str) -> None:
+    with pytest.raises(ConfigError, match=refusal):
+        load_config({"zero": zero})
+
+
+def test_deepspeed_hpz_partition_size_maps() -> None:
+    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}
+    assert load_config(ds).zero.hpz_partition_size == 8
+    ds["zero_optimization"]["zero_hpz_partition_size"] = 1
+    assert load_config(ds).zero.hpz_partition_size == 0
+
+
+def test_the_estimate_counts_the_secondary_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 ranks, hpZ over 2: each unit's secondary slice is half of its parameters (twice its PARAM
+    slice, a quarter), in the compute dtype at the parameters' home; without hpZ, no such kind."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    raw = {
+        "zero": {"stage": 3, "hpz_partition_size": 2}, "offload": {"params": "cpu"},
+        "model": MODEL, "train": {"seq_len": 8, "micro_batch_size": 1},
+    }  # fmt: skip
+    for specs in dry_run(load_config(raw), world_size=4).plan.specs.values():
+        param, secondary = (next(s for s in specs if s.kind is k) for k in (Kind.PARAM, Kind.SECONDARY))
+        assert (secondary.numel, secondary.home, secondary.dtype) == (2 * param.numel, Tier.CPU, param.dtype)
+    kinds = to_json(estimate(load_config(raw), world_size=4))["kinds"]
+    assert kinds["param_secondary"] == 2 * kinds["param"] > 0
+    del raw["zero"]["hpz_partition_size"]
+    assert "param_secondary" not in to_json(estimate(load_config(raw), world_size=4))["kinds"]

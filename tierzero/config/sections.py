@@ -97,13 +97,32 @@ class ZeroConfig(Section):
     (the ranks per node is the usual choice), each group a replica of the others; the sharded
     gradients are summed across the replicas once per micro-step. It must divide the world
     size. 0 or the world size: shard over every rank."""
+    hpz_partition_size: int = setting(0, int_check(0, limit=1 << 20))
+    """ZeRO++ hpZ, stage 3: after each unit's forward all-gather over all ranks, keep a second copy
+    of its parameters split over groups of this many consecutive ranks (the ranks per node), from
+    which backward gathers inside the group: no backward all-gather crosses nodes. The copy costs
+    2 or 4 bytes a parameter / this size, at offload.params' tier. It must divide the world
+    size. 0: off."""
 
     def _validate(self) -> None:
-        if self.shard_group_size and self.stage != 3:
+        for key in ("shard_group_size", "hpz_partition_size"):
+            if getattr(self, key) and self.stage != 3:
+                raise ConfigError(
+                    f"zero.{key} is {getattr(self, key)}, which needs zero.stage 3 (got {self.stage}): "
+                    f"set zero.stage to 3, or zero.{key} to 0",
+                    key=f"zero.{key}",
+                )
+        if self.hpz_partition_size == 1:
             raise ConfigError(
-                f"zero.shard_group_size is {self.shard_group_size}, which needs zero.stage 3 (got {self.stage}): "
-                "set zero.stage to 3, or zero.shard_group_size to 0",
-                key="zero.shard_group_size",
+                "zero.hpz_partition_size is 1, which would keep a whole copy of the parameters on every rank: "
+                "set it to the ranks per node, or 0 for no secondary copy",
+                key="zero.hpz_partition_size",
+            )
+        if self.hpz_partition_size and self.shard_group_size:
+            raise ConfigError(
+                f"zero.hpz_partition_size ({self.hpz_partition_size}) with zero.shard_group_size "
+                f"({self.shard_group_size}): hybrid sharding already gathers inside its groups; set one of them to 0",
+                key="zero.hpz_partition_size",
             )
 
 

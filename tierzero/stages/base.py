@@ -81,6 +81,7 @@ class Stage(ABC):
         grad_dtype: torch.dtype | None = None,
         state_kinds: tuple[Kind, ...],
         homes: Homes,
+        secondary_parts: int = 0,
     ) -> SlicePlan:
         """The slices this stage keeps per unit (see stages/plan.py): what the stage is built with."""
         return plan_slices(
@@ -91,6 +92,7 @@ class Stage(ABC):
             grad_dtype=grad_dtype,
             state_kinds=state_kinds,
             homes=homes,
+            secondary_parts=secondary_parts,
         )
 
     def slice_specs(self, unit: Unit) -> tuple[SliceSpec, ...]:

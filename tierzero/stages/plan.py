@@ -76,17 +76,23 @@ def plan_slices(
     grad_dtype: torch.dtype | None = None,
     state_kinds: tuple[Kind, ...],
     homes: Homes,
+    secondary_parts: int = 0,
 ) -> SlicePlan:
     """PARAM in the compute dtype and GRAD in the reduce dtype (the compute dtype unless given),
     sharded as the stage says, an fp32 MASTER in mixed precision, and the optimizer's fp32
     states, each sharded, each at its kind's home. A frozen unit keeps its PARAM slice only:
-    in the compute dtype, with no fp32 copy, since nothing steps it."""
+    in the compute dtype, with no fp32 copy, since nothing steps it. With `secondary_parts`
+    (hpZ), every unit also keeps a SECONDARY slice, 1/secondary_parts of its parameters in
+    the compute dtype, at the parameters' home."""
     grad_dtype = grad_dtype or param_dtype
     mixed = param_dtype != torch.float32
     specs = {}
     for unit in units:
         shard = unit.shard_numel
         unit_specs = [SliceSpec(Kind.PARAM, shard if shards_params else unit.padded_numel, param_dtype, homes.params)]
+        if secondary_parts:
+            part = unit.padded_numel // secondary_parts
+            unit_specs.append(SliceSpec(Kind.SECONDARY, part, param_dtype, homes.params))
         if not unit.trainable:
             specs[unit.name] = tuple(unit_specs)
             continue
