@@ -5,7 +5,8 @@ node's 2 ranks, and backward gathers from it inside the node ([Note: hpZ's secon
 in tierzero/stages/stage3.py). The gathered bytes are the same, so the run is bitwise equal
 to plain stage 3 at the same world size and data: SGD and AdamW with clipping (the
 gradients, their sums and norm travel as in plain stage 3), and GPT-2 with activation
-checkpointing, whose recomputation gathers from the secondary copy too.
+checkpointing, whose recomputation gathers from the secondary copy too; and AdamW with every
+kind, the secondary copy included, on NVMe.
 
 Bytes of one step, Φ the padded parameter count and B = 4Φ (fp32), for every rank:
 the world group sends the forward all-gather (B/4 to the node's other rank, 2 x B/4 across)
@@ -49,16 +50,24 @@ def _traffic(rank: int, world_size: int) -> dict[str, Any]:
         return {"phi": phi, "groups": engine.comm_report(per_group=True), "kinds": engine.memory_report()["kinds"]}
 
 
-def _job(rank: int, world_size: int, _: Any) -> dict[str, Any]:
+def _job(rank: int, world_size: int, swap_dir: str) -> dict[str, Any]:
+    import tierzero
+
     os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"] = "2", str(rank % 2)
     runs = {key: train_case(case, rank=rank, world_size=world_size) for key, case in CASES.items()}
-    return {"runs": runs, "traffic": _traffic(rank, world_size)}
+
+    def on_nvme(model: torch.nn.Module, config: dict[str, Any]) -> Any:
+        tiers = {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}
+        return tierzero.initialize(model, config | {"offload": tiers, "tiers": {"nvme": {"path": swap_dir}}})
+
+    nvme = train_case(CASES[("adamw", True)], rank=rank, world_size=world_size, make_engine=on_nvme)
+    return {"runs": runs, "nvme": nvme, "traffic": _traffic(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     pytest.importorskip("transformers")
-    return run_ranks(_job, world_size=4)
+    return run_ranks(_job, world_size=4, payload=str(tmp_path_factory.mktemp("hpz_swap")))
 
 
 @pytest.mark.parametrize("name", ["sgd", "adamw", "gpt2-checkpointing"])
@@ -99,3 +108,15 @@ def test_the_secondary_copy_is_counted_in_the_memory_report(results: list[dict[s
         }  # fmt: skip
         plain = rank["runs"][("adamw", False)].memory["kinds"]
         assert "param_secondary" not in plain
+
+
+def test_a_secondary_copy_on_nvme_gives_the_same_bits(results: list[dict[str, Any]]) -> None:
+    """Every kind on NVMe, the secondary copy too (written by forward, read back by backward)."""
+    plain, nvme = results[0]["runs"][("adamw", False)], results[0]["nvme"]
+    assert plain.params is not None and nvme.params is not None
+    for key, value in plain.params.items():
+        assert torch.equal(nvme.params[key], value), key
+    for rank in results:
+        nvme_kinds = rank["nvme"].memory["kinds"]
+        assert nvme_kinds["param_secondary"] == 2 * nvme_kinds["param"] > 0
+        assert rank["nvme"].memory["tiers"]["nvme"]["current"] >= sum(nvme_kinds.values())
