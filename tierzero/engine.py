@@ -122,6 +122,7 @@ class Engine:
                     "gather_ahead": int(cfg.zero.gather_ahead),
                     "gather_budget": int(cfg.prefetch.max_live_bytes),
                     "secondary": self.mesh.secondary,
+                    "quantized_weights": bool(cfg.zero.quantized_weights),
                 }
             self.stage = stage_class(
                 units=self.units, plan=self.plan, store=self.store, comm=self.comm, replica=self.mesh.replica,

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from tierzero.comm import CommCounter, CommGroup
 from tierzero.config import ConfigError, load_config
 from tierzero.estimate import estimate
 from tierzero.estimate.dry_run import dry_run
 from tierzero.estimate.report import to_json
 from tierzero.mesh import build_mesh
+from tierzero.quantized_comm import all_gather_quantized
 from tierzero.slices import Kind, Tier
 from tierzero.topology import Topology
 
@@ -77,6 +80,7 @@ def test_hpz_group_is_the_node_and_zero_still_shards_over_all() -> None:
         ({"stage": 2, "hpz_partition_size": 2}, r"zero.hpz_partition_size is 2, which needs zero.stage 3 \(got 2\)"),
         ({"hpz_partition_size": 1}, r"zero.hpz_partition_size is 1, which would keep a whole copy"),
         ({"hpz_partition_size": 2, "shard_group_size": 2}, r"hybrid sharding already gathers inside its groups"),
+        ({"stage": 1, "quantized_weights": True}, r"zero.quantized_weights is True, which needs zero.stage 3"),
     ],
 )
 def test_hpz_settings_that_cannot_work_are_refused(zero: dict[str, int], refusal: str) -> None:
@@ -84,9 +88,11 @@ def test_hpz_settings_that_cannot_work_are_refused(zero: dict[str, int], refusal
         load_config({"zero": zero})
 
 
-def test_deepspeed_hpz_partition_size_maps() -> None:
-    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}
-    assert load_config(ds).zero.hpz_partition_size == 8
+def test_deepspeed_hpz_partition_size_and_quantized_weights_map() -> None:
+    zero = {"stage": 3, "zero_hpz_partition_size": 8, "zero_quantized_weights": True}
+    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
+    cfg = load_config(ds)
+    assert (cfg.zero.hpz_partition_size, cfg.zero.quantized_weights) == (8, True)
     ds["zero_optimization"]["zero_hpz_partition_size"] = 1
     assert load_config(ds).zero.hpz_partition_size == 0
 
@@ -106,3 +112,11 @@ def test_the_estimate_counts_the_secondary_copy(monkeypatch: pytest.MonkeyPatch)
     assert kinds["param_secondary"] == 2 * kinds["param"] > 0
     del raw["zero"]["hpz_partition_size"]
     assert "param_secondary" not in to_json(estimate(load_config(raw), world_size=4))["kinds"]
+
+
+def test_a_dry_run_quantised_gather_counts_the_packed_bytes() -> None:
+    """int8 and a fp32 scale per 2048 elements: 4096 + 8 bytes a shard of 4096, to each of 3 peers (2 across)."""
+    comm = CommGroup(rank=0, world_size=4, counter=CommCounter(), dry_run=True, local_world_size=2)
+    meta = {"device": "meta", "dtype": torch.float32}
+    all_gather_quantized(torch.empty(4 * 4096, **meta), torch.empty(4096, **meta), comm=comm)
+    assert comm.counter.links()["all_gather"] == {"intra": 4104, "inter": 2 * 4104}

@@ -66,6 +66,7 @@ _MAPPING_ROWS = (
     ("zero_optimization.overlap_comm", "zero.overlap_comm", ""),
     ("zero_optimization.mics_shard_size", "zero.shard_group_size", "-1 (MiCS off): absent"),
     ("zero_optimization.zero_hpz_partition_size", "zero.hpz_partition_size", "1 (hpZ off): absent"),
+    ("zero_optimization.zero_quantized_weights", "zero.quantized_weights", "int8, 2048 elements a scale"),
     ("aio.block_size / queue_depth / thread_count", "tiers.nvme.block_size / queue_depth / threads", "intra_op_parallelism also sets threads"),
     ("optimizer.type", "optimizer.type", "AdamW, Adam (AdamW unless adam_w_mode is false), SGD"),
     ("optimizer.params.lr / betas / eps / weight_decay / momentum", "optimizer.*", ""),
@@ -167,6 +168,9 @@ def _translate_zero(zero: Reader, out: Translation, *, dtype_bytes: int) -> None
     overlap = zero.pop("overlap_comm")
     if overlap is not None:
         out.set("zero.overlap_comm", overlap, origin=zero.key("overlap_comm"))
+    quantized = zero.pop("zero_quantized_weights")
+    if quantized is not None:
+        out.set("zero.quantized_weights", quantized, origin=zero.key("zero_quantized_weights"))
     hpz = zero.pop("zero_hpz_partition_size")
     if hpz is not None and hpz != 1:  # 1: DeepSpeed's "hpZ off"
         out.set("zero.hpz_partition_size", hpz, origin=zero.key("zero_hpz_partition_size"))

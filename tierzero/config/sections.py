@@ -103,9 +103,14 @@ class ZeroConfig(Section):
     which backward gathers inside the group: no backward all-gather crosses nodes. The copy costs
     2 or 4 bytes a parameter / this size, at offload.params' tier. It must divide the world
     size. 0: off."""
+    quantized_weights: bool = setting(False, BOOL)
+    """ZeRO++ qwZ, stage 3: the parameter all-gathers send int8, one fp32 scale per 2048 elements
+    (about 1/4 of fp32's bytes, 1/2 of bf16's), dequantised on arrival; the fp32 masters, the
+    gradients and the optimizer never see a quantised value. Not bitwise plain stage 3: the
+    forward computes with weights within half a block scale of the masters."""
 
     def _validate(self) -> None:
-        for key in ("shard_group_size", "hpz_partition_size"):
+        for key in ("shard_group_size", "hpz_partition_size", "quantized_weights"):
             if getattr(self, key) and self.stage != 3:
                 raise ConfigError(
                     f"zero.{key} is {getattr(self, key)}, which needs zero.stage 3 (got {self.stage}): "

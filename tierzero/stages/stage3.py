@@ -45,6 +45,7 @@ from tierzero import comm as C
 from tierzero.activations import recomputing
 from tierzero.offload.step_pipeline import PendingWrite
 from tierzero.prefetch import Phase
+from tierzero.quantized_comm import all_gather_quantized
 from tierzero.slices import Kind, SliceKey, Tier, storage_id
 from tierzero.stages.base import Stage, mark_state
 from tierzero.stages.binding import bind
@@ -82,9 +83,12 @@ class Stage3(StepInTime, Stage):
         gather_ahead: int = 1,
         gather_budget: int = DEFAULT_GATHER_BUDGET,
         secondary: C.CommGroup | None = None,
+        quantized_weights: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.quantized_weights = quantized_weights
+        """qwZ: gathers over `comm` send int8 ([Note: qwZ] in quantized_comm.py)."""
         self.secondary = secondary
         """hpZ: the group that splits each unit's secondary copy ([Note: hpZ's secondary copy])."""
         self._secondary_fresh: set[str] = set()
@@ -140,7 +144,8 @@ class Stage3(StepInTime, Stage):
             shard = self.store.fetch(SliceKey(unit.name, Kind.PARAM), to=Tier.DEVICE).wait()
         else:
             shard = self.param_prefetch.acquire(unit.name, self._phase)
-        self._gathering[unit.name] = C.all_gather(gathered, shard, comm=comm, async_op=self.overlap)
+        gather = all_gather_quantized if self.quantized_weights and comm is self.comm else C.all_gather
+        self._gathering[unit.name] = gather(gathered, shard, comm=comm, async_op=self.overlap)
         unit.gathered = gathered
         self._by_storage[storage_id(gathered)] = unit
 
