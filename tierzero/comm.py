@@ -291,6 +291,7 @@ def reduce_scatter_many(
 
 
 def check_scatter(outputs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor], *, comm: CommGroup) -> None:
+    """Raise unless each full buffer holds world_size x its output's elements."""
     for output, full in zip(outputs, fulls, strict=True):
         if full.numel() != output.numel() * comm.world_size:
             raise ValueError(

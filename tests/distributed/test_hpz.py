@@ -4,7 +4,8 @@ Each forward gather over all 4 ranks leaves a secondary copy of the unit split o
 node's 2 ranks, and backward gathers from it inside the node ([Note: hpZ's secondary copy]
 in tierzero/stages/stage3.py). The gathered bytes are the same, so the run is bitwise equal
 to plain stage 3 at the same world size and data: SGD and AdamW with clipping (the
-gradients, their sums and norm travel as in plain stage 3), and GPT-2 with activation
+gradients, their sums and norm travel as in plain stage 3), SGD without (each unit steps
+during backward, after its last gather), and GPT-2 with activation
 checkpointing, whose recomputation gathers from the secondary copy too; and AdamW with every
 kind, the secondary copy included, on NVMe.
 
@@ -31,6 +32,7 @@ CASES = {
     for name, o, extra in [
         ("sgd", "sgd", {}),
         ("adamw", "adamw", {}),
+        ("sgd-step-in-backward", "sgd", {"clip": 0.0}),  # no clipping: each unit steps during backward
         ("gpt2-checkpointing", "sgd", {"model_name": "gpt2", "checkpointing": "non_reentrant"}),
     ]
     for hpz in (False, True)
@@ -70,7 +72,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_ranks(_job, world_size=4, payload=str(tmp_path_factory.mktemp("hpz_swap")))
 
 
-@pytest.mark.parametrize("name", ["sgd", "adamw", "gpt2-checkpointing"])
+@pytest.mark.parametrize("name", ["sgd", "adamw", "sgd-step-in-backward", "gpt2-checkpointing"])
 def test_hpz_equals_plain_stage3_bit_for_bit(results: list[dict[str, Any]], name: str) -> None:
     plain, hpz = results[0]["runs"][(name, False)], results[0]["runs"][(name, True)]
     assert plain.params is not None and hpz.params is not None and hpz.params.keys() == plain.params.keys()
