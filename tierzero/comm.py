@@ -203,7 +203,11 @@ def _peers(comm: CommGroup) -> list[tuple[int, int]]:
 
 
 def exchange(
-    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], *, comm: CommGroup, tag: int | None = None
+    sends: list[tuple[torch.Tensor, int]],
+    recvs: list[tuple[torch.Tensor, int]],
+    *,
+    comm: CommGroup,
+    tag: int | None = None,
 ) -> list[dist.Work]:
     """Post every send and receive of one collective under one tag (default: the group's next), to and
     from global ranks: see [Note: direct exchange on gloo]."""

@@ -33,7 +33,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Mesh:
-    """This rank's data-parallel groups: `shard` (what ZeRO shards over) and, when hybrid, `replica`."""
+    """This rank's data-parallel groups: `shard` (what ZeRO shards over), `replica` (hybrid), `secondary` (hpZ)."""
 
     topology: Topology
     shard: CommGroup
@@ -110,9 +110,9 @@ def build_mesh(
     """The groups for `topology`, sharding over groups of `shard_group_size` ranks (0: the whole job),
     with hpZ's groups of `hpz_partition_size` ranks (0: none).
 
-    A collective call when hybrid and not `dry_run`: every rank creates every shard group
-    (in order), then every replica group, as `new_group` requires. A dry run (`tierzero
-    estimate`) creates no process group; its groups only count.
+    A collective call when hybrid or with hpZ, and not `dry_run`: every rank creates every
+    shard group (in order), then every replica group, or every hpZ group, as `new_group`
+    requires. A dry run (`tierzero estimate`) creates no process group; its groups only count.
     """
     n, rank, per_node = topology.world_size, topology.rank, topology.local_world_size
     size = shard_group_size or n

@@ -72,7 +72,8 @@ def _job(rank: int, world_size: int, root: str) -> dict[str, Any]:
     os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"] = "2", str(rank % 2)
     runs = {key: train_case(case, rank=rank, world_size=world_size) for key, case in CASES.items()}
     clipped = {key: train_case(case, rank=rank, world_size=world_size) for key, case in CLIPPED.items()}
-    return {"runs": runs, "clipped": clipped, "traffic": _traffic(rank, world_size), "resumed": _resumed(rank, world_size, root)}
+    traffic, resumed = _traffic(rank, world_size), _resumed(rank, world_size, root)
+    return {"runs": runs, "clipped": clipped, "traffic": traffic, "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
