@@ -13,6 +13,7 @@ from tierzero.config import load_config
 from tierzero.engine import Engine
 from tierzero.lora import is_peft_model, materialize_adapters
 from tierzero.pretrained import PretrainedWeights
+from tierzero.topology import Topology
 
 __all__ = ["initialize"]
 
@@ -23,6 +24,7 @@ def initialize(
     *,
     pretrained: str | os.PathLike[str] | None = None,
     lr_lambda: Callable[[int], float] | None = None,
+    topology: Topology | None = None,
 ) -> Engine:
     """Wrap `model` for ZeRO training; `config` is a path, a dict or a tierzero config object.
 
@@ -30,7 +32,9 @@ def initialize(
     (config.json and safetensors files) whose weights `model`, best built on the meta device
     (`tierzero.pretrained.build_meta_model`), starts from: each unit is read from the files
     straight into its slices, one at a time. `lr_lambda` replaces the config's `scheduler`
-    with a `LambdaLR`-style multiplier of `optimizer.lr` per optimizer step.
+    with a `LambdaLR`-style multiplier of `optimizer.lr` per optimizer step. `topology` says
+    which ranks share a node where the launcher does not (LOCAL_WORLD_SIZE): it places hybrid
+    sharding's and hpZ's groups and splits `comm_report`'s bytes.
     """
     cfg = load_config(config)
     if is_peft_model(model):
@@ -40,4 +44,5 @@ def initialize(
     if pretrained is not None:
         weights = PretrainedWeights.open(pretrained).for_model(model)
         weights.check(model)
-    return Engine(model, cfg, ctx=D.setup(timeout_s=cfg.dist.timeout), weights=weights, lr_lambda=lr_lambda)
+    ctx = D.setup(timeout_s=cfg.dist.timeout)
+    return Engine(model, cfg, ctx=ctx, weights=weights, lr_lambda=lr_lambda, topology=topology)

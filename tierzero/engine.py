@@ -38,6 +38,7 @@ from tierzero.stages.grad_norm import clip_coefficient
 from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.store import TieredStore
 from tierzero.store.protocol import SliceStore
+from tierzero.topology import Topology
 from tierzero.units import Unit, plan_units
 
 
@@ -60,9 +61,11 @@ class Engine:
         mesh: Mesh | None = None,
         weights: PretrainedWeights | None = None,
         lr_lambda: Callable[[int], float] | None = None,
+        topology: Topology | None = None,
     ) -> None:
         """`store` and `mesh` default to a `TieredStore` built from `cfg` and groups over the default
-        process group (tierzero/mesh.py); `tierzero estimate` passes a counting store and dry-run groups.
+        process group (tierzero/mesh.py) laid out by `topology` (default: the launcher's, from
+        LOCAL_WORLD_SIZE); `tierzero estimate` passes a counting store and dry-run groups.
         `weights` (checked against `model`) gives every parameter and persistent buffer its
         pretrained value, streamed unit by unit; without it a meta-built model is initialised.
         `lr_lambda(k)` multiplies `optimizer.lr` for optimizer step k (0 first), as
@@ -74,7 +77,7 @@ class Engine:
         self._meta = has_meta(model)
         self.module = model
         self.mesh = mesh or build_mesh(
-            launcher_topology(world_size=ctx.world_size, rank=ctx.rank),  # LOCAL_WORLD_SIZE
+            launcher_topology(world_size=ctx.world_size, rank=ctx.rank, given=topology),
             shard_group_size=cfg.zero.shard_group_size, hpz_partition_size=cfg.zero.hpz_partition_size,
         )  # fmt: skip
         """The groups this engine sends over, and the node layout comm_report splits their bytes by."""

@@ -97,8 +97,18 @@ class Mesh:
         return value if self.replica.rank == 0 else shared
 
 
-def launcher_topology(*, world_size: int, rank: int, env: Mapping[str, str] = os.environ) -> Topology:
-    """The node layout torchrun describes (LOCAL_WORLD_SIZE); a single process is one node."""
+def launcher_topology(
+    *, world_size: int, rank: int, given: Topology | None = None, env: Mapping[str, str] = os.environ
+) -> Topology:
+    """The node layout torchrun describes (LOCAL_WORLD_SIZE), unless one is `given` (checked against
+    this rank); a single process is one node."""
+    if given is not None:
+        if (given.world_size, given.rank) != (world_size, rank):
+            raise ValueError(
+                f"the topology is rank {given.rank} of {given.world_size}, the process group's rank "
+                f"{rank} of {world_size}: build the Topology from the group's rank and size"
+            )
+        return given
     if world_size == 1:
         return Topology(world_size=1, rank=0, local_world_size=1)
     return Topology.from_env(env, world_size=world_size, rank=rank)

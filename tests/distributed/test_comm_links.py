@@ -1,7 +1,8 @@
 """comm_report per group: bytes inside and across nodes, on 4 real gloo ranks laid out as nodes.
 
 The ranks see torchrun's LOCAL_WORLD_SIZE / LOCAL_RANK for three layouts in one job:
-two nodes of two ranks, one node of four, four nodes of one. Each trains a 2-layer GPT
+two nodes of two ranks, one node of four, four nodes of one; then two nodes of two given to
+`tierzero.initialize` as a Topology, which wins over the launcher's variables. Each trains a 2-layer GPT
 at stage 3 (fp32, AdamW, clipping on) for a warm-up step and one measured step.
 
 The formula, Φ the padded parameter count of all units and B = 4Φ bytes (fp32), for a rank
@@ -34,12 +35,12 @@ CONFIG = {
 }
 
 
-def _measure(rank: int) -> dict[str, Any]:
+def _measure(rank: int, topology: Any = None) -> dict[str, Any]:
     import tierzero
     from tierzero.config import load_config
     from tierzero.models import build_model
 
-    engine = tierzero.initialize(build_model(load_config(CONFIG).model, seed=0), CONFIG)
+    engine = tierzero.initialize(build_model(load_config(CONFIG).model, seed=0), CONFIG, topology=topology)
     with engine:
         for step in range(2):
             if step == 1:
@@ -57,11 +58,19 @@ def _measure(rank: int) -> dict[str, Any]:
 
 
 def _job(rank: int, world_size: int, _: Any) -> dict[str, Any]:
+    from tierzero.topology import Topology
+
     out = {}
     for name, per_node in LAYOUTS.items():
         os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
         os.environ["LOCAL_RANK"] = str(rank % per_node)
         out[name] = _measure(rank)
+    # A layout given to initialize wins over the launcher's (one node of four, as set last).
+    out["given"] = _measure(rank, Topology(world_size=world_size, rank=rank, local_world_size=2))
+    try:
+        _measure(rank, Topology(world_size=world_size, rank=(rank + 1) % world_size, local_world_size=2))
+    except ValueError as exc:
+        out["wrong"] = str(exc)
     return out
 
 
@@ -83,6 +92,8 @@ def test_stage3_bytes_inside_and_across_nodes_follow_the_formula() -> None:
             assert run["groups"] == expected, (rank, name)
             # the totals are the ring accounting of before: 3 x 3/4 B for the three passes
             assert run["total"] == {"all_gather": 2 * 3 * piece, "reduce_scatter": 3 * piece, "all_reduce": 6}
+        assert out["given"]["groups"] == out["two_by_two"]["groups"]
+        assert f"the topology is rank {(rank + 1) % 4} of 4, the process group's rank {rank} of 4" in out["wrong"]
         two_by_two = out["two_by_two"]["groups"]["world"]
         inter = sum(v["inter"] for v in two_by_two.values())
         assert inter == 6 * out["two_by_two"]["phi"] + 4  # 1.5 B across nodes, plus the norm's 4 bytes
