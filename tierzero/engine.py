@@ -79,6 +79,7 @@ class Engine:
         self.mesh = mesh or build_mesh(
             launcher_topology(world_size=ctx.world_size, rank=ctx.rank, given=topology),
             shard_group_size=cfg.zero.shard_group_size, hpz_partition_size=cfg.zero.hpz_partition_size,
+            node_hops=cfg.zero.quantized_gradients != "none",
         )  # fmt: skip
         """The groups this engine sends over, and the node layout comm_report splits their bytes by."""
         self.comm = self.mesh.shard
@@ -132,6 +133,7 @@ class Engine:
                 optimizer=optimizer, param_dtype=self._param_dtype, homes=homes, device=ctx.device,
                 overlap=bool(cfg.zero.overlap_comm), bucket_bytes=int(cfg.zero.reduce_bucket_size),
                 activations=self._saved_activations(), **extra,
+                grad_hops=self.mesh.grad_hops(cfg.zero.quantized_gradients),
             )  # fmt: skip
             self.stage.grad_norm.enabled = float(cfg.gradient_clipping) > 0 or self._skips_overflow
             self._install()

@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from tierzero.comm import Collective, CommCounter, CommGroup
-from tierzero.topology import Topology
+from tierzero.quantized_comm import GradHops
+from tierzero.topology import Topology, node_groups
 
 __all__ = ["Mesh", "build_mesh", "launcher_topology"]
 
@@ -41,10 +42,21 @@ class Mesh:
     """Hybrid sharding only: the ranks that hold this rank's shard, one per shard group."""
     secondary: CommGroup | None = None
     """hpZ only: the ranks that split the secondary copy of the parameters (this rank's node)."""
+    intra: CommGroup | None = None
+    """qgZ only: this rank's node, the gradients' first hop."""
+    inter: CommGroup | None = None
+    """qgZ only: the ranks of this rank's local rank, one per node, the gradients' second hop."""
 
     @property
     def groups(self) -> list[CommGroup]:
-        return [group for group in (self.shard, self.replica, self.secondary) if group is not None]
+        all_groups = (self.shard, self.replica, self.secondary, self.intra, self.inter)
+        return [group for group in all_groups if group is not None]
+
+    def grad_hops(self, quantized: str) -> GradHops | None:
+        """qgZ's two hops with `quantized` ("int8", "int4") across nodes; None for "none"."""
+        if quantized == "none" or self.intra is None or self.inter is None:
+            return None
+        return GradHops(intra=self.intra, inter=self.inter, bits={"int8": 8, "int4": 4}[quantized])
 
     @property
     def secondary_parts(self) -> int:
@@ -115,10 +127,16 @@ def launcher_topology(
 
 
 def build_mesh(
-    topology: Topology, *, shard_group_size: int = 0, hpz_partition_size: int = 0, dry_run: bool = False
+    topology: Topology,
+    *,
+    shard_group_size: int = 0,
+    hpz_partition_size: int = 0,
+    node_hops: bool = False,
+    dry_run: bool = False,
 ) -> Mesh:
     """The groups for `topology`, sharding over groups of `shard_group_size` ranks (0: the whole job),
-    with hpZ's groups of `hpz_partition_size` ranks (0: none).
+    with hpZ's groups of `hpz_partition_size` ranks (0: none), and with `node_hops` (qgZ) the
+    intra- and inter-node groups (tierzero/topology.py).
 
     A collective call when hybrid or with hpZ, and not `dry_run`: every rank creates every
     shard group (in order), then every replica group, or every hpZ group, as `new_group`
@@ -133,7 +151,9 @@ def build_mesh(
         )
     if size == n:
         group = CommGroup(rank=rank, world_size=n, counter=CommCounter(), dry_run=dry_run, local_world_size=per_node)
-        return Mesh(topology=topology, shard=group, secondary=_secondary(topology, hpz_partition_size, dry_run=dry_run))
+        secondary = _secondary(topology, hpz_partition_size, dry_run=dry_run)
+        intra, inter = _node_hops(topology, dry_run=dry_run) if node_hops else (None, None)
+        return Mesh(topology=topology, shard=group, secondary=secondary, intra=intra, inter=inter)
     shard_ranks = [list(range(k * size, (k + 1) * size)) for k in range(n // size)]
     replica_ranks = [list(range(s, n, size)) for s in range(size)]
     shard_pg = _new_groups(shard_ranks, rank // size, dry_run=dry_run)
@@ -166,6 +186,21 @@ def _secondary(topology: Topology, size: int, *, dry_run: bool) -> CommGroup | N
         rank=rank % size, world_size=size, counter=CommCounter(), group=group, name="hpz", dry_run=dry_run,
         members=tuple(ranks[rank // size]), local_world_size=topology.local_world_size,
     )  # fmt: skip
+
+
+def _node_hops(topology: Topology, *, dry_run: bool) -> tuple[CommGroup, CommGroup]:
+    """qgZ's groups: this rank's node, and its local rank's ranks on every node."""
+    groups = None if dry_run else node_groups(topology)
+    made = []
+    for name, ranks, pg in (
+        ("intra", topology.intra_node_ranks, groups and groups.intra),
+        ("inter", topology.inter_node_ranks, groups and groups.inter),
+    ):
+        made.append(CommGroup(
+            rank=ranks.index(topology.rank), world_size=len(ranks), counter=CommCounter(), group=pg, name=name,
+            members=tuple(ranks), dry_run=dry_run, local_world_size=topology.local_world_size,
+        ))  # fmt: skip
+    return made[0], made[1]
 
 
 def _new_groups(groups: list[list[int]], mine: int, *, dry_run: bool) -> dist.ProcessGroup | None:

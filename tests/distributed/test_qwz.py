@@ -8,7 +8,7 @@ bytes to each of the 3 peers, 1 inside the node and 2 across, against 4 s (fp32)
 step are quantised; with hpZ (groups of 2) the forward one is, and backward gathers its
 unquantised secondary copy inside the node.
 
-With hpZ and qwZ together (the reduce-scatter unquantised, as qgZ is not built yet), a
+With hpZ and qwZ together (qgZ off: the reduce-scatter unquantised, flat), a
 rank's bytes across nodes in an fp32 step fall from plain stage 3's 6Φ + 4 to
 2 q + 2Φ + 4, q = Σ quantized_nbytes(Φ_unit / 4): the test states the ratio, 0.42.
 

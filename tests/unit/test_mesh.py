@@ -11,7 +11,7 @@ from tierzero.estimate import estimate
 from tierzero.estimate.dry_run import dry_run
 from tierzero.estimate.report import to_json
 from tierzero.mesh import build_mesh
-from tierzero.quantized_comm import all_gather_quantized
+from tierzero.quantized_comm import all_gather_quantized, reduce_scatter_hierarchical
 from tierzero.slices import Kind, Tier
 from tierzero.topology import Topology
 
@@ -81,6 +81,7 @@ def test_hpz_group_is_the_node_and_zero_still_shards_over_all() -> None:
         ({"hpz_partition_size": 1}, r"zero.hpz_partition_size is 1, which would keep a whole copy"),
         ({"hpz_partition_size": 2, "shard_group_size": 2}, r"hybrid sharding already gathers inside its groups"),
         ({"stage": 1, "quantized_weights": True}, r"zero.quantized_weights is True, which needs zero.stage 3"),
+        ({"quantized_gradients": "int4", "shard_group_size": 2}, r"zero.quantized_gradients is int4, which needs"),
     ],
 )
 def test_hpz_settings_that_cannot_work_are_refused(zero: dict[str, int], refusal: str) -> None:
@@ -89,10 +90,10 @@ def test_hpz_settings_that_cannot_work_are_refused(zero: dict[str, int], refusal
 
 
 def test_deepspeed_hpz_partition_size_and_quantized_weights_map() -> None:
-    zero = {"stage": 3, "zero_hpz_partition_size": 8, "zero_quantized_weights": True}
+    zero = {"stage": 3, "zero_hpz_partition_size": 8, "zero_quantized_weights": True, "zero_quantized_gradients": True}
     ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
     cfg = load_config(ds)
-    assert (cfg.zero.hpz_partition_size, cfg.zero.quantized_weights) == (8, True)
+    assert (cfg.zero.hpz_partition_size, cfg.zero.quantized_weights, cfg.zero.quantized_gradients) == (8, True, "int4")
     ds["zero_optimization"]["zero_hpz_partition_size"] = 1
     assert load_config(ds).zero.hpz_partition_size == 0
 
@@ -120,3 +121,17 @@ def test_a_dry_run_quantised_gather_counts_the_packed_bytes() -> None:
     meta = {"device": "meta", "dtype": torch.float32}
     all_gather_quantized(torch.empty(4 * 4096, **meta), torch.empty(4096, **meta), comm=comm)
     assert comm.counter.links()["all_gather"] == {"intra": 4104, "inter": 2 * 4104}
+
+
+def test_a_dry_run_hierarchical_reduce_scatter_counts_both_hops() -> None:
+    """8 ranks, 2 nodes of 4, int4: 3 node peers get 2 shards of 4096 fp32 each (32 KiB); 1 rank
+    across gets the partial sum, 2048 bytes of int4 and 2 scales."""
+    mesh = build_mesh(Topology(world_size=8, rank=5, local_world_size=4), node_hops=True, dry_run=True)
+    assert mesh.intra is not None and mesh.inter is not None
+    assert (mesh.intra.rank, mesh.intra.members, mesh.inter.rank, mesh.inter.members) == (1, (4, 5, 6, 7), 1, (1, 5))
+    hops = mesh.grad_hops("int4")
+    assert hops is not None and hops.bits == 4 and mesh.grad_hops("none") is None
+    meta = {"device": "meta", "dtype": torch.float32}
+    reduce_scatter_hierarchical([torch.empty(4096, **meta)], [torch.empty(8 * 4096, **meta)], hops=hops)
+    assert mesh.intra.counter.links()["reduce_scatter"] == {"intra": 3 * 2 * 4096 * 4, "inter": 0}
+    assert mesh.inter.counter.links()["reduce_scatter"] == {"intra": 0, "inter": 2048 + 2 * 4}

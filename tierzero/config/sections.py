@@ -108,8 +108,19 @@ class ZeroConfig(Section):
     (about 1/4 of fp32's bytes, 1/2 of bf16's), dequantised on arrival; the fp32 masters, the
     gradients and the optimizer never see a quantised value. Not bitwise plain stage 3: the
     forward computes with weights within half a block scale of the masters."""
+    quantized_gradients: str = setting("none", choice_check(("none", "int8", "int4")))
+    """ZeRO++ qgZ, stage 3: the gradients' reduce-scatter in two hops, inside the node first
+    (unquantised), then each node's partial sums across nodes in int8 or int4, one fp32 scale per
+    2048 elements, summed in fp32 (the nodes from LOCAL_WORLD_SIZE). none: one flat reduce-scatter."""
 
     def _validate(self) -> None:
+        if self.quantized_gradients != "none" and (self.stage != 3 or self.shard_group_size):
+            raise ConfigError(
+                f"zero.quantized_gradients is {self.quantized_gradients}, which needs zero.stage 3 (got "
+                f"{self.stage}) without zero.shard_group_size (got {self.shard_group_size}): set those, or "
+                "zero.quantized_gradients to none",
+                key="zero.quantized_gradients",
+            )
         for key in ("shard_group_size", "hpz_partition_size", "quantized_weights"):
             if getattr(self, key) and self.stage != 3:
                 raise ConfigError(

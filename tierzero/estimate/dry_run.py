@@ -67,6 +67,7 @@ def dry_run(cfg: Config, *, world_size: int) -> DryRun:
         Topology(world_size=world_size, rank=0, local_world_size=world_size),
         shard_group_size=cfg.zero.shard_group_size,
         hpz_partition_size=cfg.zero.hpz_partition_size,
+        node_hops=cfg.zero.quantized_gradients != "none",
         dry_run=True,
     )
     ctx = DistContext(rank=0, world_size=world_size, local_rank=0, device=torch.device("meta"), created_group=False)

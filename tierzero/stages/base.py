@@ -17,6 +17,7 @@ from tierzero import comm as C
 from tierzero.activations import SavedActivations, recomputing
 from tierzero.offload.step_pipeline import PendingWrite, PipelineReport, Prepared
 from tierzero.optim import FlatOptimizer
+from tierzero.quantized_comm import GradHops
 from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.binding import UnitParams, bind
 from tierzero.stages.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
@@ -49,10 +50,13 @@ class Stage(ABC):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         activations: SavedActivations | None = None,
         replica: C.CommGroup | None = None,
+        grad_hops: GradHops | None = None,
     ) -> None:
         self.units, self.plan, self.store, self.comm, self.optimizer = units, plan, store, comm, optimizer
         self.replica = replica
         """Hybrid sharding: the ranks holding this rank's shards, over which gradients are summed too."""
+        self.grad_hops = grad_hops
+        """qgZ: the gradients' reduce-scatter in two hops ([Note: qgZ] in quantized_comm.py)."""
         self.param_dtype, self.homes, self.device, self.overlap = param_dtype, homes, device, overlap
         self.bucket_bytes = bucket_bytes
         """Collectives wait for this many bytes of ready units before they start (`zero.reduce_bucket_size`)."""

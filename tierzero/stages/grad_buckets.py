@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from tierzero import comm as C
+from tierzero.quantized_comm import GradHops, reduce_scatter_hierarchical
 from tierzero.replicated import reduce_scatter_replicated
 from tierzero.slices import Kind
 from tierzero.stages.plan import SlicePlan
@@ -64,6 +65,7 @@ class Reducing(Protocol):
 
     comm: C.CommGroup
     replica: C.CommGroup | None
+    grad_hops: GradHops | None
     overlap: bool
     plan: SlicePlan
     store: SliceStore
@@ -110,7 +112,9 @@ class GradBuckets:
         jobs, self._unsent = self._unsent, []
         fulls, parts = [job.full for job in jobs], [job.part for job in jobs]
         stage = self._stage
-        if stage.replica is None:
+        if stage.grad_hops is not None:
+            pending = reduce_scatter_hierarchical(parts, fulls, hops=stage.grad_hops, async_op=stage.overlap)
+        elif stage.replica is None:
             pending = C.reduce_scatter_many(parts, fulls, comm=stage.comm, async_op=stage.overlap)
         else:
             pending = reduce_scatter_replicated(
