@@ -26,6 +26,7 @@ def initialize(
     *,
     pretrained: str | os.PathLike[str] | None = None,
     lr_lambda: Callable[[int], float] | None = None,
+    topology: Topology | None = None,
 ) -> Engine:
     """Wrap `model` for ZeRO training; `config` is a path, a dict or a tierzero config object.
 
@@ -33,8 +34,10 @@ def initialize(
     (config.json and safetensors files) whose weights `model`, best built on the meta device
     (`tierzero.pretrained.build_meta_model`), starts from: each unit is read from the files
     straight into its slices, one at a time. `lr_lambda` replaces the config's `scheduler`
-    with a `LambdaLR`-style multiplier of `optimizer.lr` per optimizer step. An `offload` key
-    set to auto is planned here (tierzero/placement/planner.py): `engine.placement` says how.
+    with a `LambdaLR`-style multiplier of `optimizer.lr` per optimizer step. `topology` says
+    which ranks share a node where the launcher does not (LOCAL_WORLD_SIZE): it places hybrid
+    sharding's and hpZ's groups and splits `comm_report`'s bytes. An `offload` key set to auto
+    is planned here (tierzero/placement/planner.py): `engine.placement` says how.
     """
     cfg = load_config(config)
     if is_peft_model(model):
@@ -45,19 +48,20 @@ def initialize(
         weights = PretrainedWeights.open(pretrained).for_model(model)
         weights.check(model)
     ctx = D.setup(timeout_s=cfg.dist.timeout)
-    plan = _plan(cfg, ctx) if cfg.offload.planned else None
-    engine = Engine(model, cfg, ctx=ctx, weights=weights, lr_lambda=lr_lambda, homes=None if plan is None else plan.homes)
+    plan = _plan(cfg, ctx, topology) if cfg.offload.planned else None
+    homes = None if plan is None else plan.homes
+    engine = Engine(model, cfg, ctx=ctx, weights=weights, lr_lambda=lr_lambda, topology=topology, homes=homes)
     engine.placement = plan
     return engine
 
 
-def _plan(cfg: Any, ctx: D.DistContext) -> PlacementPlan:
+def _plan(cfg: Any, ctx: D.DistContext, topology: Topology | None) -> PlacementPlan:
     """The placement of `cfg`'s auto kinds: planned on rank 0, within a rank's share of its machine,
     and sent to every rank, so that all place alike however their machines' free memory differs."""
     plan = None
     if ctx.rank == 0:
-        local = Topology.from_env(world_size=ctx.world_size, rank=ctx.rank).local_world_size
-        plan = plan_placement(cfg, world_size=ctx.world_size, local_world_size=local)
+        topology = topology or Topology.from_env(world_size=ctx.world_size, rank=ctx.rank)
+        plan = plan_placement(cfg, world_size=ctx.world_size, local_world_size=topology.local_world_size)
     if ctx.world_size > 1:
         box = [plan]
         dist.broadcast_object_list(box, src=0)

@@ -24,19 +24,21 @@ from tierzero.checkpoint import RootLock, claim_root, load_checkpoint, probe_roo
 from tierzero.config import Config
 from tierzero.groups import GroupRules
 from tierzero.materialize import flat_fp32, has_meta, materialize_rest, materialize_unit, unit_on_meta
+from tierzero.mesh import Mesh, build_mesh, launcher_topology
 from tierzero.optim import make_optimizer
 from tierzero.precision import dtype_of, make_loss_scaler
 from tierzero.prefetch import Prefetcher
 from tierzero.pretrained import PretrainedWeights
 from tierzero.schedule import Schedule
 from tierzero.schedule import lr_lambda as schedule_lambda
-from tierzero.slices import IO_ALIGNMENT, MODEL_STATE_KINDS, Kind, Tier
+from tierzero.slices import IO_ALIGNMENT, Tier
 from tierzero.stages import STAGES, Homes, Stage3, StepScalars
 from tierzero.stages.binding import bind, unregister_params
 from tierzero.stages.grad_norm import clip_coefficient
 from tierzero.stages.param_prefetch import ParamPrefetch
-from tierzero.store import TieredStore, Use
+from tierzero.store import TieredStore
 from tierzero.store.protocol import SliceStore
+from tierzero.topology import Topology
 from tierzero.units import Unit, plan_units
 
 
@@ -56,13 +58,15 @@ class Engine:
         *,
         ctx: D.DistContext,
         store: SliceStore | None = None,
-        comm: C.CommGroup | None = None,
+        mesh: Mesh | None = None,
         weights: PretrainedWeights | None = None,
         lr_lambda: Callable[[int], float] | None = None,
         homes: Homes | None = None,
+        topology: Topology | None = None,
     ) -> None:
-        """`store` and `comm` default to a `TieredStore` built from `cfg` and the default process
-        group's collectives; `tierzero estimate` passes a counting store and a dry-run group.
+        """`store` and `mesh` default to a `TieredStore` built from `cfg` and groups over the default
+        process group (tierzero/mesh.py) laid out by `topology` (default: the launcher's, from
+        LOCAL_WORLD_SIZE); `tierzero estimate` passes a counting store and dry-run groups.
         `weights` (checked against `model`) gives every parameter and persistent buffer its
         pretrained value, streamed unit by unit; without it a meta-built model is initialised.
         `lr_lambda(k)` multiplies `optimizer.lr` for optimizer step k (0 first), as
@@ -75,7 +79,14 @@ class Engine:
         # one has each unit copied and its own parameters dropped in turn.
         self._meta = has_meta(model)
         self.module = model
-        self.comm = comm or C.CommGroup(rank=ctx.rank, world_size=ctx.world_size, counter=C.CommCounter())
+        self.mesh = mesh or build_mesh(
+            launcher_topology(world_size=ctx.world_size, rank=ctx.rank, given=topology),
+            shard_group_size=cfg.zero.shard_group_size, hpz_partition_size=cfg.zero.hpz_partition_size,
+            node_hops=cfg.zero.quantized_gradients != "none",
+        )  # fmt: skip
+        """The groups this engine sends over, and the node layout comm_report splits their bytes by."""
+        self.comm = self.mesh.shard
+        """What ZeRO shards over: the whole job, or this rank's shard group (hybrid sharding)."""
         self.global_step = 0
         self._lr_lambda = lr_lambda or schedule_lambda(Schedule.of(cfg.scheduler, train_steps=cfg.train.steps))
         self.lr = self._scheduled_lr()
@@ -88,7 +99,7 @@ class Engine:
         self._skips_overflow = self._param_dtype == torch.float16
         rules = GroupRules.from_config(cfg.optimizer)
         self.units = plan_units(
-            model, world_size=ctx.world_size, unit_classes=list(cfg.zero.unit_classes), group_of=rules.group_of
+            model, world_size=self.comm.world_size, unit_classes=list(cfg.zero.unit_classes), group_of=rules.group_of
         )
         stage_class = STAGES[cfg.zero.stage]
         optimizer = make_optimizer(cfg.optimizer, rules.groups)
@@ -101,11 +112,12 @@ class Engine:
             grad_dtype=dtype_of(cfg.precision.reduce_dtype or cfg.precision.param_dtype),
             state_kinds=optimizer.state_kinds,
             homes=homes,
+            secondary_parts=self.mesh.secondary_parts,
         )
         self.store = store if store is not None else self._make_store()
         self._hooks: list[Any] = []
         self._closed = False
-        self._root_locks: dict[Path, RootLock] = {}
+        self._root_locks: dict[Path, RootLock | None] = {}
         """Checkpoint roots this engine saves into, each locked against other runs until close."""
         try:
             self.param_prefetch: ParamPrefetch | None = None
@@ -117,21 +129,16 @@ class Engine:
                     "persistence_threshold": int(cfg.zero.param_persistence_threshold),
                     "gather_ahead": int(cfg.zero.gather_ahead),
                     "gather_budget": int(cfg.prefetch.max_live_bytes),
+                    "secondary": self.mesh.secondary,
+                    "quantized_weights": bool(cfg.zero.quantized_weights),
                 }
             self.stage = stage_class(
-                units=self.units,
-                plan=self.plan,
-                store=self.store,
-                comm=self.comm,
-                optimizer=optimizer,
-                param_dtype=self._param_dtype,
-                homes=homes,
-                device=ctx.device,
-                overlap=bool(cfg.zero.overlap_comm),
-                bucket_bytes=int(cfg.zero.reduce_bucket_size),
-                activations=self._saved_activations(),
-                **extra,
-            )
+                units=self.units, plan=self.plan, store=self.store, comm=self.comm, replica=self.mesh.replica,
+                optimizer=optimizer, param_dtype=self._param_dtype, homes=homes, device=ctx.device,
+                overlap=bool(cfg.zero.overlap_comm), bucket_bytes=int(cfg.zero.reduce_bucket_size),
+                activations=self._saved_activations(), **extra,
+                grad_hops=self.mesh.grad_hops(cfg.zero.quantized_gradients),
+            )  # fmt: skip
             self.stage.grad_norm.enabled = float(cfg.gradient_clipping) > 0 or self._skips_overflow
             self._install()
         except BaseException:
@@ -145,13 +152,9 @@ class Engine:
         # Unless the config sizes the swap file, it holds exactly this rank's NVMe-homed slices.
         capacity = max(self.plan.nvme_bytes(), IO_ALIGNMENT) if self.cfg.tiers.nvme.capacity is None else None
         return TieredStore.from_config(
-            self.cfg.tiers,
-            self.cfg.swapper,
-            nvme=any(spec.home is Tier.NVME for spec in self.plan.all()),
-            rank=self._ctx.rank,
-            device=self._ctx.device,
-            nvme_capacity=capacity,
-        )
+            self.cfg.tiers, self.cfg.swapper, nvme=any(spec.home is Tier.NVME for spec in self.plan.all()),
+            rank=self._ctx.rank, device=self._ctx.device, nvme_capacity=capacity,
+        )  # fmt: skip
 
     def _saved_activations(self) -> SavedActivations | None:
         """Counted (and offloaded) where the `activations` section asks for it (tierzero/activations.py)."""
@@ -197,7 +200,7 @@ class Engine:
         if unit_on_meta(unit):
             return materialize_unit(self.module, unit, seed=int(self.cfg.train.seed) + index).to(device), 0
         full = flat_fp32(unit, device=device)
-        if self.comm.world_size > 1:
+        if self.mesh.data_parallel_size > 1:
             # Every rank starts from rank 0's weights, as DistributedDataParallel does.
             torch.distributed.broadcast(full, src=0)
         return full, 0
@@ -223,7 +226,7 @@ class Engine:
         if self.stage.last_micro_step and self._steps_in_backward():
             # Nothing of the step waits for all gradients: each unit steps as soon as its own
             # gradient is complete, overlapping the rest of backward; step() then only counts.
-            grad_scale = 1.0 / (self.comm.world_size * self.cfg.gradient_accumulation_steps * scale)
+            grad_scale = 1.0 / (self.mesh.data_parallel_size * self.cfg.gradient_accumulation_steps * scale)
             self.stage.begin_backward_step(self._scalars(grad_scale))
         elif self.stage.last_micro_step and isinstance(self.stage, Stage3) and self.cfg.zero.overlap_step:
             # The step waits for every gradient: its first units' states are read while backward ends.
@@ -238,7 +241,7 @@ class Engine:
         if self._micro_steps % self.cfg.gradient_accumulation_steps:
             return
         self.stage.prepare_grads()
-        grad_scale = 1.0 / (self.comm.world_size * self.cfg.gradient_accumulation_steps * self._scaler.scale)
+        grad_scale = 1.0 / (self.mesh.data_parallel_size * self.cfg.gradient_accumulation_steps * self._scaler.scale)
         clip = float(self.cfg.gradient_clipping)
         norm = self._global_grad_norm(grad_scale) if clip > 0 or self._skips_overflow else 0.0
         if self._skips_overflow:
@@ -305,7 +308,9 @@ class Engine:
         self._require_open("save_checkpoint()")
         self._settle_step()
         path = self.claim_checkpoint_root(root)
-        return save_checkpoint(self, path, keep=self.cfg.checkpoint.keep if keep is None else keep)
+        keep = self.cfg.checkpoint.keep if keep is None else keep
+        # Hybrid sharding: one replica's shards are the whole state; the first replica saves them.
+        return self.mesh.on_first_replica(lambda: save_checkpoint(self, path, keep=keep), share=True)
 
     def claim_checkpoint_root(self, root: str | os.PathLike[str] | None = None) -> Path:
         """Lock the checkpoint root (default checkpoint.dir) for this engine's life, and check one
@@ -318,7 +323,7 @@ class Engine:
         path = Path(os.path.abspath(self._checkpoint_root(root)))
         if path not in self._root_locks:
             probe_root(path)  # made 0700 if new, and a probe written: what fails says why
-            self._root_locks[path] = claim_root(self, path)
+            self._root_locks[path] = self.mesh.on_first_replica(lambda: claim_root(self, path))
         return path
 
     def load_checkpoint(self, root: str | os.PathLike[str] | None = None) -> Path:
@@ -343,31 +348,21 @@ class Engine:
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
             full = self.stage.gather_fp32(unit)
-            if self.comm.rank == 0:
+            if self._ctx.rank == 0:
                 for slot in unit.slots:
                     value = slot.view(full).detach().to("cpu", copy=True)
                     for b in slot.bindings:
                         out[b.name] = value
-        if self.comm.rank != 0:
+        if self._ctx.rank != 0:
             return None
         return {name: out[name] for name in self._param_names}
 
     def memory_report(self) -> dict[str, Any]:
-        kinds = self.store.kind_bytes()
-        tiers = self.store.report().tiers
         return {
-            "kinds": {kind.value: int(kinds.get(kind, 0)) for kind in MODEL_STATE_KINDS},
+            **self.store.report().summary(self.store.kind_bytes()),
             # Where each kind lives, by tier: the config's `offload` or the planner's choice, unit by unit.
             "placement": self.plan.bytes_by_home(),
             "planned": None if self.placement is None else self.placement.summary(),
-            # What autograd saved, at its peak per tier since the last reset (tierzero/activations.py).
-            "activations": {tier.value: usage.peak_by_kind.get(Kind.ACTIVATION, 0) for tier, usage in tiers.items()},
-            "tiers": {
-                tier.value: {"current": usage.current, "peak": usage.peak, "capacity": usage.capacity}
-                for tier, usage in tiers.items()
-            },
-            # Host copies of NVMe-homed slices (tiers.nvme.cache), counted in the cpu tier's bytes above.
-            "nvme_cache": tiers[Tier.CPU].current_by_use[Use.CACHE],
         }
 
     def prefetch_report(self) -> Any:
@@ -377,11 +372,14 @@ class Engine:
         """
         return None if self.param_prefetch is None else self.param_prefetch.last_report
 
-    def comm_report(self) -> dict[str, int]:
-        return self.comm.counter.report()
+    def comm_report(self, *, per_group: bool = False) -> dict[str, Any]:
+        """Bytes this rank sent since the last reset per collective, under ring accounting (comm.py);
+        `per_group`: by group and collective, the bytes sent inside this rank's node (`intra`) and
+        across nodes (`inter`), see [Note: bytes inside and across nodes] in comm.py."""
+        return self.mesh.report(per_group=per_group)
 
     def reset_comm_report(self) -> None:
-        self.comm.counter.reset()
+        self.mesh.reset()
 
     def _require_open(self, what: str) -> None:
         if self._closed:
@@ -402,7 +400,8 @@ class Engine:
             stage.finish(closing=True)
         self.store.close()
         for lock in self._root_locks.values():
-            lock.release()
+            if lock is not None:  # another replica's: the first replica's ranks hold the lock
+                lock.release()
         self._root_locks.clear()
         D.teardown(self._ctx)
 

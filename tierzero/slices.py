@@ -37,6 +37,9 @@ class Kind(enum.Enum):
     """The swapper's staging buffers."""
     ACTIVATION = "activation"
     """What autograd saves for backward, besides parameters (tierzero.activations)."""
+    SECONDARY = "param_secondary"
+    """hpZ (`zero.hpz_partition_size`): this rank's part of a copy of the unit's parameters split
+    inside its node, written by the forward's gather and gathered by the backward's."""
 
 
 MODEL_STATE_KINDS: tuple[Kind, ...] = (
@@ -46,6 +49,15 @@ MODEL_STATE_KINDS: tuple[Kind, ...] = (
     Kind.EXP_AVG,
     Kind.EXP_AVG_SQ,
 )
+
+KEPT_KINDS: tuple[Kind, ...] = (*MODEL_STATE_KINDS, Kind.SECONDARY)
+"""What a rank keeps of each unit between steps: the model states, and hpZ's secondary copy,
+which reports show only where there is one (the formulas of ZeRO count the five others)."""
+
+
+def shown_kinds(nbytes: dict[Kind, int]) -> list[Kind]:
+    """The kinds a report lists for `nbytes` per kind: the model states, SECONDARY where it holds bytes."""
+    return [kind for kind in KEPT_KINDS if kind in MODEL_STATE_KINDS or nbytes.get(kind)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -153,6 +153,8 @@ class Case:
     """Name prefixes of the parameters to freeze (requires_grad=False)."""
     lora: bool = False
     """transformers models: peft's LoRA (rank 4 on the attention's input projections) on the frozen model."""
+    zero: tuple[tuple[str, Any], ...] = ()
+    """More `zero.*` settings, as (key, value) pairs."""
 
     def model(self) -> nn.Module:
         torch.manual_seed(self.seed)
@@ -183,7 +185,7 @@ class Case:
         if self.optimizer == "adamw":
             opt = {"type": "adamw", "lr": 3e-3, "weight_decay": 0.01}
         return {
-            "zero": {"stage": self.stage, "overlap_comm": self.overlap},
+            "zero": {"stage": self.stage, "overlap_comm": self.overlap, **dict(self.zero)},
             "optimizer": opt,
             "precision": {"param_dtype": self.dtype, "initial_scale": self.initial_scale},
             "gradient_clipping": self.clip,

@@ -74,3 +74,24 @@ def test_a_dry_run_group_counts_what_a_real_one_sends_and_needs_no_process_group
     assert comm.counter.calls[Collective.ALL_GATHER] == 1
     with pytest.raises(ValueError, match="expected 4 x 1000"):
         all_gather(torch.empty(4096, **meta), torch.empty(1000, **meta), comm=comm)
+
+
+def test_bytes_split_by_node_follow_the_members_global_ranks() -> None:
+    """Two nodes of two ranks; a group of global ranks 1, 2, 3 seen from rank 2 (node 1)."""
+    comm = CommGroup(rank=1, world_size=3, counter=CommCounter(), dry_run=True, members=(1, 2, 3), local_world_size=2)
+    assert comm.peers_across_nodes() == 1  # rank 1 is on node 0, rank 3 shares node 1
+    meta = {"device": "meta", "dtype": torch.float32}
+    all_gather(torch.empty(3 * 1024, **meta), torch.empty(1024, **meta), comm=comm)
+    reduce_scatter(torch.empty(1024, **meta), torch.empty(3 * 1024, **meta), comm=comm)
+    all_reduce(torch.empty(3, **meta), comm=comm)
+    # a 4096-byte piece to each of two peers, one across; the all-reduce: 2 x 12 / 3 bytes a peer
+    assert comm.counter.links() == {
+        "all_gather": {"intra": 4096, "inter": 4096},
+        "reduce_scatter": {"intra": 4096, "inter": 4096},
+        "all_reduce": {"intra": 8, "inter": 8},
+    }
+    assert comm.counter.report() == {"all_gather": 8192, "reduce_scatter": 8192, "all_reduce": 16}
+    comm.counter.reset()
+    assert comm.counter.links()["all_gather"] == {"intra": 0, "inter": 0}
+    one_node = CommGroup(rank=0, world_size=4, counter=CommCounter(), dry_run=True)
+    assert one_node.peers_across_nodes() == 0

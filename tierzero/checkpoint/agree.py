@@ -49,7 +49,7 @@ def all_gather_objects(comm: CommGroup, value: Any) -> list[Any]:
     if comm.world_size == 1:
         return [value]
     out: list[Any] = [None] * comm.world_size
-    torch.distributed.all_gather_object(out, value)
+    torch.distributed.all_gather_object(out, value, group=comm.group)
     return out
 
 
@@ -58,5 +58,5 @@ def from_rank0(comm: CommGroup, value: T) -> T:
     if comm.world_size == 1:
         return value
     box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
+    torch.distributed.broadcast_object_list(box, src=comm.global_rank(0), group=comm.group)
     return box[0]

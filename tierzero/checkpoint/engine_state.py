@@ -20,8 +20,9 @@ from tierzero.units import Unit
 
 
 def saved_specs(engine: Checkpointable, unit: Unit) -> list[SliceSpec]:
-    # Gradients are zero at a step boundary: they are not state worth saving.
-    return [spec for spec in engine.stage.slice_specs(unit) if spec.kind is not Kind.GRAD]
+    # Gradients are zero at a step boundary, and hpZ's secondary copy is rewritten by the next
+    # forward: neither is state worth saving.
+    return [spec for spec in engine.stage.slice_specs(unit) if spec.kind not in (Kind.GRAD, Kind.SECONDARY)]
 
 
 def own_range(engine: Checkpointable, unit: Unit, spec: SliceSpec, tensor: torch.Tensor) -> torch.Tensor:

@@ -64,6 +64,10 @@ _MAPPING_ROWS = (
     ("zero_optimization.stage3_param_persistence_threshold", "zero.param_persistence_threshold", "elements; tierzero compares each unit's parameter count"),
     ("zero_optimization.reduce_bucket_size", "zero.reduce_bucket_size", "elements x dtype bytes"),
     ("zero_optimization.overlap_comm", "zero.overlap_comm", ""),
+    ("zero_optimization.mics_shard_size", "zero.shard_group_size", "-1 (MiCS off): absent"),
+    ("zero_optimization.zero_hpz_partition_size", "zero.hpz_partition_size", "1 (hpZ off): absent"),
+    ("zero_optimization.zero_quantized_weights", "zero.quantized_weights", "int8, 2048 elements a scale"),
+    ("zero_optimization.zero_quantized_gradients", "zero.quantized_gradients", "true -> int4, false -> none"),
     ("aio.block_size / queue_depth / thread_count", "tiers.nvme.block_size / queue_depth / threads", "intra_op_parallelism also sets threads"),
     ("optimizer.type", "optimizer.type", "AdamW, Adam (AdamW unless adam_w_mode is false), SGD"),
     ("optimizer.params.lr / betas / eps / weight_decay / momentum", "optimizer.*", ""),
@@ -165,6 +169,19 @@ def _translate_zero(zero: Reader, out: Translation, *, dtype_bytes: int) -> None
     overlap = zero.pop("overlap_comm")
     if overlap is not None:
         out.set("zero.overlap_comm", overlap, origin=zero.key("overlap_comm"))
+    quantized_grads = zero.pop("zero_quantized_gradients")
+    if quantized_grads is not None:
+        key = zero.key("zero_quantized_gradients")
+        out.set("zero.quantized_gradients", "int4" if quantized_grads is True else "none", origin=key)
+    quantized = zero.pop("zero_quantized_weights")
+    if quantized is not None:
+        out.set("zero.quantized_weights", quantized, origin=zero.key("zero_quantized_weights"))
+    hpz = zero.pop("zero_hpz_partition_size")
+    if hpz is not None and hpz != 1:  # 1: DeepSpeed's "hpZ off"
+        out.set("zero.hpz_partition_size", hpz, origin=zero.key("zero_hpz_partition_size"))
+    mics = zero.pop("mics_shard_size")
+    if mics is not None and mics != -1:  # -1: DeepSpeed's "MiCS off"
+        out.set("zero.shard_group_size", mics, origin=zero.key("mics_shard_size"))
     zero.finish()
 
 

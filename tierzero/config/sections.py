@@ -93,6 +93,54 @@ class ZeroConfig(Section):
     """Stage 3: units whose parameter count is below this threshold stay gathered on the device
     between forward and backward instead of being released after forward and gathered again for
     backward (0: every unit is released)."""
+    shard_group_size: int = setting(0, int_check(0, limit=1 << 20))
+    """Hybrid sharding (HSDP, MiCS), stage 3: shard inside groups of this many consecutive ranks
+    (the ranks per node is the usual choice), each group a replica of the others; the sharded
+    gradients are summed across the replicas once per micro-step. It must divide the world
+    size. 0 or the world size: shard over every rank."""
+    hpz_partition_size: int = setting(0, int_check(0, limit=1 << 20))
+    """ZeRO++ hpZ, stage 3: after each unit's forward all-gather over all ranks, keep a second copy
+    of its parameters split over groups of this many consecutive ranks (the ranks per node), from
+    which backward gathers inside the group: no backward all-gather crosses nodes. The copy costs
+    2 or 4 bytes a parameter / this size, at offload.params' tier. It must divide the world
+    size. 0: off."""
+    quantized_weights: bool = setting(False, BOOL)
+    """ZeRO++ qwZ, stage 3: the parameter all-gathers send int8, one fp32 scale per 2048 elements
+    (about 1/4 of fp32's bytes, 1/2 of bf16's), dequantised on arrival; the fp32 masters, the
+    gradients and the optimizer never see a quantised value. Not bitwise plain stage 3: the
+    forward computes with weights within half a block scale of the masters."""
+    quantized_gradients: str = setting("none", choice_check(("none", "int8", "int4")))
+    """ZeRO++ qgZ, stage 3: the gradients' reduce-scatter in two hops, inside the node first
+    (unquantised), then each node's partial sums across nodes in int8 or int4, one fp32 scale per
+    2048 elements, summed in fp32 (the nodes from LOCAL_WORLD_SIZE). none: one flat reduce-scatter."""
+
+    def _validate(self) -> None:
+        if self.quantized_gradients != "none" and (self.stage != 3 or self.shard_group_size):
+            raise ConfigError(
+                f"zero.quantized_gradients is {self.quantized_gradients}, which needs zero.stage 3 (got "
+                f"{self.stage}) without zero.shard_group_size (got {self.shard_group_size}): set those, or "
+                "zero.quantized_gradients to none",
+                key="zero.quantized_gradients",
+            )
+        for key in ("shard_group_size", "hpz_partition_size", "quantized_weights"):
+            if getattr(self, key) and self.stage != 3:
+                raise ConfigError(
+                    f"zero.{key} is {getattr(self, key)}, which needs zero.stage 3 (got {self.stage}): "
+                    f"set zero.stage to 3, or zero.{key} to 0",
+                    key=f"zero.{key}",
+                )
+        if self.hpz_partition_size == 1:
+            raise ConfigError(
+                "zero.hpz_partition_size is 1, which would keep a whole copy of the parameters on every rank: "
+                "set it to the ranks per node, or 0 for no secondary copy",
+                key="zero.hpz_partition_size",
+            )
+        if self.hpz_partition_size and self.shard_group_size:
+            raise ConfigError(
+                f"zero.hpz_partition_size ({self.hpz_partition_size}) with zero.shard_group_size "
+                f"({self.shard_group_size}): hybrid sharding already gathers inside its groups; set one of them to 0",
+                key="zero.hpz_partition_size",
+            )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -36,7 +36,7 @@ import torch
 
 from tierzero.config import SwapperConfig, TiersConfig
 from tierzero.offload.staging import StagingStats
-from tierzero.slices import MODEL_STATE_KINDS, Kind, SliceKey, Tier, storage_id
+from tierzero.slices import KEPT_KINDS, Kind, SliceKey, Tier, shown_kinds, storage_id
 from tierzero.store import StoreReport, Use
 from tierzero.store.cache_policy import CachePolicy
 from tierzero.store.ledger import Ledger
@@ -243,7 +243,8 @@ class CountingStore:
         self._add(tier, kind, Use.SCRATCH, nbytes, "activations")
 
     def kind_bytes(self) -> dict[Kind, int]:
-        return self._ledger.home_bytes(MODEL_STATE_KINDS)
+        nbytes = self._ledger.home_bytes(KEPT_KINDS)
+        return {kind: nbytes[kind] for kind in shown_kinds(nbytes)}  # SECONDARY only with hpZ
 
     def report(self) -> StoreReport:
         size, count = self._swapper.buffer_size, self._swapper.buffer_count

@@ -19,15 +19,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tierzero.comm import CommCounter, CommGroup
 from tierzero.config import Config
 from tierzero.dist import DistContext
 from tierzero.engine import Engine
 from tierzero.estimate.counting import CountingStore
+from tierzero.mesh import build_mesh
 from tierzero.micro_step import micro_step
 from tierzero.models import build_model, count_parameters
 from tierzero.slices import SliceKey, Tier
 from tierzero.stages.plan import Homes, SlicePlan
+from tierzero.topology import Topology
 
 __all__ = ["DryRun", "dry_run"]
 
@@ -116,10 +117,17 @@ def _replay(cfg: Config, *, world_size: int, homes: Homes | None, lands_when_ask
     """Set-up and two steps on a fresh meta model and counting store; the bytes each step moved."""
     model = build_model(cfg.model, device="meta", seed=cfg.train.seed)
     store = CountingStore(cfg.tiers, cfg.swapper, cuda=torch.cuda.is_available(), lands_when_asked=lands_when_asked)
-    comm = CommGroup(rank=0, world_size=world_size, counter=CommCounter(), dry_run=True)
+    # Rank 0 of one node: the estimate counts bytes, not which node they reach.
+    mesh = build_mesh(
+        Topology(world_size=world_size, rank=0, local_world_size=world_size),
+        shard_group_size=cfg.zero.shard_group_size,
+        hpz_partition_size=cfg.zero.hpz_partition_size,
+        node_hops=cfg.zero.quantized_gradients != "none",
+        dry_run=True,
+    )
     ctx = DistContext(rank=0, world_size=world_size, local_rank=0, device=torch.device("meta"), created_group=False)
     run = _Replay(store=store, model=model, parameters=count_parameters(model))
-    engine = Engine(model, cfg, ctx=ctx, store=store, comm=comm, homes=homes)
+    engine = Engine(model, cfg, ctx=ctx, store=store, mesh=mesh, homes=homes)
     try:
         run.written_setup = store.nvme_written
         store.reset_traffic()

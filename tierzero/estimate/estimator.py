@@ -162,7 +162,8 @@ def estimate(
     run = dry_run(cfg, world_size=world_size, homes=homes)
     tiers = {tier: TierEstimate(tier=tier, capacity=_capacity(cfg, tier)) for tier in Tier}
     for spec in run.plan.all():
-        tiers[spec.home].homes[spec.kind] += spec.nbytes
+        homes = tiers[spec.home].homes  # SECONDARY (hpZ) joins the model states only where there is one
+        homes[spec.kind] = homes.get(spec.kind, 0) + spec.nbytes
     for tier, est in tiers.items():
         est.working = {use: n for use, n in run.working[tier].items() if use != "home" and n}
         est.peak = run.peak[tier] if tier is not Tier.NVME else est.home_total

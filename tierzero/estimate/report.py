@@ -13,7 +13,7 @@ from tierzero.estimate.estimator import Bandwidth, Estimate, estimate, measure_f
 from tierzero.placement import MachineBudgets, machine_budgets
 from tierzero.placement.planner import plan_placement
 from tierzero.sizes import format_size
-from tierzero.slices import MODEL_STATE_KINDS
+from tierzero.slices import KEPT_KINDS, shown_kinds
 
 __all__ = ["DEFAULT_BENCH_PATHS", "add_estimate_command", "format_estimate", "load_bench", "run_estimate", "to_json"]
 
@@ -33,13 +33,14 @@ def to_json(result: Estimate, *, budgets: MachineBudgets | None = None) -> dict[
     }
     disk = result.disk
     disk_json = None if disk is None else {"read_Bps": disk.read, "write_Bps": disk.write, "source": disk.source}
+    kinds = shown_kinds({k: sum(e.homes.get(k, 0) for e in result.tiers.values()) for k in KEPT_KINDS})
     data = {
         "stage": result.stage,
         "world_size": result.world_size,
         "parameters": result.parameters,
         "units": result.units,
         "tiers": tiers,
-        "kinds": {k.value: sum(e.homes[k] for e in result.tiers.values()) for k in MODEL_STATE_KINDS},
+        "kinds": {k.value: sum(e.homes.get(k, 0) for e in result.tiers.values()) for k in kinds},
         "nvme": {"read_per_step": result.nvme_read, "written_per_step": result.nvme_written,
                  "file": result.nvme_file, "free": result.nvme_free},
         "host_bytes": result.host_bytes,
@@ -63,13 +64,13 @@ def to_json(result: Estimate, *, budgets: MachineBudgets | None = None) -> dict[
 def format_estimate(result: Estimate, *, budgets: MachineBudgets | None = None) -> str:
     """The table `tierzero estimate` prints; with `budgets`, the tiers' budgets under it."""
     fs = format_size
-    kinds = [k for k in MODEL_STATE_KINDS if any(e.homes[k] for e in result.tiers.values())]
+    kinds = [k for k in KEPT_KINDS if any(e.homes.get(k) for e in result.tiers.values())]
     uses = sorted({use for e in result.tiers.values() for use in e.working})
     header = ["tier", *(k.value for k in kinds), *uses, "peak", "capacity", "fits"]
     rows = [header]
     for tier, e in result.tiers.items():
         capacity = "-" if e.capacity is None else fs(e.capacity)
-        cells = [fs(e.homes[k]) for k in kinds] + [fs(e.working.get(u, 0)) for u in uses]
+        cells = [fs(e.homes.get(k, 0)) for k in kinds] + [fs(e.working.get(u, 0)) for u in uses]
         rows.append([tier.value, *cells, fs(e.peak), capacity, "yes" if e.fits else "NO"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     table = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]

@@ -17,6 +17,7 @@ from tierzero import comm as C
 from tierzero.activations import SavedActivations, recomputing
 from tierzero.offload.step_pipeline import PendingWrite, PipelineReport, Prepared
 from tierzero.optim import FlatOptimizer
+from tierzero.quantized_comm import GradHops
 from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.binding import UnitParams, bind
 from tierzero.stages.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
@@ -48,8 +49,14 @@ class Stage(ABC):
         overlap: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         activations: SavedActivations | None = None,
+        replica: C.CommGroup | None = None,
+        grad_hops: GradHops | None = None,
     ) -> None:
         self.units, self.plan, self.store, self.comm, self.optimizer = units, plan, store, comm, optimizer
+        self.replica = replica
+        """Hybrid sharding: the ranks holding this rank's shards, over which gradients are summed too."""
+        self.grad_hops = grad_hops
+        """qgZ: the gradients' reduce-scatter in two hops ([Note: qgZ] in quantized_comm.py)."""
         self.param_dtype, self.homes, self.device, self.overlap = param_dtype, homes, device, overlap
         self.bucket_bytes = bucket_bytes
         """Collectives wait for this many bytes of ready units before they start (`zero.reduce_bucket_size`)."""
@@ -78,6 +85,7 @@ class Stage(ABC):
         grad_dtype: torch.dtype | None = None,
         state_kinds: tuple[Kind, ...],
         homes: Homes,
+        secondary_parts: int = 0,
     ) -> SlicePlan:
         """The slices this stage keeps per unit (see stages/plan.py): what the stage is built with."""
         return plan_slices(
@@ -88,6 +96,7 @@ class Stage(ABC):
             grad_dtype=grad_dtype,
             state_kinds=state_kinds,
             homes=homes,
+            secondary_parts=secondary_parts,
         )
 
     def slice_specs(self, unit: Unit) -> tuple[SliceSpec, ...]:
@@ -226,7 +235,7 @@ class Stage(ABC):
         See [Note: gradient buckets] for when the collective starts and how many units
         may wait in scratch, which bounds the gradient scratch.
         """
-        if self.comm.world_size == 1:
+        if self.comm.world_size == 1 and self.replica is None:
             # The reduce-scatter of one rank is the identity: add each gradient into its place.
             with self._landing(unit, final=unit.pending_uses == 0) as shard:
                 for slot, grad in zip(unit.slots, grads, strict=True):
@@ -283,11 +292,8 @@ class Stage(ABC):
         """Whether the unit's complete gradient goes to its step in this backward from memory, as
         its NVMe home is written only to be read back at once: it would cross the disk twice for
         nothing. The home is left stale (`Unit.grads_stale`): the next reduce starts from zeros."""
-        return (
-            self._backward_step is not None
-            and self.last_micro_step
-            and self.plan.home(unit.name, Kind.GRAD) is Tier.NVME
-        )
+        steps_now = self._backward_step is not None and self.last_micro_step
+        return steps_now and self.plan.home(unit.name, Kind.GRAD) is Tier.NVME
 
     def _grad_complete(self, unit: Unit, *, final: bool) -> None:
         if final and self._backward_step is not None and self.last_micro_step:

@@ -24,6 +24,8 @@ from typing import Protocol
 import torch
 
 from tierzero import comm as C
+from tierzero.quantized_comm import GradHops, reduce_scatter_hierarchical
+from tierzero.replicated import reduce_scatter_replicated
 from tierzero.slices import Kind
 from tierzero.stages.plan import SlicePlan
 from tierzero.store.protocol import SliceStore
@@ -62,6 +64,8 @@ class Reducing(Protocol):
     """What the buckets ask of a stage (`tierzero.stages.base.Stage` is one)."""
 
     comm: C.CommGroup
+    replica: C.CommGroup | None
+    grad_hops: GradHops | None
     overlap: bool
     plan: SlicePlan
     store: SliceStore
@@ -107,7 +111,15 @@ class GradBuckets:
             return
         jobs, self._unsent = self._unsent, []
         fulls, parts = [job.full for job in jobs], [job.part for job in jobs]
-        pending = C.reduce_scatter_many(parts, fulls, comm=self._stage.comm, async_op=self._stage.overlap)
+        stage = self._stage
+        if stage.grad_hops is not None:
+            pending = reduce_scatter_hierarchical(parts, fulls, hops=stage.grad_hops, async_op=stage.overlap)
+        elif stage.replica is None:
+            pending = C.reduce_scatter_many(parts, fulls, comm=stage.comm, async_op=stage.overlap)
+        else:
+            pending = reduce_scatter_replicated(
+                parts, fulls, shard=stage.comm, replica=stage.replica, async_op=stage.overlap
+            )
         self._reduces.append(_ReduceBucket(jobs=jobs, pending=pending))
 
     def _finish_oldest(self) -> None:

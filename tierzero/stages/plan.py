@@ -24,6 +24,7 @@ __all__ = ["KIND_HOMES", "Homes", "SlicePlan", "SliceSpec", "plan_slices"]
 #: The kinds each `Homes` field places: the optimizer's tier holds the fp32 master with the states.
 KIND_HOMES: dict[Kind, str] = {
     Kind.PARAM: "params",
+    Kind.SECONDARY: "params",
     Kind.GRAD: "grads",
     Kind.MASTER: "optimizer",
     Kind.EXP_AVG: "optimizer",
@@ -134,11 +135,14 @@ def plan_slices(
     grad_dtype: torch.dtype | None = None,
     state_kinds: tuple[Kind, ...],
     homes: Homes,
+    secondary_parts: int = 0,
 ) -> SlicePlan:
     """PARAM in the compute dtype and GRAD in the reduce dtype (the compute dtype unless given),
     sharded as the stage says, an fp32 MASTER in mixed precision, and the optimizer's fp32
     states, each sharded, each at its kind's home. A frozen unit keeps its PARAM slice only:
-    in the compute dtype, with no fp32 copy, since nothing steps it."""
+    in the compute dtype, with no fp32 copy, since nothing steps it. With `secondary_parts`
+    (hpZ), every unit also keeps a SECONDARY slice, 1/secondary_parts of its parameters in
+    the compute dtype, at the parameters' home."""
     grad_dtype = grad_dtype or param_dtype
     mixed = param_dtype != torch.float32
     specs = {}
@@ -147,6 +151,9 @@ def plan_slices(
         home = partial(homes.of, unit.name)
         params = shard if shards_params else unit.padded_numel
         unit_specs = [SliceSpec(Kind.PARAM, params, param_dtype, home(Kind.PARAM))]
+        if secondary_parts:
+            part = unit.padded_numel // secondary_parts
+            unit_specs.append(SliceSpec(Kind.SECONDARY, part, param_dtype, home(Kind.SECONDARY)))
         if not unit.trainable:
             specs[unit.name] = tuple(unit_specs)
             continue

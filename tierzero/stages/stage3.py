@@ -20,6 +20,16 @@ unit order learned in the first step. Without clipping or fp16 overflow checks, 
 optimizer step runs during backward: each unit steps as soon as its gradient is
 complete (`BackwardStep` in stages/step.py), its states read while backward goes
 on, and the next forward's first units start coming up as soon as they are stepped.
+
+[Note: hpZ's secondary copy]
+With a `secondary` group (ZeRO++ hpZ, `zero.hpz_partition_size` H: this rank's node), each
+forward gather over all N ranks leaves this rank's 1/H of the gathered parameters in the
+unit's SECONDARY slice, and a gather in backward (the unit's own, a recomputation, a tied
+weight) all-gathers the SECONDARY slices inside the group instead: the same bytes, so the
+same bits, and none of them crosses nodes. A copy serves only the backward after the
+forward that wrote it (`after_backward` forgets them all): in between, no step changes
+the parameters, while a unit's step in backward comes after its last use. The SECONDARY
+slice is fetched when its gather starts, not ahead by the prefetcher.
 """
 
 from __future__ import annotations
@@ -35,12 +45,14 @@ from tierzero import comm as C
 from tierzero.activations import recomputing
 from tierzero.offload.step_pipeline import PendingWrite
 from tierzero.prefetch import Phase
+from tierzero.quantized_comm import all_gather_quantized
 from tierzero.slices import Kind, SliceKey, Tier, storage_id
 from tierzero.stages.base import Stage, mark_state
 from tierzero.stages.binding import bind
 from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.stages.stage3_step import StepInTime
 from tierzero.stages.step import ForwardStep, StepAhead
+from tierzero.transfer import Transfer
 from tierzero.units import Unit, UnitState, is_root
 
 #: `prefetch.max_live_bytes`'s default, for stages built without a config.
@@ -70,9 +82,21 @@ class Stage3(StepInTime, Stage):
         persistence_threshold: int = 0,
         gather_ahead: int = 1,
         gather_budget: int = DEFAULT_GATHER_BUDGET,
+        secondary: C.CommGroup | None = None,
+        quantized_weights: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.quantized_weights = quantized_weights
+        """qwZ: gathers over `comm` send int8 ([Note: qwZ] in quantized_comm.py)."""
+        self.secondary = secondary
+        """hpZ: the group that splits each unit's secondary copy ([Note: hpZ's secondary copy])."""
+        self._secondary_fresh: set[str] = set()
+        """Units whose SECONDARY slice holds this step's parameters."""
+        self._secondary_writes: dict[str, Transfer[None]] = {}
+        """SECONDARY writes reading a gathered buffer, waited for before it is freed."""
+        self._from_secondary: set[str] = set()
+        """Units whose gather in flight reads their SECONDARY slice."""
         self.persistence_threshold = persistence_threshold
         """Units with fewer parameters stay gathered from forward to backward (`zero.param_persistence_threshold`)."""
         if gather_ahead < 1:
@@ -111,11 +135,17 @@ class Stage3(StepInTime, Stage):
         mark_state(unit, UnitState.GATHERING)
         gathered = self.scratch(unit, unit.padded_numel, self.param_dtype)
         # The fetched shard is released only once the gather has read it (unshard).
-        if self.param_prefetch is None:
+        comm = self.comm
+        if self._phase is Phase.BACKWARD and unit.name in self._secondary_fresh:
+            assert self.secondary is not None
+            shard, comm = self.store.fetch(SliceKey(unit.name, Kind.SECONDARY), to=Tier.DEVICE).wait(), self.secondary
+            self._from_secondary.add(unit.name)
+        elif self.param_prefetch is None:
             shard = self.store.fetch(SliceKey(unit.name, Kind.PARAM), to=Tier.DEVICE).wait()
         else:
             shard = self.param_prefetch.acquire(unit.name, self._phase)
-        self._gathering[unit.name] = C.all_gather(gathered, shard, comm=self.comm, async_op=self.overlap)
+        gather = all_gather_quantized if self.quantized_weights and comm is self.comm else C.all_gather
+        self._gathering[unit.name] = gather(gathered, shard, comm=comm, async_op=self.overlap)
         unit.gathered = gathered
         self._by_storage[storage_id(gathered)] = unit
 
@@ -124,11 +154,26 @@ class Stage3(StepInTime, Stage):
         self.start_gather(unit)
         if unit.state is UnitState.GATHERING:
             self._gathering.pop(unit.name).wait()
-            if self.param_prefetch is None:
-                self.store.release(SliceKey(unit.name, Kind.PARAM))
+            if unit.name in self._from_secondary:
+                self._from_secondary.discard(unit.name)
+                self.store.release(SliceKey(unit.name, Kind.SECONDARY))
             else:
-                self.param_prefetch.done_with(unit.name, take=take)
+                if self.param_prefetch is None:
+                    self.store.release(SliceKey(unit.name, Kind.PARAM))
+                else:
+                    self.param_prefetch.done_with(unit.name, take=take)
+                self._keep_secondary(unit)
             mark_state(unit, UnitState.GATHERED)
+
+    def _keep_secondary(self, unit: Unit) -> None:
+        """Write this rank's part of a forward gather to the unit's SECONDARY slice ([Note: hpZ's secondary copy])."""
+        if self.secondary is None or self._phase is not Phase.FORWARD or not torch.is_grad_enabled():
+            return
+        assert unit.gathered is not None
+        size = unit.padded_numel // self.secondary.world_size
+        part = unit.gathered.narrow(0, self.secondary.rank * size, size)
+        self._secondary_writes[unit.name] = self.store.write_back(SliceKey(unit.name, Kind.SECONDARY), part)
+        self._secondary_fresh.add(unit.name)
 
     def reshard(self, unit: Unit) -> None:
         if unit.state is UnitState.GATHERING:
@@ -136,6 +181,9 @@ class Stage3(StepInTime, Stage):
         if unit.state is not UnitState.GATHERED:
             return
         assert unit.gathered is not None
+        written = self._secondary_writes.pop(unit.name, None)
+        if written is not None:
+            written.wait()  # it reads the buffer freed below
         del self._by_storage[storage_id(unit.gathered)]
         bind(unit, [self._empty] * len(unit.slots))
         self.store.free(unit.gathered)
@@ -263,6 +311,7 @@ class Stage3(StepInTime, Stage):
             self.reshard(unit)
         if self._order_now:
             self._order, self._order_now = self._order_now, []
+        self._secondary_fresh.clear()  # the next step changes the parameters
         if self.param_prefetch is not None:
             self.param_prefetch.end_step(keep_warm=True)
         # After end_step, so that the last units' new slices can start up for the next forward.

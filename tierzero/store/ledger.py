@@ -9,11 +9,12 @@ from __future__ import annotations
 import enum
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from tierzero.offload.nvme_io import BounceStats
 from tierzero.offload.staging import StagingStats
 from tierzero.sizes import format_size
-from tierzero.slices import Kind, Tier
+from tierzero.slices import Kind, Tier, shown_kinds
 
 __all__ = ["Ledger", "StoreReport", "TierLedger", "TierUsage", "Use"]
 
@@ -57,6 +58,20 @@ class StoreReport:
     staging: StagingStats
     bounce: BounceStats | None = None
     """The NVMe tier's bounce blocks; None without an NVMe tier."""
+
+    def summary(self, kinds: dict[Kind, int]) -> dict[str, Any]:
+        """`engine.memory_report()`'s view of the store: `kinds` (bytes of model state per kind), what
+        autograd saved at its peak per tier (tierzero/activations.py), each tier's bytes, and the host
+        copies of NVMe-homed slices (tiers.nvme.cache), counted in the cpu tier's bytes too."""
+        return {
+            "kinds": {kind.value: int(kinds.get(kind, 0)) for kind in shown_kinds(kinds)},
+            "activations": {tier.value: usage.peak_by_kind.get(Kind.ACTIVATION, 0) for tier, usage in self.tiers.items()},
+            "tiers": {
+                tier.value: {"current": usage.current, "peak": usage.peak, "capacity": usage.capacity}
+                for tier, usage in self.tiers.items()
+            },
+            "nvme_cache": self.tiers[Tier.CPU].current_by_use[Use.CACHE],
+        }
 
     def format(self) -> str:
         """A small text table: one row per tier, one column per kind that was ever held."""

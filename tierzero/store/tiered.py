@@ -28,7 +28,7 @@ from tierzero.offload.base import Region, TierStorage
 from tierzero.offload.cpu import CpuTier, HostDeviceTier
 from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
-from tierzero.slices import MODEL_STATE_KINDS, Kind, SliceKey, Tier
+from tierzero.slices import KEPT_KINDS, Kind, SliceKey, Tier, shown_kinds
 from tierzero.store.ledger import Ledger, StoreReport, Use
 from tierzero.store.nvme_cache import NvmeCache
 from tierzero.store.records import FETCHED_STATES, ScratchRecord, SliceRecord, SliceState
@@ -325,7 +325,8 @@ class TieredStore:
 
     def kind_bytes(self) -> dict[Kind, int]:
         """Bytes of each model-state kind in their homes, all tiers together (fetched copies excluded)."""
-        return self._ledger.home_bytes(MODEL_STATE_KINDS)
+        nbytes = self._ledger.home_bytes(KEPT_KINDS)
+        return {kind: nbytes[kind] for kind in shown_kinds(nbytes)}  # SECONDARY only with hpZ
 
     def close(self) -> None:
         """Finish every transfer, free every region, close swapper and tiers. Idempotent."""
