@@ -19,13 +19,15 @@ from tierzero.estimate.estimator import Bandwidth, estimate
 from tierzero.micro_step import micro_step
 from tierzero.models import build_model
 from tierzero.placement import MachineBudgets, TierBudget
-from tierzero.placement.planner import PlacementError, RankBudgets, plan_placement, predict
+from tierzero.placement.planner import PlacementError, RankBudgets, plan_placement
+from tierzero.placement.prediction import predict
 from tierzero.slices import Tier
 from tierzero.stages.plan import Homes
 
 DISK = Bandwidth(read=2.0e9, write=3.0e9, source="test")
 FLOPS = Bandwidth(read=1.0e11, write=1.0e11, source="test")
 COPY = 5.0e9
+STEP = 1.0e9
 ALL_CPU = {"params": "cpu", "gradients": "cpu", "optimizer": "cpu"}
 
 
@@ -60,7 +62,7 @@ def _budgets(*, cpu: int | None, device: int | None = None, nvme: int | None = 1
 
 
 def _plan(cfg: Any, budgets: MachineBudgets) -> Any:
-    return plan_placement(cfg, budgets=budgets, disk=DISK, flops=FLOPS, copy_rate=COPY)
+    return plan_placement(cfg, budgets=budgets, disk=DISK, flops=FLOPS, copy_rate=COPY, step_rate=STEP)
 
 
 def _host_budget(tmp_path: Path, share: int) -> int:
@@ -113,7 +115,7 @@ def test_the_plan_is_never_worse_than_any_whole_kind_placement(share: int, tmp_p
     for p, g, o in itertools.product(Tier, repeat=3):
         result = estimate(free, disk=DISK, flops=FLOPS, suggest=False, homes=Homes(params=p, grads=g, optimizer=o))
         if not rank.shortfalls(result):
-            best = min(best, predict(result, copy_rate=COPY, cuda=False).step_s)
+            best = min(best, predict(result, copy_rate=COPY, step_rate=STEP, cuda=False).step_s)
     assert plan.prediction.step_s <= best
     if share == 1:  # everything fits in memory (the working set shrinks with nothing on NVMe): no disk, no copies
         assert plan.homes == Homes(params=Tier.DEVICE, grads=Tier.DEVICE, optimizer=Tier.DEVICE)

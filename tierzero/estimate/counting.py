@@ -109,7 +109,8 @@ class CountingStore:
         """Bytes of bounce blocks the NVMe tier keeps (host memory outside any capacity)."""
         self.nvme_read = self.nvme_written = 0
         self.memory_copied = 0
-        """Bytes copied between the device and cpu tiers (fetches, write-backs, adopted copies)."""
+        """Bytes copied between the device and cpu tiers (fetches, write-backs, adopted copies), and
+        without a GPU into gathered buffers: host memory traffic besides the compute's."""
         self.by_slice: dict[SliceKey, list[int]] = {}
         """NVMe bytes [read, written], by slice."""
         self.evictions = 0
@@ -233,6 +234,8 @@ class CountingStore:
         tensor = torch.empty(numel, dtype=dtype, device="meta")
         self._scratch[storage_id(tensor)] = (tier, kind, tensor.nbytes)
         self._add(tier, kind, Use.SCRATCH, tensor.nbytes, "gathered" if kind is Kind.GATHERED else "scratch")
+        if kind is Kind.GATHERED and not self._cuda:
+            self.memory_copied += tensor.nbytes  # the gather's copy into it is host memory traffic too
         return tensor
 
     def free(self, tensor: torch.Tensor) -> None:

@@ -214,20 +214,22 @@ def assumed_flops(param_dtype: str) -> Bandwidth:
     return Bandwidth(read=rate, write=rate, source=f"assumed {rate / 1e9:.0f} GFLOP/s ({param_dtype} matmul, 2-core CPU)")
 
 
-def measure_flops(param_dtype: str, *, seconds: float = 0.3) -> Bandwidth:
-    """Time square matmuls in the compute dtype on the compute device for about `seconds`."""
+def measure_flops(param_dtype: str, *, seconds: float = 0.3, shape: tuple[int, int, int] | None = None) -> Bandwidth:
+    """Time matmuls in the compute dtype on the compute device for about `seconds`: (m x k) @ (k x n)
+    of `shape`, e.g. a model's tokens x width x feed-forward width, else square ones."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    n = 4096 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device).to(dtype_of(param_dtype))
-    b = torch.randn(n, n, device=device).to(dtype_of(param_dtype))
+    side = 4096 if device.type == "cuda" else 1024
+    m, k, n = shape or (side, side, side)
+    a = torch.randn(m, k, device=device).to(dtype_of(param_dtype))
+    b = torch.randn(k, n, device=device).to(dtype_of(param_dtype))
     (a @ b).sum().item()  # warm-up
     runs, began = 0, time.perf_counter()
     while time.perf_counter() - began < seconds:
         c = a @ b
         runs += 1
     c.sum().item()
-    rate = 2.0 * n**3 * runs / (time.perf_counter() - began)
-    source = f"measured {rate / 1e9:.0f} GFLOP/s ({param_dtype} {n}x{n} matmul, {device.type})"
+    rate = 2.0 * m * k * n * runs / (time.perf_counter() - began)
+    source = f"measured {rate / 1e9:.0f} GFLOP/s ({param_dtype} {m}x{k} @ {k}x{n} matmul, {device.type})"
     return Bandwidth(read=rate, write=rate, source=source)
 
 

@@ -18,20 +18,17 @@ candidates:
 A placement whose homes alone are over a budget is refused without a replay; the whole-kind
 candidates are tried least memory first, so the first replay gives the slice sizes.
 
-The prediction is the step's critical resource: the disk, which serves reads and writes
-one after the other (the NVMe bytes the replay counts, at the disk's rates from
-tierzero/placement/disk.py), or the compute (6 x parameters x tokens at a measured matmul
-rate) with the copies between the device and host tiers, which without a GPU take the same
-cores. The budgets are per rank (tierzero/placement/budgets.py; a machine's figure is
-split among the ranks on it); without a GPU, and without `tiers.device.capacity`, the
-device tier is host memory and shares the cpu budget.
+The prediction of each step is tierzero/placement/prediction.py's.
+
+The budgets are per rank (tierzero/placement/budgets.py; a machine's figure is split among
+the ranks on it); without a GPU, and without `tiers.device.capacity`, the device tier is
+host memory and shares the cpu budget with the activations.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,13 +39,12 @@ from tierzero.config import AUTO, Config, load_config
 from tierzero.estimate.estimator import Bandwidth, Estimate, estimate, measure_flops
 from tierzero.placement.budgets import MachineBudgets, machine_budgets
 from tierzero.placement.disk import disk_rates
+from tierzero.placement.prediction import Prediction, matmul_shape, measure_copy_rate, measure_step_rate, predict
 from tierzero.sizes import format_size
 from tierzero.slices import SliceKey, Tier, align_up
 from tierzero.stages.plan import KIND_HOMES, Homes
 
-__all__ = [
-    "PlacementError", "PlacementPlan", "Prediction", "RankBudgets", "measure_copy_rate", "plan_placement", "predict",
-]
+__all__ = ["PlacementError", "PlacementPlan", "RankBudgets", "plan_placement"]
 
 #: The `Homes` fields and the offload keys that set them.
 FIELDS = {"params": "params", "grads": "gradients", "optimizer": "optimizer"}
@@ -132,28 +128,6 @@ class RankBudgets:
         return max(0, self.cpu - used)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Prediction:
-    """A placement's predicted step and what bounds it."""
-
-    step_s: float
-    io_s: float
-    compute_s: float
-    copy_s: float
-
-    @property
-    def bound(self) -> str:
-        return "disk" if self.io_s >= self.step_s else "compute and copies"
-
-
-def predict(result: Estimate, *, copy_rate: float, cuda: bool) -> Prediction:
-    """The step time `result`'s bytes and FLOPs set: the disk's serial time, or the compute with
-    the device<->host copies (which a GPU overlaps on its copy stream and a CPU does not)."""
-    io, compute, copies = result.io_floor_s, result.compute_floor_s, result.memory_copied / copy_rate
-    busy = max(compute, copies) if cuda else compute + copies
-    return Prediction(step_s=max(io, busy), io_s=io, compute_s=compute, copy_s=copies)
-
-
 @dataclass(slots=True, kw_only=True)
 class Candidate:
     homes: Homes
@@ -186,6 +160,7 @@ class PlacementPlan:
             "bound": self.prediction.bound,
             "io_s": self.prediction.io_s,
             "compute_s": self.prediction.compute_s,
+            "optimizer_s": self.prediction.optimizer_s,
             "copy_s": self.prediction.copy_s,
             "nvme_read": self.estimate.nvme_read,
             "nvme_written": self.estimate.nvme_written,
@@ -215,8 +190,9 @@ class PlacementPlan:
             f"placement (offload: auto), per rank: {self.label}",
             *table,
             f"  nvme per step: read {format_size(e.nvme_read)}, write {format_size(e.nvme_written)}{disk}",
-            f"  predicted step {p.step_s:.2f} s, bound by the {p.bound}: I/O {p.io_s:.2f} s, compute "
-            f"{p.compute_s:.2f} s ({e.flops.source}), copies {p.copy_s:.2f} s",
+            f"  predicted step {p.step_s:.2f} s, most of it {p.bound}: I/O {p.io_s:.2f} s, compute "
+            f"{p.compute_s:.2f} s ({e.flops.source}), optimizer {p.optimizer_s:.2f} s, copies {p.copy_s:.2f} s "
+            f"({'added up: without a GPU they share the cores' if p.serial else 'overlapped: the longest counts'})",
             f"  why: the shortest predicted step of {len(self.considered)} placements that fit or were tried:",
         ]
         return lines + [f"    {label}: {why}" for label, why in self.considered[:6]]
@@ -243,21 +219,24 @@ def plan_placement(
     disk: Bandwidth | None = None,
     flops: Bandwidth | None = None,
     copy_rate: float | None = None,
+    step_rate: float | None = None,
 ) -> PlacementPlan:
     """Choose every slice's home for `cfg`'s auto kinds; raises PlacementError when none fits.
 
     `budgets` default to the machine's (`machine_budgets`), `disk` to the rates remembered or
-    probed for `tiers.nvme.path`, `flops` to a short matmul measurement, `copy_rate` (bytes/s
-    between the device and host tiers) to a short copy measurement.
+    probed for `tiers.nvme.path`, `flops` to a short matmul measurement at the model's shape,
+    `copy_rate` (bytes/s between the device and host tiers) and `step_rate` (elements/s of the
+    optimizer's kernel) to short measurements.
     """
     rank_budgets = RankBudgets.of(budgets or machine_budgets(cfg.tiers), cfg, local_world_size=local_world_size)
     free = load_config(cfg, overrides={"tiers.device.capacity": None, "tiers.cpu.capacity": None})
     if disk is None and cfg.tiers.nvme.path is not None:
         rates = disk_rates(cfg.tiers.nvme.path)
         disk = Bandwidth(read=rates.read, write=rates.write, source=rates.source)
-    flops = flops or measure_flops(cfg.precision.param_dtype)
+    flops = flops or measure_flops(cfg.precision.param_dtype, shape=matmul_shape(cfg))
     cuda = torch.cuda.is_available()
     copy_rate = copy_rate or measure_copy_rate()
+    step_rate = step_rate or measure_step_rate(cfg)
 
     specs: dict[str, Any] = {}
 
@@ -271,7 +250,7 @@ def plan_placement(
         assert result.plan is not None
         specs.update(result.plan.specs)
         candidate.result, candidate.short = result, rank_budgets.shortfalls(result)
-        candidate.prediction = predict(result, copy_rate=copy_rate, cuda=cuda)
+        candidate.prediction = predict(result, copy_rate=copy_rate, step_rate=step_rate, cuda=cuda)
         return candidate
 
     whole = [judge(c) for c in _whole_kind(cfg)]
@@ -289,21 +268,6 @@ def plan_placement(
         homes=best.homes, label=best.label, estimate=best.result, prediction=best.prediction, budgets=rank_budgets,
         disk=disk, considered=tuple(considered), units=tuple(best.result.plan.specs),
     )  # fmt: skip
-
-
-def measure_copy_rate(nbytes: int = 64 << 20) -> float:
-    """Bytes/s of one copy from host to device memory (pinned, with CUDA), or host to host without."""
-    pin = torch.cuda.is_available()
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if pin else "cpu")
-    dst.copy_(src)  # warm-up: first touch of the pages
-    if pin:
-        torch.cuda.synchronize()
-    began = time.perf_counter()
-    dst.copy_(src)
-    if pin:
-        torch.cuda.synchronize()
-    return nbytes / (time.perf_counter() - began)
 
 
 # ---------------------------------------------------------------- candidates

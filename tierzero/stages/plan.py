@@ -115,6 +115,15 @@ class SlicePlan:
             by_kind[spec.kind.value] = by_kind.get(spec.kind.value, 0) + spec.nbytes
         return homes
 
+    def stepped_elements(self) -> int:
+        """Elements the optimizer steps per step on this rank: each trained unit's master or state
+        slice (the owned shard), or its gradient slice where it has neither (SGD without momentum)."""
+        total = 0
+        for specs in self.specs.values():
+            owned = [s.numel for s in specs if s.kind in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
+            total += owned[0] if owned else next((s.numel for s in specs if s.kind is Kind.GRAD), 0)
+        return total
+
     def nvme_bytes(self) -> int:
         """What this rank's swap file must hold: every NVMe-homed slice at its I/O-aligned size."""
         return sum(align_up(spec.nbytes) for spec in self.all() if spec.home is Tier.NVME)
