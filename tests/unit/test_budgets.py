@@ -53,7 +53,7 @@ def test_margins_are_exact_byte_counts() -> None:
     assert Margin(floor=GiB, percent=10).of(30 * GiB) == 3 * GiB
     assert Margin(floor=GiB, percent=10).of(9 * GiB) == GiB  # a tenth is 0.9 GiB, under the floor
     assert Margin(floor=GiB, percent=10).of(15 * GiB + 9) == 15 * GiB // 10  # floored, never rounded up
-    assert CPU_MARGIN == Margin(floor=GiB, percent=10) and str(CPU_MARGIN) == "max(1.0 GiB, 10%)"
+    assert CPU_MARGIN == Margin(floor=2 * GiB, percent=10) and str(CPU_MARGIN) == "max(2.0 GiB, 10%)"
     assert DEVICE_MARGIN == Margin(floor=2 * GiB, percent=10)
 
 
@@ -83,11 +83,11 @@ def test_a_v1_limit_below_available_memory_binds(tmp_path: Path, available: dict
     job = tmp_path / "cg" / "memory" / "slurm" / "job_7"
     _cgroup(job, limit_in_bytes=str(24 * GiB), usage_in_bytes=str(9 * GiB + 7))
     nbytes, source = _cpu(tmp_path, _proc(tmp_path, "5:cpu,cpuacct:/slurm/job_7", "4:memory:/slurm/job_7", "0::/"))
-    headroom = 24 * GiB - (9 * GiB + 7)  # below psutil's 20 GiB
-    assert nbytes == headroom - headroom * 10 // 100 == 16_106_127_353 - 1_610_612_735
+    headroom = 24 * GiB - (9 * GiB + 7)  # below psutil's 20 GiB; a tenth of it is under the 2 GiB floor
+    assert nbytes == headroom - 2 * GiB == 16_106_127_353 - 2_147_483_648
     assert source == (
-        f"cgroup v1 {job / 'memory.limit_in_bytes'} 24.0 GiB with 9.0 GiB used, less 1.5 GiB margin "
-        "(max(1.0 GiB, 10%)); psutil available 20.0 GiB is more"
+        f"cgroup v1 {job / 'memory.limit_in_bytes'} 24.0 GiB with 9.0 GiB used, less 2.0 GiB margin "
+        "(max(2.0 GiB, 10%)); psutil available 20.0 GiB is more"
     )
 
 
@@ -95,9 +95,9 @@ def test_available_memory_below_a_v2_limit_binds(tmp_path: Path, available: dict
     available["available"] = 4 * GiB
     pod = _cgroup(tmp_path / "cg" / "kubepods" / "pod1", max=str(64 * GiB), current=str(GiB))
     nbytes, source = _cpu(tmp_path, _proc(tmp_path, "0::/kubepods/pod1"))
-    assert nbytes == 4 * GiB - GiB  # a tenth of 4 GiB is under the 1 GiB floor
+    assert nbytes == 4 * GiB - 2 * GiB  # a tenth of 4 GiB is under the 2 GiB floor
     assert source == (
-        f"psutil available 4.0 GiB, less 1.0 GiB margin (max(1.0 GiB, 10%)); "
+        f"psutil available 4.0 GiB, less 2.0 GiB margin (max(2.0 GiB, 10%)); "
         f"the cgroup v2 {pod / 'memory.max'} 64.0 GiB with 1.0 GiB used leaves more"
     )
 
@@ -119,7 +119,7 @@ def test_no_limit_leaves_psutil_with_its_margin(
         _cgroup(tmp_path / "cg" / directory, **contents)
     nbytes, source = _cpu(tmp_path, _proc(tmp_path, *lines))
     assert nbytes == 20 * GiB - 2 * GiB
-    assert source == "psutil available 20.0 GiB, less 2.0 GiB margin (max(1.0 GiB, 10%)); no cgroup memory limit"
+    assert source == "psutil available 20.0 GiB, less 2.0 GiB margin (max(2.0 GiB, 10%)); no cgroup memory limit"
 
 
 def test_no_proc_self_cgroup_means_no_limit(tmp_path: Path, available: dict[str, int]) -> None:

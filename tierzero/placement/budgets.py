@@ -42,10 +42,13 @@ class Margin:
         return f"max({format_size(self.floor)}, {self.percent}%)"
 
 
-CPU_MARGIN = Margin(floor=GiB, percent=10)
+CPU_MARGIN = Margin(floor=2 * GiB, percent=10)
 """Host memory outside the store's count. The interpreter, torch and its libraries take about
-1 GiB before any state; the allocator's fragmentation, the data pipeline, a checkpoint's
-buffers and the page cache of the NVMe tier's files grow with the run, hence a tenth besides."""
+1 GiB before any state, and training adds autograd's gradients before the store takes them
+and the allocator's slack: the 2B preset's process held 1.4 GiB beyond the store's peak and
+its activations, and a 1 GiB floor had it killed under a 12 GiB cgroup. The data pipeline,
+a checkpoint's buffers and the page cache of the NVMe tier's files grow with the run, hence
+a tenth besides."""
 
 DEVICE_MARGIN = Margin(floor=2 * GiB, percent=10)
 """Device memory outside model state: the activations autograd saves (booked in the device
