@@ -371,3 +371,15 @@ def tiny_train_config(directory: Path, *, steps: int, **sections: Any) -> Path:
         **sections,
     }))  # fmt: skip
     return config
+
+
+def measure_comm(case: Case, *, rank: int, world_size: int) -> dict[str, Any]:
+    """Two steps of `case`; each unit's shard size and the second step's bytes by group and link."""
+    import tierzero
+
+    with tierzero.initialize(case.model(), case.config()) as engine:
+        for step in range(2):
+            engine.reset_comm_report()
+            engine.backward(case.loss(engine, *case.micro_batch(step, micro=0, rank=rank, world_size=world_size)))
+            engine.step()
+        return {"shards": [u.shard_numel for u in engine.units], "groups": engine.comm_report(per_group=True)}

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import Case, rel_error, run_ranks, train_case
+from harness import Case, measure_comm, rel_error, run_ranks, train_case
 
 from tierzero.quant import quantized_nbytes
 
@@ -29,17 +29,6 @@ MEASURE = {
     name: Case(stage=3, optimizer="adamw", accumulation=1, global_batch=4, steps=2, zero=zero)
     for name, zero in [("plain", ()), ("int8", (("quantized_gradients", "int8"),)), ("zero++", ZEROPP)]
 }
-
-
-def _measure(case: Case, rank: int, world_size: int) -> dict[str, Any]:
-    import tierzero
-
-    with tierzero.initialize(case.model(), case.config()) as engine:
-        for step in range(2):
-            engine.reset_comm_report()
-            engine.backward(case.loss(engine, *case.micro_batch(step, micro=0, rank=rank, world_size=world_size)))
-            engine.step()
-        return {"shards": [u.shard_numel for u in engine.units], "groups": engine.comm_report(per_group=True)}
 
 
 def _fulls(rank: int) -> list[torch.Tensor]:
@@ -71,7 +60,7 @@ def _job(rank: int, world_size: int, _: Any) -> dict[str, Any]:
         "hops": _hops_against_exact(rank),
         "plain": train_case(Case(stage=3, optimizer="adamw", steps=4), rank=rank, world_size=world_size),
         "train": {bits: train_case(case, rank=rank, world_size=world_size) for bits, case in TRAIN.items()},
-        "measure": {name: _measure(case, rank, world_size) for name, case in MEASURE.items()},
+        "measure": {name: measure_comm(case, rank=rank, world_size=world_size) for name, case in MEASURE.items()},
     }
 
 

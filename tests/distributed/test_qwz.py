@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import Case, rel_error, run_ranks, train_case
+from harness import Case, measure_comm, rel_error, run_ranks, train_case
 
 from tierzero.quant import quantized_nbytes
 
@@ -39,17 +39,6 @@ MEASURE = {
 }  # fmt: skip
 
 
-def _measure(case: Case, rank: int, world_size: int) -> dict[str, Any]:
-    import tierzero
-
-    with tierzero.initialize(case.model(), case.config()) as engine:
-        for step in range(2):
-            engine.reset_comm_report()
-            engine.backward(case.loss(engine, *case.micro_batch(step, micro=0, rank=rank, world_size=world_size)))
-            engine.step()
-        return {"shards": [u.shard_numel for u in engine.units], "groups": engine.comm_report(per_group=True)}
-
-
 def _job(rank: int, world_size: int, _: Any) -> dict[str, Any]:
     import tierzero
 
@@ -62,7 +51,7 @@ def _job(rank: int, world_size: int, _: Any) -> dict[str, Any]:
         "plain": train_case(Case(stage=3, optimizer="sgd", steps=4), rank=rank, world_size=world_size),
         "qwz": train_case(TRAIN, rank=rank, world_size=world_size),
         "lr0": train_case(TRAIN, rank=rank, world_size=world_size, make_engine=frozen_lr),
-        "measure": {name: _measure(case, rank, world_size) for name, case in MEASURE.items()},
+        "measure": {name: measure_comm(case, rank=rank, world_size=world_size) for name, case in MEASURE.items()},
     }
 
 
