@@ -88,34 +88,24 @@ class RankBudgets:
 
     def shortfalls(self, result: Estimate) -> dict[Tier, int]:
         """Bytes by which each tier the estimate needs is over its budget (none: it fits)."""
-        device, cpu = result.tiers[Tier.DEVICE].need, result.tiers[Tier.CPU].need
-        short: dict[Tier, int] = {}
+        device = result.tiers[Tier.DEVICE].need
         if self.shared_host:
             device += result.activations or 0  # autograd's saved tensors, in host memory too
-            if self.cpu is not None and device + cpu > self.cpu:
-                short[Tier.CPU] = device + cpu - self.cpu
-        else:
-            if self.device is not None and device > self.device:
-                short[Tier.DEVICE] = device - self.device
-            if self.cpu is not None and cpu > self.cpu:
-                short[Tier.CPU] = cpu - self.cpu
-        if result.nvme_file and (self.nvme is None or result.nvme_file > self.nvme):
-            short[Tier.NVME] = result.nvme_file - (self.nvme or 0)
-        return short
+        return self._over(device=device, cpu=result.tiers[Tier.CPU].need, nvme=result.nvme_file)
 
     def shortfalls_of_homes(self, held: dict[Tier, int]) -> dict[Tier, int]:
         """Bytes by which homes alone (`held`, by tier) are over each budget: a lower bound of the shortfall."""
-        short: dict[Tier, int] = {}
-        if self.shared_host:
-            memory = held[Tier.DEVICE] + held[Tier.CPU]
-            if self.cpu is not None and memory > self.cpu:
-                short[Tier.CPU] = memory - self.cpu
-        else:
-            for tier, budget in ((Tier.DEVICE, self.device), (Tier.CPU, self.cpu)):
-                if budget is not None and held[tier] > budget:
-                    short[tier] = held[tier] - budget
-        if held[Tier.NVME] and (self.nvme is None or held[Tier.NVME] > self.nvme):
-            short[Tier.NVME] = held[Tier.NVME] - (self.nvme or 0)
+        return self._over(device=held[Tier.DEVICE], cpu=held[Tier.CPU], nvme=held[Tier.NVME])
+
+    def _over(self, *, device: int, cpu: int, nvme: int) -> dict[Tier, int]:
+        needs = {Tier.CPU: device + cpu} if self.shared_host else {Tier.DEVICE: device, Tier.CPU: cpu}
+        short = {}
+        for tier, need in needs.items():
+            budget = self.device if tier is Tier.DEVICE else self.cpu
+            if budget is not None and need > budget:
+                short[tier] = need - budget
+        if nvme and (self.nvme is None or nvme > self.nvme):
+            short[Tier.NVME] = nvme - (self.nvme or 0)
         return short
 
     def memory_room(self, result: Estimate) -> int:
