@@ -114,7 +114,9 @@ def _state_bytes(base: dict[str, Any]) -> int:
     return estimate(load_config(cpu), suggest=False).tiers[Tier.CPU].home_total
 
 
-def _contender(name: str, base: dict[str, Any], offload: Any, capacities: dict[str, Any], root: str | Path) -> Contender:
+def _contender(
+    name: str, base: dict[str, Any], offload: Any, capacities: dict[str, Any], root: str | Path
+) -> Contender:
     swap = Path(root) / name.replace("/", "-")
     swap.mkdir(parents=True, exist_ok=True)
     tiers = {**capacities, "nvme": {"path": str(swap)}}

@@ -94,7 +94,9 @@ class _Slice:
 class CountingStore:
     """Books what a `TieredStore` built from the same sections would hold; moves nothing."""
 
-    def __init__(self, tiers: TiersConfig, swapper: SwapperConfig, *, cuda: bool, lands_when_asked: bool = False) -> None:
+    def __init__(
+        self, tiers: TiersConfig, swapper: SwapperConfig, *, cuda: bool, lands_when_asked: bool = False
+    ) -> None:
         self._ledger = Ledger({Tier.DEVICE: tiers.device.capacity, Tier.CPU: tiers.cpu.capacity, Tier.NVME: None})
         self._nvme, self._swapper, self._cuda = tiers.nvme, swapper, cuda
         self._lands_when_asked = lands_when_asked

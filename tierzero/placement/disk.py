@@ -28,7 +28,9 @@ from tierzero.offload.nvme import NvmeTier
 from tierzero.sizes import format_size
 from tierzero.slices import IO_ALIGNMENT, aligned_empty
 
-__all__ = ["PROBE_BYTES", "SETTLE_S", "DiskRates", "cache_file", "disk_rates", "probe", "remember", "remembered", "timed_moves"]
+__all__ = [
+    "PROBE_BYTES", "SETTLE_S", "DiskRates", "cache_file", "disk_rates", "probe", "remember", "remembered", "timed_moves",
+]
 
 #: Bytes `probe` moves each way per pass by default.
 PROBE_BYTES = 256 << 20

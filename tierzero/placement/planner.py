@@ -280,7 +280,9 @@ def _whole_kind(cfg: Config) -> list[Candidate]:
                 tiers.insert(0, Tier.NVME)
         choices.append(tiers)
     return [
-        Candidate(homes=Homes(params=p, grads=g, optimizer=o), label=f"params {p.value}, grads {g.value}, optimizer {o.value}")
+        Candidate(
+            homes=Homes(params=p, grads=g, optimizer=o), label=f"params {p.value}, grads {g.value}, optimizer {o.value}"
+        )
         for p, g, o in itertools.product(*choices)
     ]
 
