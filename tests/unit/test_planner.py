@@ -184,3 +184,34 @@ def test_tierzero_train_plans_logs_and_reports_the_placement(tmp_path: Path, mon
     assert planned["predicted_step_s"] > 0 and planned["nvme_home"] > 0
     # The report's bytes by home are the plan's homes: what lives on nvme is what the plan put there.
     assert sum(placed["nvme"].values()) == planned["nvme_home"]
+
+
+def test_tierzero_estimate_prints_the_plan(tmp_path: Path) -> None:
+    import argparse
+    import json
+
+    import yaml
+
+    from tierzero.estimate.report import add_estimate_command, run_estimate
+
+    config = tmp_path / "auto.yaml"
+    config.write_text(yaml.safe_dump(_raw(tmp_path)))
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"best": {"read_GBps": 2.0, "write_GBps": 3.0}}))
+
+    def cli(*argv: str) -> tuple[int, str]:
+        parser = argparse.ArgumentParser(prog="tierzero")
+        add_estimate_command(parser.add_subparsers(dest="command", required=True))
+        out = io.StringIO()
+        given = ["--config", str(config), "--nvme-bench", str(bench), "--flops", "100"]
+        args = parser.parse_args(["estimate", *given, *argv])
+        return run_estimate(args, out=out), out.getvalue()
+
+    rc, table = cli()
+    assert rc == 0 and "placement (offload: auto), per rank:" in table and "predicted step" in table
+    rc, text = cli("--json")
+    placement = json.loads(text)["placement"]
+    assert rc == 0 and placement["predicted_step_s"] > 0
+    assert placement["homes"].keys() == {"params", "grads", "optimizer"}
+    with pytest.raises(PlacementError, match=r"no placement fits .* short by"):
+        cli("--set", "tiers.cpu.capacity=70MiB", "--set", "tiers.device.capacity=1MiB")
