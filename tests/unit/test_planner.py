@@ -215,3 +215,15 @@ def test_tierzero_estimate_prints_the_plan(tmp_path: Path) -> None:
     assert placement["homes"].keys() == {"params", "grads", "optimizer"}
     with pytest.raises(PlacementError, match=r"no placement fits .* short by"):
         cli("--set", "tiers.cpu.capacity=70MiB", "--set", "tiers.device.capacity=1MiB")
+
+
+def test_the_rates_are_measured_on_this_machine(tmp_path: Path) -> None:
+    from tierzero.estimate.estimator import measure_flops
+    from tierzero.placement.prediction import matmul_shape, measure_copy_rate, measure_step_rate
+
+    cfg = load_config(_raw(tmp_path))
+    assert matmul_shape(cfg) == (2 * 32, 128, 512)  # a micro-batch's tokens x width x feed-forward width
+    flops = measure_flops("fp32", seconds=0.03, shape=matmul_shape(cfg))
+    assert flops.read > 1e8 and "64x128 @ 128x512 matmul" in flops.source
+    assert measure_copy_rate(1 << 20) > 1e8  # bytes/s of a host copy
+    assert measure_step_rate(cfg, numel=1 << 16) > 1e6  # elements/s of the engine's AdamW kernel
