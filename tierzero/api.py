@@ -49,6 +49,8 @@ def initialize(
         weights.check(model)
     ctx = D.setup(timeout_s=cfg.dist.timeout)
     plan = _plan(cfg, ctx, topology) if cfg.offload.planned else None
+    if plan is not None and plan.overrides:
+        cfg = load_config(cfg, overrides=plan.overrides)  # the prefetcher's budgets, lowered to fit
     homes = None if plan is None else plan.homes
     engine = Engine(model, cfg, ctx=ctx, weights=weights, lr_lambda=lr_lambda, topology=topology, homes=homes)
     engine.placement = plan

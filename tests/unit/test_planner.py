@@ -227,3 +227,24 @@ def test_the_rates_are_measured_on_this_machine(tmp_path: Path) -> None:
     assert flops.read > 1e8 and "64x128 @ 128x512 matmul" in flops.source
     assert measure_copy_rate(1 << 20) > 1e8  # bytes/s of a host copy
     assert measure_step_rate(cfg, numel=1 << 16) > 1e6  # elements/s of the engine's AdamW kernel
+
+
+def test_a_tight_device_lowers_the_prefetchers_budgets_and_the_run_keeps_within_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierzero import api
+
+    nvme = {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}
+    result = estimate(load_config(_raw(tmp_path, offload=nvme)), disk=DISK, flops=FLOPS, suggest=False)
+    device = result.tiers[Tier.DEVICE]
+    capacity = device.need - device.working["fetched"] // 2  # under what the default prefetcher keeps
+    raw = {**_raw(tmp_path), "tiers": {**_raw(tmp_path)["tiers"], "device": {"capacity": capacity}}}
+    budgets = _budgets(cpu=1 << 30, device=capacity)
+    plan = _plan(load_config(raw), budgets)
+    assert plan.overrides["prefetch.max_live_bytes"] < load_config(raw).prefetch.max_live_bytes
+    assert plan.estimate.tiers[Tier.DEVICE].need <= capacity
+    assert "the prefetcher's budgets lowered to fit the device" in "\n".join(plan.lines())
+    # The run takes the lowered budgets: its device tier (capacity enforced) never refuses a byte.
+    monkeypatch.setattr(api, "plan_placement", lambda cfg, **kw: _plan(cfg, budgets))
+    summary = T.train(load_config(raw), progress=False, out=io.StringIO())
+    assert summary.steps == 3 and summary.peak_tier_bytes["device"] <= capacity

@@ -125,6 +125,7 @@ class Candidate:
     result: Estimate | None = None
     prediction: Prediction | None = None
     short: dict[Tier, int] = field(default_factory=dict)
+    overrides: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,6 +141,8 @@ class PlacementPlan:
     considered: tuple[tuple[str, str], ...]
     """(placement, its predicted step or why it was refused), best first."""
     units: tuple[str, ...]
+    overrides: dict[str, int] = field(default_factory=dict)
+    """Config keys the plan sets besides the homes: the prefetcher's budgets, lowered to fit the device."""
 
     def summary(self) -> dict[str, Any]:
         """The plan as data: `engine.memory_report()["planned"]` and `tierzero estimate --json`."""
@@ -155,6 +158,7 @@ class PlacementPlan:
             "nvme_read": self.estimate.nvme_read,
             "nvme_written": self.estimate.nvme_written,
             "nvme_home": self.estimate.tiers[Tier.NVME].home_total,
+            "overrides": dict(self.overrides),
             "considered": [list(row) for row in self.considered],
         }
 
@@ -185,6 +189,9 @@ class PlacementPlan:
             f"({'added up: without a GPU they share the cores' if p.serial else 'overlapped: the longest counts'})",
             f"  why: the shortest predicted step of {len(self.considered)} placements that fit or were tried:",
         ]
+        if self.overrides:
+            lowered = ", ".join(f"{key} {format_size(n)}" for key, n in self.overrides.items())
+            lines.insert(-1, f"  the prefetcher's budgets lowered to fit the device: {lowered}")
         return lines + [f"    {label}: {why}" for label, why in self.considered[:6]]
 
     def _spread(self, what: str) -> dict[str, int]:
@@ -230,16 +237,26 @@ def plan_placement(
 
     specs: dict[str, Any] = {}
 
+    def replay(homes: Homes, overrides: dict[str, int]) -> Estimate:
+        replayed = load_config(free, overrides=overrides) if overrides else free
+        return estimate(replayed, world_size=world_size, disk=disk, flops=flops, suggest=False, homes=homes)
+
     def judge(candidate: Candidate) -> Candidate:
         # Homes alone over a budget: refused without a replay (the working set only adds to them).
         homes_short = rank_budgets.shortfalls_of_homes(_home_bytes(specs, candidate.homes)) if specs else {}
         if homes_short:
             candidate.short = homes_short
             return candidate
-        result = estimate(free, world_size=world_size, disk=disk, flops=flops, suggest=False, homes=candidate.homes)
+        result = replay(candidate.homes, {})
         assert result.plan is not None
         specs.update(result.plan.specs)
-        candidate.result, candidate.short = result, rank_budgets.shortfalls(result)
+        short = rank_budgets.shortfalls(result)
+        for lowered in _lowered_prefetch(cfg, result, short, shared_host=rank_budgets.shared_host):
+            again = replay(candidate.homes, lowered)
+            if not rank_budgets.shortfalls(again):
+                result, short, candidate.overrides = again, {}, lowered
+                break
+        candidate.result, candidate.short = result, short
         candidate.prediction = predict(result, copy_rate=copy_rate, step_rate=step_rate, cuda=cuda)
         return candidate
 
@@ -256,7 +273,7 @@ def plan_placement(
     considered += [(c.label, "over budget: " + _shortfall_text(c.short)) for c in whole if c.short]
     return PlacementPlan(
         homes=best.homes, label=best.label, estimate=best.result, prediction=best.prediction, budgets=rank_budgets,
-        disk=disk, considered=tuple(considered), units=tuple(best.result.plan.specs),
+        disk=disk, considered=tuple(considered), units=tuple(best.result.plan.specs), overrides=best.overrides,
     )  # fmt: skip
 
 
@@ -323,6 +340,25 @@ def _fill(base: Candidate, budgets: RankBudgets, judge: Any, *, disk: Bandwidth 
             break
         room -= sum(candidate.short.values()) + room // 100
     return tried
+
+
+def _lowered_prefetch(
+    cfg: Config, result: Estimate, short: dict[Tier, int], *, shared_host: bool
+) -> list[dict[str, int]]:
+    """The prefetcher's budgets to try when the device is short (the host, where the device is host
+    memory) and the parameters it keeps fetched exceed the shortfall: lowered by it, then by half
+    and a quarter of what is left (a lower budget frees less than it gives up: other copies
+    share the peak). None when that cannot help."""
+    over = short.get(Tier.CPU, 0) if shared_host else short.get(Tier.DEVICE, 0)
+    fetched = result.tiers[Tier.DEVICE].working.get("fetched", 0)
+    if not over or Tier.NVME in short or fetched <= over:
+        return []
+    first = min(cfg.prefetch.max_live_bytes, fetched - over)
+    return [
+        {"prefetch.max_live_bytes": live, "prefetch.bytes": min(cfg.prefetch.bytes, live)}
+        for live in (first, first // 2, first // 4)
+        if live > 0
+    ]
 
 
 def _home_bytes(specs: dict[str, Any], homes: Homes) -> dict[Tier, int]:
