@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -59,35 +60,44 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(script: Path, out: Path, *, nodes: int, per_node: int) -> None:
-    out.mkdir()
-    env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+def torchrun(
+    script: Path, out: Path, *, nodes: int, per_node: int, node_args: Sequence[Sequence[str]] = (), check: bool = True,
+    timeout: float = 120, env: Mapping[str, str] | None = None,
+) -> list[tuple[int, str]]:
+    """Run `script out *node_args[node]` as `nodes` torchrun agents of `per_node` ranks that rendezvous on
+    localhost, as separate machines would; returns each agent's exit code and output, node 0 first.
+
+    With `check`, every agent must exit 0. Whatever ends first, no agent outlives the call.
+    """
+    out.mkdir(exist_ok=True)
+    env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"} | dict(env or {})
     env.pop("WORLD_SIZE", None)
     endpoint = f"127.0.0.1:{_port()}"
     agents = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node),
              "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-             "--max-restarts", "0", str(script), str(out)],
+             "--max-restarts", "0", str(script), str(out), *(node_args[node] if node_args else ())],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         for node in range(nodes)
     ]
-    for agent in agents:
-        try:
-            output, _ = agent.communicate(timeout=120)
-        finally:
-            for other in agents:
-                if other.poll() is None:
-                    other.kill()
-        assert agent.returncode == 0, output
+    try:
+        outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    for agent, output in zip(agents, outputs):
+        assert not check or agent.returncode == 0, output
+    return [(agent.returncode, output) for agent, output in zip(agents, outputs)]
 
 
 def test_two_nodes_of_two_equal_one_node_of_four(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    _torchrun(script, tmp_path / "one_node", nodes=1, per_node=4)
-    _torchrun(script, tmp_path / "two_nodes", nodes=2, per_node=2)
+    torchrun(script, tmp_path / "one_node", nodes=1, per_node=4)
+    torchrun(script, tmp_path / "two_nodes", nodes=2, per_node=2)
     one, two = (torch.load(tmp_path / name / "params.pt") for name in ("one_node", "two_nodes"))
     assert one.keys() == two.keys()
     for name, value in one.items():
