@@ -8,6 +8,7 @@ otherwise. Without those variables the run is a single process and needs no grou
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -53,6 +54,30 @@ def setup(*, timeout_s: float = 600.0) -> DistContext:
         backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=timeout_s)
     )
     return _context(created=True)
+
+
+def unanswered_ranks(*, rank: int, world_size: int, tag: str, wait_s: float = 2.0) -> list[int] | None:
+    """After a collective failed: the ranks that do not answer a roll call within `wait_s` seconds.
+
+    Every rank that saw the failure writes its own key under `tag` in the store the launcher
+    named (MASTER_ADDR:MASTER_PORT: torchrun's agent on the first node, or rank 0's process),
+    then waits for the others' keys; a rank that died or hung never writes one. None when
+    there is no such store to ask: the variables are unset (the user made the group), or
+    the store went with the ranks that were lost.
+    """
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if host is None or port is None:
+        return None
+    keys = [f"tierzero/roll-call/{tag}/{r}" for r in range(world_size)]
+    try:
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=wait_s))
+        store.set(keys[rank], "here")
+        deadline = time.monotonic() + wait_s
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return [r for r, key in enumerate(keys) if not store.check([key])]
+    except (RuntimeError, OSError):  # torch's DistStoreError and DistNetworkError are RuntimeErrors
+        return None
 
 
 def teardown(ctx: DistContext) -> None:

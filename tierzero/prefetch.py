@@ -337,12 +337,13 @@ class Prefetcher:
         self._mode = Mode.FOLLOWING if self._order else Mode.LEARNING
         self._reset_step()
 
-    def end_step(self) -> StepReport:
-        """Close the step, adopt its order when it was learning or diverged, and report."""
+    def end_step(self, *, cut_short: bool = False) -> StepReport:
+        """Close the step, adopt its order when it was learning or diverged, and report. `cut_short`: the
+        engine closes mid-step (a peer failed): the events it did not reach change nothing, and say nothing."""
         self._require_step(True, "end_step")
-        if self._mode is Mode.FOLLOWING and self._pos != len(self._order):
+        if self._mode is Mode.FOLLOWING and self._pos != len(self._order) and not cut_short:
             self._diverge(len(self._observed), expected=self._order[self._pos], got=None)
-        if self._mode is not Mode.FOLLOWING and self._observed:
+        if self._mode is not Mode.FOLLOWING and self._observed and not cut_short:
             self._order = tuple(self._observed)
         report = StepReport(
             step=self._step,

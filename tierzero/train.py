@@ -30,6 +30,7 @@ from tierzero.checkpoint import find_checkpoint, probe_root
 from tierzero.config import load_config
 from tierzero.config.cli import parse_overrides
 from tierzero.data import batches_from_config, check_vocab
+from tierzero.dist import unanswered_ranks
 from tierzero.lora import is_peft_model, save_adapters
 from tierzero.micro_step import micro_step
 from tierzero.models import build_model, count_parameters
@@ -158,10 +159,11 @@ def train(
             if export is not None and not summary.interrupted:
                 _export(engine, Path(export), tokenizer=tokenizer, out=out)
         except BaseException as exc:
+            # Asked before the close, which may take down the store the roll call needs (rank 0's).
+            lost = _lost_rank(exc, rank=rank, world=world, step=engine.global_step + 1)
             # The first error is the one to report; a close that fails after it would hide it.
             with contextlib.suppress(Exception):
                 _close(engine, ctrl_c)
-            lost = _lost_rank(exc, rank=rank, world=world, step=engine.global_step + 1)
             if lost is not None:
                 raise lost from exc
             raise
@@ -295,8 +297,14 @@ def _lost_rank(exc: BaseException, *, rank: int, world: int, step: int) -> Conne
     if not (isinstance(exc, torch.distributed.DistError) or "gloo" in text or "NCCL" in text):
         return None
     cause = text.splitlines()[0] if text else type(exc).__name__
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    gone = unanswered_ranks(rank=rank, world_size=world, tag=f"{restart}/{step}")
+    who, those = "another rank", "that rank"  # no store to ask, or every rank answered: the cause says more
+    if gone:
+        who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))}"
+        those = "that rank" if len(gone) == 1 else "those ranks"
     return ConnectionError(
-        f"rank {rank} of {world} lost contact with another rank in step {step} ({cause}): that rank died or hung, "
+        f"rank {rank} of {world} lost contact with {who} in step {step} ({cause}): {those} died or hung, "
         "so the job stops; relaunch it with --resume to continue from the last checkpoint"
     )
 

@@ -3,8 +3,9 @@
 Nothing kills the survivor here (unlike torchrun, which would): it must notice on its
 own. A dead peer closes its sockets, which gloo reports at once; a hung peer (stopped
 with SIGSTOP) is only noticed by the process group's timeout, `dist.timeout` in the config. Under
-`tierzero train` the survivor says in one line which rank lost contact, in which step,
-and how to continue, and exits 2.
+`tierzero train` the survivor says in one line that it lost contact, with which rank (the
+one that did not answer a roll call in the job's store, tierzero.dist.unanswered_ranks), in
+which step, and how to continue, and exits 2.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def test_tierzero_train_survivor_says_which_rank_it_lost_and_how_to_resume(tmp_p
     codes = launch(2, env, target=_train_rank, wait_for=0, timeout=SLACK_S + 10)
     assert codes == [2, -signal.SIGKILL]
     message = (tmp_path / "stderr-0").read_text().strip()
-    assert message.startswith("tierzero: error: rank 0 of 2 lost contact with another rank in step 3 ("), message
+    assert message.startswith("tierzero: error: rank 0 of 2 lost contact with rank 1 in step 3 ("), message
     assert message.endswith("that rank died or hung, so the job stops; relaunch it with --resume to continue from the last checkpoint")
     assert "\n" not in message and "Traceback" not in message
     assert float((tmp_path / "error-time-0").read_text()) - float((tmp_path / "fault-time").read_text()) < 5.0

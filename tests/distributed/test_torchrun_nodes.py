@@ -66,6 +66,8 @@ def torchrun(
 ) -> list[tuple[int, str]]:
     """Run `script out *node_args[node]` as `nodes` torchrun agents of `per_node` ranks that rendezvous on
     localhost, as separate machines would; returns each agent's exit code and output, node 0 first.
+    Node 0's agent hosts the rendezvous store, which its workers' process group shares, as the
+    machine named by the endpoint would.
 
     With `check`, every agent must exit 0. Whatever ends first, no agent outlives the call.
     """
@@ -77,6 +79,7 @@ def torchrun(
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node),
              "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+             "--rdzv-conf", f"is_host={int(node == 0)}",
              "--max-restarts", "0", str(script), str(out), *(node_args[node] if node_args else ())],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip

@@ -121,17 +121,18 @@ class ParamPrefetch:
         if self._in_step:
             self._issue()  # the slice is home again: its next occurrence can be fetched ahead
 
-    def end_step(self, *, keep_warm: bool = False) -> StepReport | None:
+    def end_step(self, *, keep_warm: bool = False, cut_short: bool = False) -> StepReport | None:
         """Close the step, drop what was fetched ahead and not used; None for a step nothing used.
 
-        `keep_warm` keeps the slices `warm` started for the next step's first units.
+        `keep_warm` keeps the slices `warm` started for the next step's first units; `cut_short`:
+        the engine closes, perhaps mid-step, so the order seen is no lesson (`Prefetcher.end_step`).
         """
         if not self._in_step:
             return None
         self._in_step = False
         self._settle()
         if self._recorded:
-            self.last_report = self.policy.end_step()
+            self.last_report = self.policy.end_step(cut_short=cut_short)
         else:
             self.policy.cancel_step()
         if not keep_warm:

@@ -339,7 +339,7 @@ class Stage3(StepInTime, Stage):
         finally:
             super().finish(closing=closing)
             if self.param_prefetch is not None:
-                self.param_prefetch.end_step()
+                self.param_prefetch.end_step(cut_short=closing)
 
     def forward_context(self) -> AbstractContextManager[None]:
         if self.param_prefetch is not None:
