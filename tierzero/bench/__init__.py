@@ -22,6 +22,7 @@ from tierzero.bench.gpu import bench_train_device
 from tierzero.bench.placement import bench_placement
 from tierzero.bench.train_step import bench_train_step
 from tierzero.bench.zero import bench_zero
+from tierzero.bench.zeropp import add_zeropp_command
 from tierzero.sizes import parse_size
 
 
@@ -177,3 +178,4 @@ def add_bench_commands(subparsers: Any) -> None:
     )
     gpu_check.add_arguments(check)
     check.set_defaults(func=gpu_check.command)
+    add_zeropp_command(commands)
