@@ -15,6 +15,9 @@ each collective sends a B/N piece to each peer, so
   2p x 4 // 4 cross nodes.
 
 Two nodes of two (p = 2): 1.5 B = 6Φ bytes across nodes, 0.75 B = 3Φ inside, the norm 4 + 2.
+
+`tierzero estimate --world-size 4 --local-world-size L` predicts each layout's bytes, and
+those of hpZ + qwZ + qgZ on two nodes of two, to the byte: its dry run is the same engine.
 """
 
 from __future__ import annotations
@@ -22,8 +25,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
 import torch
 from harness import run_ranks
+
+from tierzero.config import load_config
+from tierzero.estimate.estimator import estimate
 
 LAYOUTS = {"two_by_two": 2, "one_node": 4, "one_per_node": 1}
 CONFIG = {
@@ -33,14 +40,17 @@ CONFIG = {
     "train": {"seq_len": 8, "micro_batch_size": 2},
     "gradient_clipping": 1.0,
 }
+ZEROPP = CONFIG | {
+    "zero": {"stage": 3, "hpz_partition_size": 2, "quantized_weights": True, "quantized_gradients": "int4"}
+}
 
 
-def _measure(rank: int, topology: Any = None) -> dict[str, Any]:
+def _measure(rank: int, topology: Any = None, config: dict[str, Any] = CONFIG) -> dict[str, Any]:
     import tierzero
     from tierzero.config import load_config
     from tierzero.models import build_model
 
-    engine = tierzero.initialize(build_model(load_config(CONFIG).model, seed=0), CONFIG, topology=topology)
+    engine = tierzero.initialize(build_model(load_config(config).model, seed=0), config, topology=topology)
     with engine:
         for step in range(2):
             if step == 1:
@@ -67,6 +77,7 @@ def _job(rank: int, world_size: int, _: Any) -> dict[str, Any]:
         out[name] = _measure(rank)
     # A layout given to initialize wins over the launcher's (one node of four, as set last).
     out["given"] = _measure(rank, Topology(world_size=world_size, rank=rank, local_world_size=2))
+    out["zero++"] = _measure(rank, Topology(world_size=world_size, rank=rank, local_world_size=2), ZEROPP)
     try:
         _measure(rank, Topology(world_size=world_size, rank=(rank + 1) % world_size, local_world_size=2))
     except ValueError as exc:
@@ -74,8 +85,12 @@ def _job(rank: int, world_size: int, _: Any) -> dict[str, Any]:
     return out
 
 
-def test_stage3_bytes_inside_and_across_nodes_follow_the_formula() -> None:
-    results = run_ranks(_job, world_size=4)
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_ranks(_job, world_size=4)
+
+
+def test_stage3_bytes_inside_and_across_nodes_follow_the_formula(results: list[dict[str, Any]]) -> None:
     for rank, out in enumerate(results):
         for name, per_node in LAYOUTS.items():
             run = out[name]
@@ -97,3 +112,13 @@ def test_stage3_bytes_inside_and_across_nodes_follow_the_formula() -> None:
         two_by_two = out["two_by_two"]["groups"]["world"]
         inter = sum(v["inter"] for v in two_by_two.values())
         assert inter == 6 * out["two_by_two"]["phi"] + 4  # 1.5 B across nodes, plus the norm's 4 bytes
+
+
+@pytest.mark.parametrize(("name", "per_node"), [*LAYOUTS.items(), ("zero++", 2)])
+def test_the_estimate_predicts_every_rank_s_bytes_inside_and_across_nodes(
+    results: list[dict[str, Any]], name: str, per_node: int
+) -> None:
+    predicted = estimate(load_config(ZEROPP if name == "zero++" else CONFIG), world_size=4, local_world_size=per_node)
+    assert predicted.local_world_size == per_node
+    for out in results:
+        assert predicted.comm == out[name]["groups"]

@@ -393,3 +393,19 @@ def test_the_command_prints_the_tier_budgets_under_its_table(tmp_path: Path, mon
     config.write_text(yaml.safe_dump(raw))
     rc, table = _cli(["--config", str(config), "--flops", "50"])
     assert rc == 0 and "\n".join(budgets.lines()) in table
+
+
+def test_the_command_splits_each_collective_inside_and_across_nodes(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(_raw(tmp_path, stage=3, params="cpu", grads="cpu", optimizer="cpu")))
+    _, table = _cli(["--config", str(config), "--world-size", "4", "--nodes", "2"])
+    _, text = _cli(["--config", str(config), "--world-size", "4", "--local-world-size", "2", "--json"])
+    comm = json.loads(text)["comm"]
+    assert comm["local_world_size"] == 2
+    gather = comm["per_step"]["world"]["all_gather"]
+    assert gather["inter"] == 2 * gather["intra"] > 0  # 2 of a rank's 3 peers are on the other node
+    assert "collectives per step, 2 nodes x 2 ranks (inside the node / across):" in table
+    assert f"  world all_gather: {format_size(gather['intra'])} / {format_size(gather['inter'])}" in table
+    for bad in (["--nodes", "3"], ["--local-world-size", "3"]):
+        with pytest.raises(ValueError, match=f"^{bad[0]} 3 does not divide --world-size 4: give a divisor of 4"):
+            _cli(["--config", str(config), "--world-size", "4", *bad])

@@ -64,21 +64,28 @@ class DryRun:
     """NVMe bytes written by set-up: every slice's first value but those the cache keeps."""
     steps: int
     """Optimizer steps the dry run took: two, or more while the NVMe cache was still settling."""
+    comm: dict[str, dict[str, dict[str, int]]]
+    """Bytes rank 0 sends in a later step: group -> collective -> inside its node ("intra") and across ("inter")."""
 
 
 _MAX_STEPS = 8
 """The most optimizer steps a dry run takes while the NVMe cache settles."""
 
 
-def dry_run(cfg: Config, *, world_size: int, homes: Homes | None = None) -> DryRun:
+def dry_run(
+    cfg: Config, *, world_size: int, local_world_size: int | None = None, homes: Homes | None = None
+) -> DryRun:
     """Run set-up and two optimizer steps of `cfg` (more while the NVMe cache settles) as rank 0
-    of `world_size`, counting bytes; `homes` places the slices (default: the config's `offload`)."""
+    of `world_size` on nodes of `local_world_size` ranks (default: one node), counting bytes;
+    `homes` places the slices (default: the config's `offload`)."""
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
+    # Every rank has as many peers on other nodes as rank 0, so rank 0's split is every rank's.
+    topology = Topology(world_size=world_size, rank=0, local_world_size=local_world_size or world_size)
     # Two replays (see counting.py): writes that land when asked give the traffic of a disk that
     # keeps up; writes that land only when waited for give the memory bound of one that does not.
-    fast, _ = _replay(cfg, world_size=world_size, homes=homes, lands_when_asked=True)
-    slow, engine = _replay(cfg, world_size=world_size, homes=homes, lands_when_asked=False)
+    fast, _ = _replay(cfg, topology=topology, homes=homes, lands_when_asked=True)
+    slow, engine = _replay(cfg, topology=topology, homes=homes, lands_when_asked=False)
     peaks = slow.store.report().tiers
     return DryRun(
         plan=engine.plan,
@@ -95,6 +102,7 @@ def dry_run(cfg: Config, *, world_size: int, homes: Homes | None = None) -> DryR
         nvme_by_slice=fast.by_slice,
         nvme_written_setup=fast.written_setup,
         steps=fast.steps,
+        comm=fast.comm,
     )
 
 
@@ -111,15 +119,16 @@ class _Replay:
     by_slice: dict[SliceKey, tuple[int, int]] = field(default_factory=dict)
     written_setup: int = 0
     steps: int = 0
+    comm: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
 
 
-def _replay(cfg: Config, *, world_size: int, homes: Homes | None, lands_when_asked: bool) -> tuple[_Replay, Engine]:
+def _replay(cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_asked: bool) -> tuple[_Replay, Engine]:
     """Set-up and two steps on a fresh meta model and counting store; the bytes each step moved."""
     model = build_model(cfg.model, device="meta", seed=cfg.train.seed)
     store = CountingStore(cfg.tiers, cfg.swapper, cuda=torch.cuda.is_available(), lands_when_asked=lands_when_asked)
-    # Rank 0 of one node: the estimate counts bytes, not which node they reach.
+    world_size = topology.world_size
     mesh = build_mesh(
-        Topology(world_size=world_size, rank=0, local_world_size=world_size),
+        topology,
         shard_group_size=cfg.zero.shard_group_size,
         hpz_partition_size=cfg.zero.hpz_partition_size,
         node_hops=cfg.zero.quantized_gradients != "none",
@@ -140,10 +149,12 @@ def _replay(cfg: Config, *, world_size: int, homes: Homes | None, lands_when_ask
         # later step is the first in which it evicts nothing.
         while run.steps == 1 or (store.evictions and run.steps < _MAX_STEPS):
             store.reset_traffic()
+            engine.reset_comm_report()
             _step(engine, cfg)
             run.steps += 1
         run.read, run.written, run.copied = store.nvme_read, store.nvme_written, store.memory_copied
         run.by_slice = {key: (read, written) for key, (read, written) in store.by_slice.items()}
+        run.comm = engine.comm_report(per_group=True)
     finally:
         engine.close()
     return run, engine

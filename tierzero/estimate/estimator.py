@@ -101,6 +101,11 @@ class Estimate:
     """NVMe bytes written by set-up: each slice's first value, but those tiers.nvme.cache keeps."""
     steps: int
     """Steps the dry run took; the per-step figures are the last one's (past 2: the cache settled)."""
+    local_world_size: int
+    """Ranks per node of the layout the collectives' bytes are split by (world_size: one node)."""
+    comm: dict[str, dict[str, dict[str, int]]]
+    """Bytes a rank sends per step: group -> collective -> "intra" (inside its node) and "inter" (across),
+    as `engine.comm_report(per_group=True)` counts them."""
     nvme_file: int
     """Bytes of this rank's preallocated swap file."""
     nvme_free: int | None
@@ -147,6 +152,7 @@ def estimate(
     cfg: Any,
     *,
     world_size: int = 1,
+    local_world_size: int | None = None,
     disk: Bandwidth | None = None,
     flops: Bandwidth | None = None,
     suggest: bool = True,
@@ -158,8 +164,9 @@ def estimate(
     rate (default: `assumed_flops`). With `suggest`, a config that does not fit gets the
     placement or capacity changes that would make it fit, each estimated the same way.
     `homes` places the slices (the planner's candidates); default: the config's `offload`.
+    `local_world_size`: ranks per node, which splits the collectives' bytes (default: one node).
     """
-    run = dry_run(cfg, world_size=world_size, homes=homes)
+    run = dry_run(cfg, world_size=world_size, local_world_size=local_world_size, homes=homes)
     tiers = {tier: TierEstimate(tier=tier, capacity=_capacity(cfg, tier)) for tier in Tier}
     for spec in run.plan.all():
         homes = tiers[spec.home].homes  # SECONDARY (hpZ) joins the model states only where there is one
@@ -191,6 +198,8 @@ def estimate(
         nvme_by_slice=run.nvme_by_slice,
         nvme_written_setup=run.nvme_written_setup,
         steps=run.steps,
+        local_world_size=local_world_size or world_size,
+        comm=run.comm,
         nvme_file=nvme_file,
         nvme_free=nvme.disk_free,
         disk=(disk or ASSUMED_DISK) if uses_nvme else None,

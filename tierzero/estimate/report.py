@@ -44,6 +44,7 @@ def to_json(result: Estimate, *, budgets: MachineBudgets | None = None) -> dict[
         "nvme": {"read_per_step": result.nvme_read, "written_per_step": result.nvme_written,
                  "file": result.nvme_file, "free": result.nvme_free},
         "host_bytes": result.host_bytes,
+        "comm": {"local_world_size": result.local_world_size, "per_step": result.comm},
         "activations": result.activations,
         "disk": disk_json,
         "flops": {"rate": result.flops.read, "source": result.flops.source},
@@ -92,8 +93,7 @@ def format_estimate(result: Estimate, *, budgets: MachineBudgets | None = None) 
             + ("" if result.nvme_free is None else f", {fs(result.nvme_free)} free"),
             f"disk: {result.disk.source}",
         ]
-    lines += [
-        f"compute: {result.flops.source}",
+    lines += [*_comm_lines(result), f"compute: {result.flops.source}",
         f"step-time floor: {result.step_floor_s:.3f} s (I/O {result.io_floor_s:.3f} s, compute {result.compute_floor_s:.3f} s "
         f"for {result.tokens_per_step:,} tokens)",
         "",
@@ -104,6 +104,18 @@ def format_estimate(result: Estimate, *, budgets: MachineBudgets | None = None) 
         lines += ["DOES NOT FIT:", *(f"  {p}" for p in result.problems)]
         lines += ["to make it fit:", *(f"  - {f}" for f in result.fixes)]
     return "\n".join(lines) + "\n"
+
+
+def _comm_lines(result: Estimate) -> list[str]:
+    """Each group's collectives with bytes: what a rank sends per step inside its node and across nodes."""
+    sent = [(g, op, links) for g, ops in result.comm.items() for op, links in ops.items() if any(links.values())]
+    if not sent:
+        return []
+    nodes, per_node = result.world_size // result.local_world_size, result.local_world_size
+    layout = f"{nodes} node{'s' * (nodes > 1)} x {per_node} rank{'s' * (per_node > 1)}"
+    head = f"collectives per step, {layout} (inside the node / across):"
+    fs = format_size
+    return [head, *(f"  {g} {op}: {fs(links['intra'])} / {fs(links['inter'])}" for g, op, links in sent)]
 
 
 # ---------------------------------------------------------------- the command
@@ -141,6 +153,9 @@ def add_estimate_command(subparsers: Any) -> None:
     parser = subparsers.add_parser("estimate", help="bytes per tier, NVMe traffic and step-time floor of a config")
     parser.add_argument("--config", required=True, help="a tierzero .yaml/.yml/.json config (or a DeepSpeed .json)")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    layout = parser.add_mutually_exclusive_group()
+    layout.add_argument("--nodes", type=int, help="nodes the ranks are spread over, equally (default 1)")
+    layout.add_argument("--local-world-size", type=int, help="ranks per node, as torchrun's --nproc-per-node")
     parser.add_argument(
         "--nvme-bench", default=None, help=f"`bench nvme --json` results (default: {', '.join(DEFAULT_BENCH_PATHS)})"
     )
@@ -166,19 +181,33 @@ def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
         flops = Bandwidth(read=args.flops * 1e9, write=args.flops * 1e9, source=f"given {args.flops:g} GFLOP/s (--flops)")
     elif args.measure_flops:
         flops = measure_flops(cfg.precision.param_dtype)
+    local = _local_world_size(args)
     disk = load_bench(args.nvme_bench, nvme_path=cfg.tiers.nvme.path)
     budgets = machine_budgets(cfg.tiers)
     if cfg.offload.planned:
-        plan = plan_placement(cfg, world_size=args.world_size, budgets=budgets, disk=disk, flops=flops)
+        shares = {} if local is None else {"local_world_size": local}  # a machine's memory is shared by its ranks
+        plan = plan_placement(cfg, world_size=args.world_size, budgets=budgets, disk=disk, flops=flops, **shares)
         result = plan.estimate
         if args.json:
             out.write(json.dumps({**to_json(result, budgets=budgets), "placement": plan.summary()}, indent=2) + "\n")
         else:
             out.write(format_estimate(result, budgets=budgets) + "\n" + "\n".join(plan.lines()) + "\n")
         return 0
-    result = estimate(cfg, world_size=args.world_size, disk=disk, flops=flops)
+    result = estimate(cfg, world_size=args.world_size, local_world_size=local, disk=disk, flops=flops)
     if args.json:
         out.write(json.dumps(to_json(result, budgets=budgets), indent=2) + "\n")
     else:
         out.write(format_estimate(result, budgets=budgets))
     return 0 if result.fits else 1
+
+
+def _local_world_size(args: Any) -> int | None:
+    """Ranks per node from --nodes or --local-world-size; None (one node) when neither is given."""
+    world, nodes, local = args.world_size, getattr(args, "nodes", None), getattr(args, "local_world_size", None)
+    if nodes is not None:
+        if nodes < 1 or world % nodes:
+            raise ValueError(f"--nodes {nodes} does not divide --world-size {world}: give a divisor of {world}")
+        return world // nodes
+    if local is not None and (local < 1 or world % local):
+        raise ValueError(f"--local-world-size {local} does not divide --world-size {world}: give a divisor of {world}")
+    return local

@@ -239,7 +239,10 @@ def plan_placement(
 
     def replay(homes: Homes, overrides: dict[str, int]) -> Estimate:
         replayed = load_config(free, overrides=overrides) if overrides else free
-        return estimate(replayed, world_size=world_size, disk=disk, flops=flops, suggest=False, homes=homes)
+        return estimate(
+            replayed, world_size=world_size, local_world_size=local_world_size, disk=disk, flops=flops,
+            suggest=False, homes=homes,
+        )  # fmt: skip
 
     def judge(candidate: Candidate) -> Candidate:
         # Homes alone over a budget: refused without a replay (the working set only adds to them).
