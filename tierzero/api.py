@@ -8,6 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from tierzero import dist as D
 from tierzero.config import load_config
@@ -27,6 +28,7 @@ def initialize(
     pretrained: str | os.PathLike[str] | None = None,
     lr_lambda: Callable[[int], float] | None = None,
     topology: Topology | None = None,
+    mesh: DeviceMesh | None = None,
 ) -> Engine:
     """Wrap `model` for ZeRO training; `config` is a path, a dict or a tierzero config object.
 
@@ -36,7 +38,9 @@ def initialize(
     straight into its slices, one at a time. `lr_lambda` replaces the config's `scheduler`
     with a `LambdaLR`-style multiplier of `optimizer.lr` per optimizer step. `topology` says
     which ranks share a node where the launcher does not (LOCAL_WORLD_SIZE): it places hybrid
-    sharding's and hpZ's groups and splits `comm_report`'s bytes. An `offload` key set to auto
+    sharding's and hpZ's groups and splits `comm_report`'s bytes; or `mesh`, a `DeviceMesh` of shape
+    (nodes, ranks per node), says the same (the engine makes its own groups from the layout, over
+    the default group the mesh was built on). An `offload` key set to auto
     is planned here (tierzero/placement/planner.py): `engine.placement` says how.
     """
     cfg = load_config(config)
@@ -48,6 +52,10 @@ def initialize(
         weights = PretrainedWeights.open(pretrained).for_model(model)
         weights.check(model)
     ctx = D.setup(timeout_s=cfg.dist.timeout)
+    if mesh is not None:
+        if topology is not None:
+            raise ValueError("initialize got both a topology and a device mesh: pass one, they both give the layout")
+        topology = Topology.from_device_mesh(mesh)
     plan = _plan(cfg, ctx, topology) if cfg.offload.planned else None
     if plan is not None and plan.overrides:
         cfg = load_config(cfg, overrides=plan.overrides)  # the prefetcher's budgets, lowered to fit

@@ -4,7 +4,8 @@ The layout comes from the launcher: torchrun sets LOCAL_WORLD_SIZE (ranks per no
 LOCAL_RANK on every rank, and numbers ranks contiguously by node (node n holds ranks
 n * L .. n * L + L - 1 for L ranks per node). Only that layout, with the same number of
 ranks on every node, is supported. Without LOCAL_WORLD_SIZE the job is taken to be one
-node. Tests and users can also build a `Topology` directly.
+node. Tests and users can also build a `Topology` directly, or from a `DeviceMesh` of shape
+(nodes, ranks per node).
 
 `node_groups` creates the groups with `torch.distributed.new_group`, so they use the
 default group's backend unless told otherwise: NCCL on GPUs and gloo on CPUs, as
@@ -18,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,6 +70,31 @@ class Topology:
                 "set LOCAL_WORLD_SIZE to the ranks per node"
             )
         return topology
+
+    @classmethod
+    def from_device_mesh(cls, mesh: DeviceMesh) -> Topology:
+        """The layout of a `DeviceMesh` of shape (nodes, ranks per node), or (ranks,) for one node, for this rank.
+
+        Its ranks must be numbered contiguously by node, as `init_device_mesh` and torchrun
+        number them: row n holds ranks n * L .. n * L + L - 1, every rank of the job once.
+        """
+        ranks = mesh.mesh
+        if ranks.ndim == 1:
+            ranks = ranks.unsqueeze(0)
+        world = dist.get_world_size()
+        if ranks.ndim != 2 or ranks.numel() != world:
+            raise ValueError(
+                f"the device mesh has shape {tuple(mesh.mesh.shape)}, expected (nodes, ranks per node) covering all "
+                f"{world} ranks of the job: build it with init_device_mesh(device, (nodes, ranks_per_node))"
+            )
+        nodes, per_node = ranks.shape
+        if ranks.flatten().tolist() != list(range(world)):
+            raise ValueError(
+                f"the device mesh's rows are not nodes of consecutive ranks ({ranks.tolist()}, expected "
+                f"row n to hold ranks n*{per_node}..n*{per_node}+{per_node - 1}): tierzero needs torchrun's "
+                "numbering; build the mesh with init_device_mesh(device, (nodes, ranks_per_node))"
+            )
+        return cls(world_size=world, rank=dist.get_rank(), local_world_size=per_node)
 
     @property
     def node(self) -> int:
