@@ -297,8 +297,9 @@ def _lost_rank(exc: BaseException, *, rank: int, world: int, step: int) -> Conne
     if not (isinstance(exc, torch.distributed.DistError) or "gloo" in text or "NCCL" in text):
         return None
     cause = text.splitlines()[0] if text else type(exc).__name__
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    gone = unanswered_ranks(rank=rank, world_size=world, tag=f"{restart}/{step}")
+    # One roll call per launch, whatever step each rank had reached: a rank may fail in the next
+    # step's forward while a peer still waits in this step's backward.
+    gone = unanswered_ranks(rank=rank, world_size=world, tag=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     who, those = "another rank", "that rank"  # no store to ask, or every rank answered: the cause says more
     if gone:
         who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))}"
