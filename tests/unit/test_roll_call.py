@@ -1,0 +1,44 @@
+"""`tierzero.dist.unanswered_ranks`: after a failed collective, the ranks that do not answer in the job's store."""
+
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from tierzero.dist import unanswered_ranks
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_ranks_that_never_answer_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    port = _port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    store.set("tierzero/roll-call/0/2", "here")  # rank 2 answered; 1 and 3 went away
+    started = time.monotonic()
+    assert unanswered_ranks(rank=0, world_size=4, tag="0", wait_s=0.5) == [1, 3]
+    assert 0.5 <= time.monotonic() - started < 3.0  # it waited for them, and no longer
+    for rank in (1, 3):
+        store.set(f"tierzero/roll-call/0/{rank}", "here")
+    started = time.monotonic()
+    assert unanswered_ranks(rank=2, world_size=4, tag="0", wait_s=5.0) == []
+    assert time.monotonic() - started < 2.0  # everyone answered: no wait
+
+
+def test_without_a_store_to_ask_nobody_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert unanswered_ranks(rank=0, world_size=2, tag="0") is None
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_port()))  # nothing listens: the store went with the lost ranks
+    started = time.monotonic()
+    assert unanswered_ranks(rank=0, world_size=2, tag="0", wait_s=0.5) is None
+    assert time.monotonic() - started < 5.0
