@@ -1,23 +1,31 @@
 """A lost node: the other node's ranks fail the job within dist.timeout, naming the ranks that went away.
 
 Two `torchrun --nnodes 2 --nproc-per-node 2` invocations on localhost (tests/distributed/
-test_torchrun_nodes.py) run `tierzero train`. Inside step 3, node 1 goes away at once, as a
-machine that loses power would: one of its ranks SIGKILLs its torchrun agent, the node's
-other rank and itself. Each rank of node 0 notices on its own (its sockets to node 1 close),
-asks the job's store (hosted by node 0's agent) which ranks still answer, and exits 2 with
-one line naming node 1's ranks, as one node's ranks do when one of them dies
-(tests/distributed/test_faults.py).
+test_torchrun_nodes.py) run `tierzero train`. Inside step 3, node 1 goes away at once: one
+of its ranks signals its torchrun agent, the node's other rank and itself, with SIGKILL (a
+crashed node: its sockets close, which node 0 hears at once) or SIGSTOP (a node that lost
+power or network: nothing closes, and only `dist.timeout`, 5 s here, ends the wait). Each
+rank of node 0 notices on its own, asks the job's store (hosted by node 0's agent) which
+ranks still answer, and exits 2 with one line naming node 1's ranks, as one node's ranks do
+when one of them dies (tests/distributed/test_faults.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
 import time
 from pathlib import Path
 
+import pytest
 from harness import tiny_train_config
 from test_torchrun_nodes import torchrun
 
-TIMEOUT_S = 10.0
+TIMEOUT_S = 5.0
+ROLL_CALL_S = 2.0
+"""How long a survivor waits for the others' answers (tierzero.dist.unanswered_ranks)."""
 JOB = '''
 import os, signal, sys, time
 from pathlib import Path
@@ -25,7 +33,7 @@ import torch
 import tierzero.train as T
 from tierzero.cli import main
 
-out, config, node = sys.argv[1:4]
+out, config, node, fault = sys.argv[1:5]
 rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
 torch.set_num_threads(1)
 Path(out, f"node{node}-local{local}").write_text(f"{rank} {os.getpid()}")
@@ -37,7 +45,7 @@ def step(engine, data, *, step, **kwargs):
         Path(out, "fault-time").write_text(repr(time.time()))
         other = int(Path(out, "node1-local1").read_text().split()[1])
         for pid in (os.getppid(), other, os.getpid()):  # the agent first, so that nothing restarts or reports
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, getattr(signal, fault))
     return real_step(engine, data, step=step, **kwargs)
 
 
@@ -50,25 +58,37 @@ sys.exit(code)
 '''
 
 
-def test_a_lost_node_fails_the_job_naming_its_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("fault", "cause", "within"),
+    [("SIGKILL", r"Connection (reset|closed) by peer", 0.0), ("SIGSTOP", r"[Tt]imed out", TIMEOUT_S)],
+)
+def test_a_lost_node_fails_the_job_naming_its_ranks(tmp_path: Path, fault: str, cause: str, within: float) -> None:
     script, out = tmp_path / "job.py", tmp_path / "out"
     script.write_text(JOB)
     config = tiny_train_config(tmp_path, steps=6, dist={"timeout": TIMEOUT_S})
     started = time.monotonic()
-    (node0, output0), (node1, _) = torchrun(
-        script, out, nodes=2, per_node=2, node_args=[[str(config), str(node)] for node in range(2)], check=False
-    )
-    assert node1 == -9 and node0 != 0, output0  # node 1 was killed; node 0's agent reports its ranks' failure
+    try:
+        (node0, output0), (node1, _) = torchrun(
+            script, out, nodes=2, per_node=2, node_args=[[str(config), str(n), fault] for n in range(2)], check=False,
+            wait_for=0,
+        )  # fmt: skip
+    finally:  # a stopped node's workers are in sessions of their own: end them here
+        for worker in out.glob("node1-local*"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(worker.read_text().split()[1]), signal.SIGKILL)
+    assert node1 == -9 and node0 != 0, output0  # node 1's agent is gone; node 0's reports its ranks' failure
     ranks = {n: sorted(int((out / f"node{n}-local{k}").read_text().split()[0]) for k in range(2)) for n in (0, 1)}
     gone = ", ".join(map(str, ranks[1]))
-    fault = float((out / "fault-time").read_text())
+    lost = float((out / "fault-time").read_text())
     for rank in ranks[0]:
         message = (out / f"stderr-{rank}").read_text().strip()
         expected = f"tierzero: error: rank {rank} of 4 lost contact with ranks {gone} in step 3 ("
         assert message.startswith(expected), message
+        assert re.search(cause, message), message
         assert message.endswith(
             "those ranks died or hung, so the job stops; relaunch it with --resume to continue from the last checkpoint"
         )
         assert "\n" not in message and "Traceback" not in message
-        assert float((out / f"exit-time-{rank}").read_text()) - fault < TIMEOUT_S
+        # after a closed socket at once, or after dist.timeout; then the roll call's wait, and slack for start-up
+        assert float((out / f"exit-time-{rank}").read_text()) - lost < within + ROLL_CALL_S + 3.0
     assert time.monotonic() - started < 60

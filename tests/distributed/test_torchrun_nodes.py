@@ -16,7 +16,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -62,35 +62,41 @@ def _port() -> int:
 
 def torchrun(
     script: Path, out: Path, *, nodes: int, per_node: int, node_args: Sequence[Sequence[str]] = (), check: bool = True,
-    timeout: float = 120, env: Mapping[str, str] | None = None,
+    timeout: float = 120, wait_for: int | None = None,
 ) -> list[tuple[int, str]]:
     """Run `script out *node_args[node]` as `nodes` torchrun agents of `per_node` ranks that rendezvous on
     localhost, as separate machines would; returns each agent's exit code and output, node 0 first.
     Node 0's agent hosts the rendezvous store, which its workers' process group shares, as the
     machine named by the endpoint would.
 
-    With `check`, every agent must exit 0. Whatever ends first, no agent outlives the call.
+    With `check`, every agent must exit 0. With `wait_for`, that node's agent alone is waited
+    for and the others are killed once it ends (their workers, in sessions of their own, are
+    the caller's to end). Whatever ends first, no agent outlives the call.
     """
     out.mkdir(exist_ok=True)
-    env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"} | dict(env or {})
+    env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     endpoint = f"127.0.0.1:{_port()}"
-    agents = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node),
-             "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-             "--rdzv-conf", f"is_host={int(node == 0)}",
-             "--max-restarts", "0", str(script), str(out), *(node_args[node] if node_args else ())],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        for node in range(nodes)
-    ]
+    logs = [out / f"agent{node}.log" for node in range(nodes)]
+    agents = []
+    for node, log in enumerate(logs):
+        with log.open("w") as sink:  # a file, not a pipe: a worker left stopped cannot hold it open
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node),
+                 "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                 "--rdzv-conf", f"is_host={int(node == 0)}",
+                 "--max-restarts", "0", str(script), str(out), *(node_args[node] if node_args else ())],
+                env=env, stdout=sink, stderr=subprocess.STDOUT,
+            ))  # fmt: skip
     try:
-        outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
+        for agent in agents if wait_for is None else [agents[wait_for]]:
+            agent.wait(timeout=timeout)
     finally:
         for agent in agents:
             if agent.poll() is None:
                 agent.kill()
+            agent.wait()
+    outputs = [log.read_text() for log in logs]
     for agent, output in zip(agents, outputs):
         assert not check or agent.returncode == 0, output
     return [(agent.returncode, output) for agent, output in zip(agents, outputs)]
