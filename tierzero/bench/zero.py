@@ -10,19 +10,16 @@ the warm-up steps. The ratios are rank 0's medians over the baseline's.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from tierzero.api import initialize
+from tierzero.bench.forked import forked_ranks
 from tierzero.models import GPT, ModelSpec
 
 __all__ = ["ZeroBenchResult", "bench_zero"]
@@ -99,7 +96,7 @@ def bench_zero(
     setup = _Setup(d_model=d_model, n_layer=n_layer, seq=seq, batch=batch, steps=steps, warmup=warmup, threads=threads)
     params = sum(p.numel() for p in setup.model().parameters())
     single = _bench_rank(setup, rank=0, world_size=1)
-    pair = _run_two_ranks(setup)
+    pair = forked_ranks(_pair_rank, setup, world_size=2, what="bench zero")
     return ZeroBenchResult(
         d_model=d_model, n_layer=n_layer, params=params, seq=seq, batch=batch, steps=steps, medians={1: single, 2: pair}
     )
@@ -150,39 +147,5 @@ def _bench_rank(setup: _Setup, *, rank: int, world_size: int) -> dict[str, float
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def _rank_entry(rank: int, port: int, setup: _Setup, queue: Any) -> None:
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(name, None)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        queue.put((rank, _bench_rank(setup, rank=rank, world_size=2), None))
-    except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
-        queue.put((rank, None, f"{type(exc).__name__}: {exc}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _run_two_ranks(setup: _Setup) -> dict[str, float]:
-    """Rank 0's medians from two forked gloo ranks (forking keeps start-up to a fraction of a second)."""
-    ctx = mp.get_context("fork")
-    queue = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank_entry, args=(rank, port, setup, queue)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, float]] = {}
-    try:
-        for _ in procs:
-            rank, medians, error = queue.get()
-            if error is not None:
-                raise RuntimeError(f"bench zero rank {rank} failed: {error}")
-            results[rank] = medians
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return results[0]
+def _pair_rank(rank: int, setup: _Setup) -> dict[str, float]:
+    return _bench_rank(setup, rank=rank, world_size=2)

@@ -12,17 +12,14 @@ summed over its groups and collectives, across nodes only (`comm_report(per_grou
 from __future__ import annotations
 
 import json
-import os
-import socket
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tierzero.api import initialize
+from tierzero.bench.forked import forked_ranks
 from tierzero.config import load_config
 from tierzero.data import batches_from_config
 from tierzero.micro_step import micro_step
@@ -126,47 +123,8 @@ def bench_zeropp(*, steps: int = 100, every: int = 10, threads: int = 1) -> Zero
     """Train every variant `steps` steps at 4 forked gloo ranks as 2 nodes; rank 0's view."""
     if steps < 1 or every < 1 or threads < 1:
         raise ValueError(f"bench zeropp needs steps, every and threads >= 1; got {steps}, {every}, {threads}")
-    losses, inter = _forked(_rank, steps, world_size=WORLD, threads=threads)
+    losses, inter = forked_ranks(_rank, steps, world_size=WORLD, threads=threads, what="bench zeropp")
     return ZeroppResult(steps=steps, every=every, losses=losses, inter_bytes=inter)
-
-
-def _entry(rank: int, port: int, fn: Callable[..., Any], arg: Any, threads: int, queue: Any) -> None:
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(name, None)
-    torch.set_num_threads(threads)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-        queue.put((rank, fn(rank, arg), None))
-    except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
-        queue.put((rank, None, f"{type(exc).__name__}: {exc}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _forked(fn: Callable[[int, Any], Any], arg: Any, *, world_size: int, threads: int) -> Any:
-    """Rank 0's `fn(rank, arg)` from `world_size` forked gloo ranks; raises with a failed rank's error."""
-    ctx = mp.get_context("fork")
-    queue = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_entry, args=(r, port, fn, arg, threads, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in procs:
-            rank, value, error = queue.get()
-            if error is not None:
-                raise RuntimeError(f"bench zeropp rank {rank} failed: {error}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return results[0]
 
 
 def _command(args: Any) -> int:
