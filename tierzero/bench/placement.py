@@ -71,8 +71,8 @@ def bench_placement(
         capacities["cpu"] = {"capacity": state // cpu_share}
     contenders = [_contender("auto", base, "auto", capacities, nvme_path)]
     for p, g, o in itertools.product(Tier, repeat=3):
-        offload = {"params": p.value, "gradients": g.value, "optimizer": o.value}
         name = f"{p.value}/{g.value}/{o.value}"
+        offload = Placement(name=name, params=p, gradients=g, optimizer=o).offload()
         contender = _contender(name, base, offload, capacities, nvme_path)
         if estimate(load_config(contender.config), suggest=False).fits:
             contender.label = f"params {p.value}, grads {g.value}, optimizer {o.value}"
