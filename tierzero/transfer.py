@@ -10,6 +10,7 @@ stream wait on it instead of blocking the host.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-__all__ = ["Transfer", "TransferOutcome"]
+__all__ = ["Transfer", "TransferOutcome", "after_all"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -98,3 +99,23 @@ class Transfer(Generic[T]):
         if outcome.event is not None:
             torch.cuda.current_stream().wait_event(outcome.event)
         return outcome.value  # type: ignore[return-value]
+
+
+def after_all(pending: list[Transfer[Any]], fn: Callable[[], None]) -> None:
+    """Call `fn` once every transfer in `pending` has finished: at once when none is pending,
+    else in the thread that finishes the last one."""
+    if not pending:
+        fn()
+        return
+    remaining = [len(pending)]
+    lock = threading.Lock()
+
+    def one_done(_: object) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            fn()
+
+    for transfer in pending:
+        transfer.future.add_done_callback(one_done)

@@ -174,6 +174,13 @@ class CountingStore:
                 raise ValueError(f"cannot move {key}: it is not fetched")
             if record.copy_tier is to:
                 return record.fetched
+            if not self._cuda and record.copy_tier is not record.home and not record.writes:
+                # One memory without a GPU: the copy changes tier, no byte moves (`TieredStore._retier`).
+                assert record.copy_tier is not None
+                self._add(record.copy_tier, key.kind, Use.FETCHED, -record.nbytes, "fetched")
+                self._add(to, key.kind, Use.FETCHED, record.nbytes, "fetched")
+                record.copy_tier = to
+                return record.fetched
             self.release(key)  # the old copy goes once its writes land, as a release's
         elif record.fetched is not None:
             raise ValueError(f"cannot adopt a copy of {key}: it is fetched to {record.copy_tier}")
@@ -181,6 +188,20 @@ class CountingStore:
         if source is not None:
             self._move(source, to, record.nbytes)
         self._add(to, key.kind, Use.FETCHED, record.nbytes, "fetched")
+        record.fetched = Transfer.ready(record.tensor())
+        return record.fetched
+
+    def adopt_scratch(self, key: SliceKey, *, to: Tier, scratch: torch.Tensor) -> Transfer[torch.Tensor]:
+        tier, kind, nbytes = self._scratch[storage_id(scratch)]
+        record = self._slices[key]
+        if self._cuda or nbytes != record.nbytes or record.fetched is not None or to is record.home:
+            moved = self.adopt(key, to=to, src=scratch)
+            self.free(scratch)  # read once the copy is done, which a counted copy is at once
+            return moved
+        del self._scratch[storage_id(scratch)]
+        self._add(tier, kind, Use.SCRATCH, -nbytes, "gathered" if kind is Kind.GATHERED else "scratch")
+        self._add(to, key.kind, Use.FETCHED, nbytes, "fetched")
+        record.copy_tier, record.inherited = to, tuple(record.writes)
         record.fetched = Transfer.ready(record.tensor())
         return record.fetched
 

@@ -23,7 +23,7 @@ from collections import defaultdict
 import torch
 
 from tierzero.config import CpuTierConfig
-from tierzero.offload.base import Region
+from tierzero.offload.base import Region, TierStorage
 from tierzero.offload.memory import MemoryTier
 from tierzero.slices import Tier, aligned_empty
 
@@ -70,6 +70,9 @@ class CpuTier(MemoryTier):
     def from_config(cls, section: CpuTierConfig) -> CpuTier:
         """From the `tiers.cpu` section."""
         return cls(capacity=section.capacity, pin_memory=section.pin_memory)
+
+    def same_memory(self, other: TierStorage | None) -> bool:
+        return isinstance(other, CpuTier) and other.pinned == self.pinned
 
     @property
     def kept_bytes(self) -> int:

@@ -61,6 +61,22 @@ class MemoryTier(TierStorage):
             self._used -= region.nbytes
             assert self._used >= 0, f"{self.tier.value} tier accounting went negative"
 
+    def same_memory(self, other: TierStorage | None) -> bool:
+        """Whether `other` holds its regions in this tier's memory, so that a region can change
+        tier (`hand_over`) instead of being copied."""
+        return False
+
+    def hand_over(self, region: Region, to: MemoryTier) -> Region:
+        """`region` as a region of `to`, one memory (`same_memory`), without a copy; raises
+        TierCapacityError, changing nothing, when `to` is full."""
+        assert self.same_memory(to) and region.tier is self.tier and region.buffer is not None, region.label
+        with to._lock:
+            to._reserve(region.nbytes, label=region.label)
+        buffer, region.buffer = region.buffer, None
+        with self._lock:
+            self._used -= region.nbytes  # given away: neither freed nor kept for reuse
+        return Region(tier=to.tier, nbytes=region.nbytes, label=region.label, buffer=buffer)
+
     def read(self, region: Region, dst: torch.Tensor) -> None:
         assert region.buffer is not None, f"{region.label}: read after free"
         dst.copy_(region.buffer)

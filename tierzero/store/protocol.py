@@ -33,6 +33,10 @@ class SliceStore(Protocol):
         """A fetched copy on `to` made from memory: from `src` (the new value just written home)
         or from the caller's copy on another tier, which moves; not read from the home."""
 
+    def adopt_scratch(self, key: SliceKey, *, to: Tier, scratch: torch.Tensor) -> Transfer[torch.Tensor]:
+        """`adopt` from scratch `allocate` made, which the store takes over: moved to `to` where it
+        is the same memory, else copied and freed once read."""
+
     def write_back(self, key: SliceKey, src: torch.Tensor | None = None) -> Transfer[None]:
         """Copy the fetched copy, or `src`, to the slice's home."""
 

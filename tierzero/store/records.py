@@ -57,6 +57,25 @@ class SliceRecord:
             wanted = " or ".join(s.value for s in states)
             raise ValueError(f"cannot {action} {self.key}: it is {self.state.value}, expected {wanted}")
 
+    def typed(self, region: Region) -> torch.Tensor:
+        """The slice's value in `region` (its home or a copy): a typed 1-D view."""
+        assert region.buffer is not None, f"{region.label}: a memory region without a tensor"
+        return region.buffer.view(self.dtype)[: self.numel]
+
+    def source_bytes(self, src: torch.Tensor) -> tuple[torch.Tensor, Tier]:
+        """`src`, a whole new value of the slice, as bytes, and the tier its memory counts as."""
+        if src.dtype != self.dtype or src.numel() != self.numel:
+            raise ValueError(
+                f"write_back of {self.key} expects {self.numel} elements of {self.dtype}, got {src.numel()} of {src.dtype}"
+            )
+        if not src.is_contiguous():
+            raise ValueError(f"write_back of {self.key} needs a contiguous tensor: pass src.contiguous()")
+        # Where the source memory is decides the path: a CUDA tensor is device memory; a host tensor
+        # counts as the fetched copy's tier (the emulated device is host memory), else as cpu memory
+        # (the NVMe tier bounces it if unaligned).
+        tier = Tier.DEVICE if src.is_cuda else (self.copy_tier or Tier.CPU)
+        return src.reshape(-1).view(torch.uint8), tier
+
 
 @dataclass(slots=True, kw_only=True)
 class ScratchRecord:

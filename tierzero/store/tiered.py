@@ -20,20 +20,21 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Any
 
 import torch
 
 from tierzero.config import SwapperConfig, TiersConfig
 from tierzero.offload.base import Region, TierStorage
 from tierzero.offload.cpu import CpuTier, HostDeviceTier
-from tierzero.offload.device import DeviceTier
-from tierzero.offload.nvme import NvmeTier
+from tierzero.offload.memory import MemoryTier
+from tierzero.offload.tiers import tiers_from_config
 from tierzero.slices import KEPT_KINDS, Kind, SliceKey, Tier, shown_kinds
 from tierzero.store.ledger import Ledger, StoreReport, Use
 from tierzero.store.nvme_cache import NvmeCache
 from tierzero.store.records import FETCHED_STATES, ScratchRecord, SliceRecord, SliceState
 from tierzero.swapper import Swapper
-from tierzero.transfer import Transfer
+from tierzero.transfer import Transfer, after_all
 
 __all__ = ["SliceState", "TieredStore"]
 
@@ -65,32 +66,14 @@ class TieredStore:
             observe_bounce(self._host_pool_changed)
 
     @classmethod
-    def from_config(
-        cls,
-        tiers: TiersConfig,
-        swapper: SwapperConfig,
-        *,
-        nvme: bool,
-        rank: int = 0,
-        device: torch.device | None = None,
-        nvme_capacity: int | None = None,
-        run_id: str | None = None,
-    ) -> TieredStore:
-        """Device and CPU tiers from the `tiers` section always, the NVMe tier when `nvme` (some
-        state is offloaded to it), and a swapper from the `swapper` section.
-
-        `run_id` names the run directory the ranks' swap files share: pass the same one on
-        every rank (rank 0's `tierzero.offload.nvme_files.new_run_id()`, broadcast), or
-        None for a fresh one per store.
-        """
-        cpu = CpuTier.from_config(tiers.cpu)
-        on_host = (device.type == "cpu") if device is not None else not torch.cuda.is_available()
-        device_tier = (
-            HostDeviceTier(capacity=tiers.device.capacity) if on_host else DeviceTier.from_config(tiers.device, device=device)
-        )
-        storages: dict[Tier, TierStorage] = {Tier.DEVICE: device_tier, Tier.CPU: cpu}
-        if nvme:
-            storages[Tier.NVME] = NvmeTier.from_config(tiers.nvme, rank=rank, capacity=nvme_capacity, run_id=run_id)
+    def from_config(cls, tiers: TiersConfig, swapper: SwapperConfig, **where: Any) -> TieredStore:
+        """The tiers `tierzero.offload.tiers.tiers_from_config(tiers, **where)` makes (`nvme`: whether
+        some state is offloaded there; `run_id`: the run directory all ranks' swap files share, rank
+        0's `new_run_id()` broadcast, or None for a fresh one), and a swapper from `swapper`."""
+        storages = tiers_from_config(tiers, **where)
+        cpu = storages[Tier.CPU]
+        assert isinstance(cpu, CpuTier)
+        on_host = isinstance(storages[Tier.DEVICE], HostDeviceTier)
         return cls(
             tiers=storages, swapper=Swapper.from_config(swapper, host=cpu, host_device=on_host), cache=tiers.nvme.cache
         )
@@ -128,7 +111,7 @@ class TieredStore:
             raise ValueError(f"{key} lives on {record.home.tier.value}, which has no tensor: fetch it to device or cpu")
         for write in writes:
             write.wait()
-        return _typed(record.home.buffer, record.dtype, record.numel)
+        return record.typed(record.home)
 
     def fetch(self, key: SliceKey, *, to: Tier) -> Transfer[torch.Tensor]:
         """Bring the slice to `to`; `.wait()` gives a typed 1-D tensor there. Idempotent while fetched."""
@@ -147,7 +130,7 @@ class TieredStore:
             if record.home.tier is to:
                 # The home tensor is the copy: no bytes move and none are added, but a write-back
                 # still in flight (from an earlier fetch elsewhere) must land first.
-                home = _typed(record.home.buffer, record.dtype, record.numel)
+                home = record.typed(record.home)
                 record.fetch = record.writes[-1].then(lambda _: home) if record.writes else Transfer.ready(home)
                 record.copy_tier, record.copy, record.state = to, None, SliceState.FETCHED
                 return record.fetch
@@ -170,7 +153,7 @@ class TieredStore:
             raise
         self._ledger.add(to, record.key.kind, Use.FETCHED, copy.nbytes)
         record.copy_tier, record.copy = to, copy
-        return transfer.then(lambda _: _typed(copy.buffer, record.dtype, record.numel))
+        return transfer.then(lambda _: record.typed(copy))
 
     def adopt(self, key: SliceKey, *, to: Tier, src: torch.Tensor | None = None) -> Transfer[torch.Tensor]:
         """A fetched copy of `key` on `to`, made from memory instead of read from the home.
@@ -178,8 +161,9 @@ class TieredStore:
         From `src`, the slice's new value just written home (the slice is at home then), or,
         without it, from the copy the caller holds on another tier, which then moves: the old
         copy goes once its transfers are done and the caller holds the new one (release it
-        as usual). The optimizer step hands its new parameters up to the device this way, so
-        that they cross the disk once, on their way home.
+        as usual); where both tiers are one memory (`_retier`) and no write-back reads the
+        copy, the copy itself changes tier, and no byte moves. The optimizer step hands its new parameters up to the device
+        this way, so that they cross the disk once, on their way home.
         """
         with self._lock:
             record = self._record(key)
@@ -192,13 +176,22 @@ class TieredStore:
                 if old_tier is to:
                     assert record.fetch is not None
                     return record.fetch
+                # Not while a write-back still reads the copy: it would hold the new tier's bytes until it lands.
+                idle = old is not None and old_tier is not None and not record.writes
+                moved_copy = self._retier(old, old_tier, to) if idle else None
+                if moved_copy is not None:
+                    assert old is not None and old_tier is not None and record.fetch is not None
+                    record.copy, record.copy_tier = moved_copy, to
+                    self._ledger.add(old_tier, key.kind, Use.FETCHED, -old.nbytes)
+                    self._ledger.add(to, key.kind, Use.FETCHED, old.nbytes)
+                    return record.fetch  # its tensor is a view of the same buffer
                 holder = old if old is not None else record.home
                 assert holder.buffer is not None
                 source = holder.buffer[: record.numel * record.dtype.itemsize]
                 pending = [t for t in (record.fetch, *record.writes) if t is not None]
             else:
                 record.require(SliceState.HOME, action="adopt a copy of")
-                source, _ = self._source_bytes(record, src)
+                source, _ = record.source_bytes(src)
                 old, pending = None, []
             copy = self._storage(to, what=f"a copy of {key}").allocate(record.nbytes, label=f"{key} fetched")
             try:
@@ -208,13 +201,41 @@ class TieredStore:
                 raise
             self._ledger.add(to, key.kind, Use.FETCHED, copy.nbytes)
             record.copy_tier, record.copy, record.state = to, copy, SliceState.FETCHING
-            record.fetch = moved.then(lambda _: _typed(copy.buffer, record.dtype, record.numel))
+            record.fetch = moved.then(lambda _: record.typed(copy))
             record.inherited = tuple(record.writes)
             fetched = record.fetch
         if old is not None:
             assert old_tier is not None
             self._free_when_done(old, old_tier, key.kind, [*pending, moved])
         return fetched
+
+    def adopt_scratch(self, key: SliceKey, *, to: Tier, scratch: torch.Tensor) -> Transfer[torch.Tensor]:
+        """`adopt` from `scratch`, a tensor `allocate` made holding the slice's whole value: the
+        store takes it over (the caller never frees it). In `to`'s memory, it becomes the copy
+        itself; elsewhere it is copied to `to`, and freed once read."""
+        with self._lock:
+            record = self._record(key)
+            record.settle()
+            held = self._scratch.get(scratch.data_ptr())
+            if held is None:
+                raise ValueError(f"adopt_scratch of {key} was given a tensor that allocate() did not return")
+            fits = record.state is SliceState.HOME and held.region.nbytes == record.nbytes and to is not record.home.tier
+            copy = self._retier(held.region, held.region.tier, to) if fits else None
+            if copy is not None:
+                del self._scratch[scratch.data_ptr()]
+                self._ledger.add(held.region.tier, held.kind, Use.SCRATCH, -copy.nbytes)
+                self._ledger.add(to, key.kind, Use.FETCHED, copy.nbytes)
+                record.copy_tier, record.copy, record.state = to, copy, SliceState.FETCHED
+                record.fetch = Transfer.ready(record.typed(copy))
+                record.inherited = tuple(record.writes)
+                return record.fetch
+        try:
+            moved = self.adopt(key, to=to, src=scratch)
+        except BaseException:
+            self.free(scratch)
+            raise
+        moved.future.add_done_callback(lambda _: self.free(scratch))
+        return moved
 
     def write_back(self, key: SliceKey, src: torch.Tensor | None = None) -> Transfer[None]:
         """Copy the fetched copy, or `src` (same numel and dtype), to the home. Ordered after the key's fetch."""
@@ -227,7 +248,7 @@ class TieredStore:
                     return Transfer.ready()
                 source, source_tier = record.copy.buffer, record.copy_tier
             else:
-                source, source_tier = self._source_bytes(record, src)
+                source, source_tier = record.source_bytes(src)
             assert source is not None and source_tier is not None
             cache = self._cache if record.home.tier is Tier.NVME else None
             transfer = None if cache is None else cache.write(key, source)
@@ -288,7 +309,8 @@ class TieredStore:
         region = self._storage(tier, what=f"scratch {label}").allocate(
             numel * dtype.itemsize, label=label or f"scratch {kind.value}"
         )
-        tensor = _typed(region.buffer, dtype, numel)
+        assert region.buffer is not None
+        tensor = region.buffer.view(dtype)[:numel]
         with self._lock:
             self._scratch[tensor.data_ptr()] = ScratchRecord(kind=kind, region=region)
         self._ledger.add(tier, kind, Use.SCRATCH, region.nbytes)
@@ -374,19 +396,13 @@ class TieredStore:
             raise ValueError(f"{what} needs the {tier.value} tier, but this store has only {present}: configure tiers.{tier.value}")
         return storage
 
-    def _source_bytes(self, record: SliceRecord, src: torch.Tensor) -> tuple[torch.Tensor, Tier]:
-        if src.dtype != record.dtype or src.numel() != record.numel:
-            raise ValueError(
-                f"write_back of {record.key} expects {record.numel} elements of {record.dtype}, "
-                f"got {src.numel()} of {src.dtype}"
-            )
-        if not src.is_contiguous():
-            raise ValueError(f"write_back of {record.key} needs a contiguous tensor: pass src.contiguous()")
-        # Where the source memory is decides the path: a CUDA tensor is device memory; a host tensor
-        # counts as the fetched copy's tier (the emulated device is host memory), else as cpu memory
-        # (the NVMe tier bounces it if unaligned).
-        tier = Tier.DEVICE if src.is_cuda else (record.copy_tier or Tier.CPU)
-        return src.reshape(-1).view(torch.uint8), tier
+    def _retier(self, region: Region, tier: Tier, to: Tier) -> Region | None:
+        """`region` as a region of `to`, without a copy, where both tiers are one memory (without a
+        GPU the device tier is host memory); None elsewhere. The caller books the move."""
+        source, target = self._tiers[tier], self._tiers.get(to)
+        if not (isinstance(source, MemoryTier) and isinstance(target, MemoryTier) and source.same_memory(target)):
+            return None
+        return source.hand_over(region, target)
 
     def _free_when_done(self, copy: Region, tier: Tier, kind: Kind, pending: list[Transfer]) -> None:
         """Free the copy once every transfer in `pending` has finished (in whichever thread ends last)."""
@@ -395,23 +411,4 @@ class TieredStore:
             self._tiers[tier].free(copy)
             self._ledger.add(tier, kind, Use.FETCHED, -copy.nbytes)
 
-        if not pending:
-            free_copy()
-            return
-        remaining = [len(pending)]
-        lock = threading.Lock()
-
-        def one_done(_: object) -> None:
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                free_copy()
-
-        for transfer in pending:
-            transfer.future.add_done_callback(one_done)
-
-
-def _typed(buffer: torch.Tensor | None, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    assert buffer is not None, "a memory region without a tensor"
-    return buffer.view(dtype)[:numel]
+        after_all(pending, free_copy)
