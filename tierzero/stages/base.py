@@ -1,7 +1,8 @@
 """What stages 1, 2 and 3 share: slice registration, the gradients' way home, the optimizer step.
 
 Parameters reach the modules through stages/binding.py ([Note: binding parameters]).
-The gradients go home through `GradBuckets` (stages/grad_buckets.py, [Note: gradient buckets]).
+The gradients go home through `GradBuckets` (stages/grad_buckets.py, [Note: gradient buckets])
+and land where `GradLanding` (stages/grad_landing.py) puts them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tierzero.quantized_comm import GradHops
 from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.binding import UnitParams, bind
 from tierzero.stages.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
+from tierzero.stages.grad_landing import GradLanding
 from tierzero.stages.grad_norm import GradNorm
 from tierzero.stages.plan import Homes, SlicePlan, SliceSpec, plan_slices
 from tierzero.stages.step import BackwardStep, StepScalars, run_step
@@ -28,7 +30,7 @@ from tierzero.store.protocol import SliceStore
 from tierzero.units import Unit, UnitState
 
 
-class Stage(ABC):
+class Stage(GradLanding, ABC):
     """One ZeRO stage over a list of units; every slice is reached through the store."""
 
     number: ClassVar[int]
@@ -228,76 +230,6 @@ class Stage(ABC):
     @abstractmethod
     def post_backward(self, unit: Unit, grads: list[torch.Tensor]) -> None:
         """Take one use's parameter gradients (one per slot, zeros where unused)."""
-
-    def reduce_grads(self, unit: Unit, grads: list[torch.Tensor]) -> None:
-        """Flatten `grads` and queue their reduce-scatter into the owned GRAD slice (stages 2, 3).
-
-        See [Note: gradient buckets] for when the collective starts and how many units
-        may wait in scratch, which bounds the gradient scratch.
-        """
-        if self.comm.world_size == 1 and self.replica is None:
-            # The reduce-scatter of one rank is the identity: add each gradient into its place.
-            with self._landing(unit, final=unit.pending_uses == 0) as shard:
-                for slot, grad in zip(unit.slots, grads, strict=True):
-                    shard.narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1))
-            return
-        self._buckets.add(unit, grads, final=unit.pending_uses == 0)
-
-    def finish_reduces(self) -> None:
-        self._buckets.finish()
-
-    def land_grad(self, unit: Unit, part: torch.Tensor, *, final: bool) -> None:
-        """Add a reduced gradient `part` into the unit's owned GRAD slice."""
-        with self._landing(unit, final=final) as shard:
-            shard.add_(part)
-
-    @contextmanager
-    def _landing(self, unit: Unit, *, final: bool) -> Iterator[torch.Tensor]:
-        """The unit's GRAD slice to add a gradient into; then home, or to the unit's step in this
-        backward when it hands over (`_hands_over_grad`). `final`: the unit's gradient is complete."""
-        if not (final and self._hands_over_grad(unit)):
-            with self.slice(unit, Kind.GRAD, write=True) as shard:
-                yield shard
-                if final:
-                    self.note_grad(unit, shard)
-            self._grad_complete(unit, final=final)
-            return
-        assert self._backward_step is not None
-        key, to = SliceKey(unit.name, Kind.GRAD), self._backward_step.grad_tier(unit)
-        if unit.grads_stale:
-            # Zeros plus the gradient, as a stale slice's own sum (`_fresh_grads`): the same bits.
-            spec = next(spec for spec in self.slice_specs(unit) if spec.kind is Kind.GRAD)
-            grads = self.scratch(unit, spec.numel, spec.dtype, kind=Kind.GRAD).zero_()
-            try:
-                yield grads
-                self.note_grad(unit, grads)
-                handed = self.store.adopt(key, to=to, src=grads)
-                handed.wait()  # the copy has read the scratch
-            finally:
-                self.store.free(grads)
-        else:
-            # The earlier micro-steps' sum, read to add this one's to; the copy then moves to the step.
-            grads = self.store.fetch(key, to=Tier.DEVICE).wait()
-            try:
-                yield grads
-                self.note_grad(unit, grads)
-            except BaseException:
-                self.store.release(key)
-                raise
-            handed = self.store.adopt(key, to=to)
-            unit.grads_stale = True  # the home keeps the earlier micro-steps' sum only
-        self._backward_step.ready(unit, grad=handed)
-
-    def _hands_over_grad(self, unit: Unit) -> bool:
-        """Whether the unit's complete gradient goes to its step in this backward from memory, as
-        its NVMe home is written only to be read back at once: it would cross the disk twice for
-        nothing. The home is left stale (`Unit.grads_stale`): the next reduce starts from zeros."""
-        steps_now = self._backward_step is not None and self.last_micro_step
-        return steps_now and self.plan.home(unit.name, Kind.GRAD) is Tier.NVME
-
-    def _grad_complete(self, unit: Unit, *, final: bool) -> None:
-        if final and self._backward_step is not None and self.last_micro_step:
-            self._backward_step.ready(unit)
 
     # ---- the optimizer step -------------------------------------------------------
 
