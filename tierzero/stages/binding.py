@@ -18,13 +18,15 @@ unit again if backward unpacks it before the unit's pre-backward hook did.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from tierzero.units import Unit
 
-__all__ = ["GradientReceiver", "UnitParams", "bind", "unregister_params"]
+__all__ = ["GradientReceiver", "SavedView", "UnitParams", "bind", "tensors_in", "unregister_params"]
 
 
 class GradientReceiver(Protocol):
@@ -63,3 +65,26 @@ def unregister_params(unit: Unit) -> None:
         for b in slot.bindings:
             if b.attr in b.module._parameters:
                 del b.module._parameters[b.attr]
+
+
+@dataclass(frozen=True, slots=True)
+class SavedView:
+    """A saved tensor that lived in a unit's gathered buffer, by position rather than by memory."""
+
+    unit: Unit
+    offset: int
+    """Elements from the start of the gathered buffer."""
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors inside a forward's output: nested tuples, lists and mappings (HF ModelOutput too)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from tensors_in(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from tensors_in(value)

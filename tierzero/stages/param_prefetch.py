@@ -112,9 +112,19 @@ class ParamPrefetch:
     def done_with(self, unit: str, *, take: Callable[[SliceKey], bool] | None = None) -> None:
         """The unit's gather has read the slice: drop it, unless it runs again next, or `take(key)`
         takes the fetched copy over (True: taken, e.g. moved down to the optimizer step)."""
+        if not self.keeps(unit):
+            self.give_back(unit, take=take)
+
+    def keeps(self, unit: str) -> bool:
+        """Asked right after the unit's gather, while the policy follows the order: whether the
+        slice stays fetched for the unit's next occurrence. If not, the caller gives it back
+        (`give_back`) then or once it stops reading it (a gather that lent it)."""
         if self._in_step and self.policy.keep_resident(unit):
             self._kept.add(unit)
-            return
+            return True
+        return False
+
+    def give_back(self, unit: str, *, take: Callable[[SliceKey], bool] | None = None) -> None:
         key = SliceKey(unit, Kind.PARAM)
         if take is None or not take(key):
             self.store.release(key)

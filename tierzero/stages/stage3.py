@@ -34,9 +34,8 @@ slice is fetched when its gather starts, not ahead by the prefetcher.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,7 +47,7 @@ from tierzero.prefetch import Phase
 from tierzero.quantized_comm import all_gather_quantized
 from tierzero.slices import Kind, SliceKey, Tier, storage_id
 from tierzero.stages.base import Stage, mark_state
-from tierzero.stages.binding import bind
+from tierzero.stages.binding import SavedView, bind, tensors_in
 from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.stages.stage3_step import StepInTime
 from tierzero.stages.step import ForwardStep, StepAhead
@@ -57,17 +56,6 @@ from tierzero.units import Unit, UnitState, is_root
 
 #: `prefetch.max_live_bytes`'s default, for stages built without a config.
 DEFAULT_GATHER_BUDGET = 2**30
-
-
-@dataclass(frozen=True, slots=True)
-class SavedView:
-    """A saved tensor that lived in a unit's gathered buffer, by position rather than by memory."""
-
-    unit: Unit
-    offset: int
-    """Elements from the start of the gathered buffer."""
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
 
 
 class Stage3(StepInTime, Stage):
@@ -108,6 +96,9 @@ class Stage3(StepInTime, Stage):
         # Storage address of each gathered buffer -> its unit, for the pack hook.
         self._by_storage: dict[int, Unit] = {}
         self._gathering: dict[str, C.Pending] = {}
+        self._lent: dict[str, bool] = {}
+        """Units whose gathered buffer is their fetched PARAM slice itself (`_lends`): whether the
+        prefetcher keeps that slice for the unit's next occurrence."""
         self._empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
         self._order: list[Unit] = []
         """Units in the order the last forward first ran them: what to prefetch next."""
@@ -133,8 +124,7 @@ class Stage3(StepInTime, Stage):
         if self._forward_step is not None:
             self._forward_step.need(unit)  # its parameters are the stepped ones from here on
         mark_state(unit, UnitState.GATHERING)
-        gathered = self.scratch(unit, unit.padded_numel, self.param_dtype)
-        # The fetched shard is released only once the gather has read it (unshard).
+        # The fetched shard is released only once the gather has read it (unshard), or, lent, at reshard.
         comm = self.comm
         if self._phase is Phase.BACKWARD and unit.name in self._secondary_fresh:
             assert self.secondary is not None
@@ -144,8 +134,13 @@ class Stage3(StepInTime, Stage):
             shard = self.store.fetch(SliceKey(unit.name, Kind.PARAM), to=Tier.DEVICE).wait()
         else:
             shard = self.param_prefetch.acquire(unit.name, self._phase)
-        gather = all_gather_quantized if self.quantized_weights and comm is self.comm else C.all_gather
-        self._gathering[unit.name] = gather(gathered, shard, comm=comm, async_op=self.overlap)
+        if self._lends(unit, shard, comm):
+            gathered, self._gathering[unit.name] = shard, C.Pending()
+            self._lent[unit.name] = False
+        else:
+            gathered = self.scratch(unit, unit.padded_numel, self.param_dtype)
+            gather = all_gather_quantized if self.quantized_weights and comm is self.comm else C.all_gather
+            self._gathering[unit.name] = gather(gathered, shard, comm=comm, async_op=self.overlap)
         unit.gathered = gathered
         self._by_storage[storage_id(gathered)] = unit
 
@@ -157,6 +152,9 @@ class Stage3(StepInTime, Stage):
             if unit.name in self._from_secondary:
                 self._from_secondary.discard(unit.name)
                 self.store.release(SliceKey(unit.name, Kind.SECONDARY))
+            elif unit.name in self._lent:
+                # Kept for its next occurrence, or given back at reshard, once the unit is done with it.
+                self._lent[unit.name] = self.param_prefetch is not None and self.param_prefetch.keeps(unit.name)
             else:
                 if self.param_prefetch is None:
                     self.store.release(SliceKey(unit.name, Kind.PARAM))
@@ -164,6 +162,18 @@ class Stage3(StepInTime, Stage):
                     self.param_prefetch.done_with(unit.name, take=take)
                 self._keep_secondary(unit)
             mark_state(unit, UnitState.GATHERED)
+
+    def _lends(self, unit: Unit, shard: torch.Tensor, comm: C.CommGroup) -> bool:
+        """Whether the fetched shard itself is the gathered buffer, until `reshard`: one rank holds
+        all of the unit (a gather would only copy it), and no step reads its PARAM slice meanwhile
+        (a unit gathered in forward is freed before backward, and a step runs only in the last
+        micro-step's backward)."""
+        whole = comm.world_size == 1 and not self.quantized_weights and shard.numel() == unit.padded_numel
+        if not whole or shard.dtype != self.param_dtype:
+            return False
+        if self._phase is Phase.FORWARD:
+            return not (torch.is_grad_enabled() and self._persists(unit))
+        return not self.last_micro_step or (self._backward_step is None and self._step_ahead is None)
 
     def _keep_secondary(self, unit: Unit) -> None:
         """Write this rank's part of a forward gather to the unit's SECONDARY slice ([Note: hpZ's secondary copy])."""
@@ -186,7 +196,14 @@ class Stage3(StepInTime, Stage):
             written.wait()  # it reads the buffer freed below
         del self._by_storage[storage_id(unit.gathered)]
         bind(unit, [self._empty] * len(unit.slots))
-        self.store.free(unit.gathered)
+        if unit.name in self._lent:
+            kept = self._lent.pop(unit.name)
+            if self.param_prefetch is None:
+                self.store.release(SliceKey(unit.name, Kind.PARAM))
+            elif not kept:
+                self.param_prefetch.give_back(unit.name)
+        else:
+            self.store.free(unit.gathered)
         unit.gathered = None
         mark_state(unit, UnitState.SHARDED)
 
@@ -253,14 +270,14 @@ class Stage3(StepInTime, Stage):
         gradients of its inputs are complete, which needs every op of its backward done.
         One whose inputs need no gradient (the first layers of a LoRA model) is released
         by `after_backward`, right after its backward, the last."""
-        needing = [t for t in _tensors(inputs) if t.requires_grad]
+        needing = [t for t in tensors_in(inputs) if t.requires_grad]
         if needing:
             torch.autograd.graph.register_multi_grad_hook(needing, lambda _: self.reshard(unit), mode="all")
 
     def post_forward(self, unit: Unit, output: Any) -> None:
         if recomputing():
             return  # the unit's backward runs next and needs it gathered: post_backward releases it
-        outputs = [t for t in _tensors(output) if t.requires_grad]
+        outputs = [t for t in tensors_in(output) if t.requires_grad]
         if outputs and torch.is_grad_enabled():
             torch.autograd.graph.register_multi_grad_hook(outputs, lambda _: self.pre_backward(unit), mode="any")
         if not (torch.is_grad_enabled() and self._persists(unit)):
@@ -395,15 +412,3 @@ class Stage3(StepInTime, Stage):
             assert self.param_prefetch is not None
             self.param_prefetch.adopt(unit.name, self.store.adopt(key, to=Tier.DEVICE, src=value))
         return [written]
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors inside a forward's output: nested tuples, lists and mappings (HF ModelOutput too)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value)
