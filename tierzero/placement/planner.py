@@ -373,10 +373,13 @@ def _home_bytes(specs: dict[str, Any], homes: Homes) -> dict[Tier, int]:
     return held
 
 
-def _rank(candidate: Candidate) -> tuple[float, float]:
-    """Shortest predicted step first; on a tie, fewest copies between the device and host tiers."""
-    assert candidate.prediction is not None
-    return candidate.prediction.step_s, candidate.prediction.copy_s
+def _rank(candidate: Candidate) -> tuple[float, float, int, int]:
+    """Shortest predicted step first; on a tie, fewest copies between the device and host tiers,
+    then the least state on NVMe, then in host memory: the highest tiers that do as well."""
+    assert candidate.prediction is not None and candidate.result is not None
+    homes = candidate.result.tiers
+    lower = [homes[tier].home_total if tier in homes else 0 for tier in (Tier.NVME, Tier.CPU)]
+    return candidate.prediction.step_s, candidate.prediction.copy_s, lower[0], lower[1]
 
 
 def _shortfall_text(short: dict[Tier, int]) -> str:
