@@ -146,7 +146,7 @@ class CountingStore:
                 raise ValueError(f"{key} is already fetched to {record.copy_tier}, asked for {to.value}: release it first")
             return record.fetched
         record.copy_tier = to
-        if record.home is to:
+        if self._home_is_copy(record):
             assert record.home_tensor is not None
             record.fetched = Transfer.ready(record.home_tensor)
         else:
@@ -174,7 +174,7 @@ class CountingStore:
                 raise ValueError(f"cannot move {key}: it is not fetched")
             if record.copy_tier is to:
                 return record.fetched
-            if not self._cuda and record.copy_tier is not record.home and not record.writes:
+            if not self._cuda and not self._home_is_copy(record) and not record.writes:
                 # One memory without a GPU: the copy changes tier, no byte moves (`TieredStore._retier`).
                 assert record.copy_tier is not None
                 self._add(record.copy_tier, key.kind, Use.FETCHED, -record.nbytes, "fetched")
@@ -207,7 +207,7 @@ class CountingStore:
 
     def write_back(self, key: SliceKey, src: torch.Tensor | None = None) -> Transfer[None]:
         record = self._slices[key]
-        if src is None and (record.fetched is None or record.copy_tier is record.home):
+        if src is None and (record.fetched is None or self._home_is_copy(record)):
             return Transfer.ready()
         # A source the caller made (a slice's first value, a published shard) is taken to be
         # on the GPU where there is one: it is staged there, and bounced without one.
@@ -230,8 +230,9 @@ class CountingStore:
         record = self._slices[key]
         if record.fetched is None:
             raise ValueError(f"cannot release {key}: it is not fetched")
+        home_copy = self._home_is_copy(record)
         tier, record.copy_tier, record.fetched = record.copy_tier, None, None
-        if tier is record.home:
+        if home_copy:
             return
         assert tier is not None
         pending = [w for w in record.writes if not any(w is old for old in record.inherited)]
@@ -285,6 +286,12 @@ class CountingStore:
                 write.result()
 
     # ---- counting -------------------------------------------------------------------
+
+    def _home_is_copy(self, record: _Slice) -> bool:
+        """Whether the slice's fetched copy is its home tensor: fetched to the home tier, or without
+        a GPU to the other memory tier (`TieredStore.fetch`)."""
+        tiers = {record.home, record.copy_tier}
+        return record.copy_tier is record.home or (not self._cuda and tiers == {Tier.DEVICE, Tier.CPU})
 
     def _cached_write(self, record: _Slice) -> bool:
         """Ask the cache where a write of `record` goes; book its entry and count its evictions."""

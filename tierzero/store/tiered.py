@@ -127,9 +127,9 @@ class TieredStore:
                     )
                 assert record.fetch is not None
                 return record.fetch
-            if record.home.tier is to:
-                # The home tensor is the copy: no bytes move and none are added, but a write-back
-                # still in flight (from an earlier fetch elsewhere) must land first.
+            if record.home.tier is to or self._one_memory(record.home.tier, to):
+                # The home tensor is the copy (in `to`, or in the same memory): no bytes move and none
+                # are added, but a write-back still in flight (from an earlier fetch elsewhere) must land first.
                 home = record.typed(record.home)
                 record.fetch = record.writes[-1].then(lambda _: home) if record.writes else Transfer.ready(home)
                 record.copy_tier, record.copy, record.state = to, None, SliceState.FETCHED
@@ -396,12 +396,17 @@ class TieredStore:
             raise ValueError(f"{what} needs the {tier.value} tier, but this store has only {present}: configure tiers.{tier.value}")
         return storage
 
+    def _one_memory(self, a: Tier, b: Tier) -> bool:
+        """Whether tiers `a` and `b` are one memory (without a GPU the device tier is host memory)."""
+        first = self._tiers.get(a)
+        return isinstance(first, MemoryTier) and first.same_memory(self._tiers.get(b))
+
     def _retier(self, region: Region, tier: Tier, to: Tier) -> Region | None:
-        """`region` as a region of `to`, without a copy, where both tiers are one memory (without a
-        GPU the device tier is host memory); None elsewhere. The caller books the move."""
-        source, target = self._tiers[tier], self._tiers.get(to)
-        if not (isinstance(source, MemoryTier) and isinstance(target, MemoryTier) and source.same_memory(target)):
+        """`region` as a region of `to` without a copy where both are one memory, else None; the caller books it."""
+        if not self._one_memory(tier, to):
             return None
+        source, target = self._tiers[tier], self._tiers[to]
+        assert isinstance(source, MemoryTier) and isinstance(target, MemoryTier)
         return source.hand_over(region, target)
 
     def _free_when_done(self, copy: Region, tier: Tier, kind: Kind, pending: list[Transfer]) -> None:
