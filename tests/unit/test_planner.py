@@ -214,7 +214,7 @@ def test_tierzero_estimate_prints_the_plan(tmp_path: Path) -> None:
     assert rc == 0 and placement["predicted_step_s"] > 0
     assert placement["homes"].keys() == {"params", "grads", "optimizer"}
     with pytest.raises(PlacementError, match=r"no placement fits .* short by"):
-        cli("--set", "tiers.cpu.capacity=70MiB", "--set", "tiers.device.capacity=1MiB")
+        cli("--set", "tiers.cpu.capacity=2MiB", "--set", "tiers.device.capacity=1MiB")
 
 
 def test_the_rates_are_measured_on_this_machine(tmp_path: Path) -> None:
@@ -238,9 +238,13 @@ def test_a_tight_device_lowers_the_prefetchers_budgets_and_the_run_keeps_within_
     result = estimate(load_config(_raw(tmp_path, offload=nvme)), disk=DISK, flops=FLOPS, suggest=False)
     device = result.tiers[Tier.DEVICE]
     capacity = device.need - device.working["fetched"] // 2  # under what the default prefetcher keeps
-    raw = {**_raw(tmp_path), "tiers": {**_raw(tmp_path)["tiers"], "device": {"capacity": capacity}}}
+    # Parameters on NVMe: in host memory, a forward's gather would be the home itself, no device byte.
+    partly = _raw(tmp_path, offload={"params": "nvme", "gradients": "auto", "optimizer": "auto"})
+    raw = {**partly, "tiers": {**partly["tiers"], "device": {"capacity": capacity}}}
     budgets = _budgets(cpu=1 << 30, device=capacity)
     plan = _plan(load_config(raw), budgets)
+    # The kind the config places stays there, every unit of it: no slice of it is moved to cpu.
+    assert plan.homes.params is Tier.NVME and [what for _, what in plan.homes.units if what == "params"] == []
     assert plan.overrides["prefetch.max_live_bytes"] < load_config(raw).prefetch.max_live_bytes
     assert plan.estimate.tiers[Tier.DEVICE].need <= capacity
     assert "the prefetcher's budgets lowered to fit the device" in "\n".join(plan.lines())

@@ -266,7 +266,8 @@ def plan_placement(
     whole = [judge(c) for c in _whole_kind(cfg)]
     fitting = sorted((c for c in whole if not c.short), key=_rank)
     bases = [c for c in fitting if c.result is not None and c.result.nvme_file][:SPLIT_BASES]
-    splits = [split for base in bases for split in _fill(base, rank_budgets, judge, disk=disk)]
+    auto = {what for what, key in FIELDS.items() if getattr(cfg.offload, key) == AUTO}
+    splits = [split for base in bases for split in _fill(base, rank_budgets, judge, disk=disk, auto=auto)]
     ranked = sorted((c for c in whole + splits if not c.short), key=_rank)
     if not ranked:
         raise PlacementError(_refusal(cfg, whole))
@@ -307,8 +308,11 @@ def _whole_kind(cfg: Config) -> list[Candidate]:
     ]
 
 
-def _fill(base: Candidate, budgets: RankBudgets, judge: Any, *, disk: Bandwidth | None) -> list[Candidate]:
-    """`base` with its NVMe slices moved to the cpu tier while the host budget has room, unit by
+def _fill(
+    base: Candidate, budgets: RankBudgets, judge: Any, *, disk: Bandwidth | None, auto: set[str]
+) -> list[Candidate]:
+    """`base` with the NVMe slices of the `auto` kinds (a kind the config places stays where it says)
+    moved to the cpu tier while the host budget has room, unit by
     unit and kind by kind, those whose disk time per byte (the replay's reads and writes of
     them at the disk's rates) is highest first; shrunk by what the replay finds over budget,
     up to three times. Slices that cost no disk time (gradients handed to a step in backward)
@@ -319,7 +323,7 @@ def _fill(base: Candidate, budgets: RankBudgets, judge: Any, *, disk: Bandwidth 
     groups: dict[tuple[str, str], list[float]] = {}
     for unit, unit_specs in base.result.plan.specs.items():
         for spec in unit_specs:
-            if spec.home is Tier.NVME:
+            if spec.home is Tier.NVME and KIND_HOMES[spec.kind] in auto:
                 read, written = base.result.nvme_by_slice.get(SliceKey(unit, spec.kind), (0, 0))
                 group = groups.setdefault((unit, KIND_HOMES[spec.kind]), [0.0, 0.0])
                 group[0] += read / disk.read + written / disk.write
