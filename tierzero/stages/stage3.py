@@ -83,12 +83,13 @@ class Stage3(StepInTime, Stage):
         gather_ahead: int = 1,
         gather_budget: int = DEFAULT_GATHER_BUDGET,
         secondary: C.CommGroup | None = None,
-        quantized_weights: bool = False,
+        weight_block: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.quantized_weights = quantized_weights
-        """qwZ: gathers over `comm` send int8 ([Note: qwZ] in quantized_comm.py)."""
+        self.weight_block = weight_block
+        """qwZ: gathers over `comm` send int8, a scale per this many elements ([Note: qwZ] in
+        quantized_comm.py); None: unquantised."""
         self.secondary = secondary
         """hpZ: the group that splits each unit's secondary copy ([Note: hpZ's secondary copy])."""
         self._secondary_fresh: set[str] = set()
@@ -144,8 +145,12 @@ class Stage3(StepInTime, Stage):
             shard = self.store.fetch(SliceKey(unit.name, Kind.PARAM), to=Tier.DEVICE).wait()
         else:
             shard = self.param_prefetch.acquire(unit.name, self._phase)
-        gather = all_gather_quantized if self.quantized_weights and comm is self.comm else C.all_gather
-        self._gathering[unit.name] = gather(gathered, shard, comm=comm, async_op=self.overlap)
+        if self.weight_block is not None and comm is self.comm:
+            block = self.weight_block
+            pending = all_gather_quantized(gathered, shard, comm=comm, block_size=block, async_op=self.overlap)
+        else:
+            pending = C.all_gather(gathered, shard, comm=comm, async_op=self.overlap)
+        self._gathering[unit.name] = pending
         unit.gathered = gathered
         self._by_storage[storage_id(gathered)] = unit
 
