@@ -379,8 +379,10 @@ class DistConfig(Section):
 
     SECTION: ClassVar[str] = "dist"
     timeout: float = setting(600.0, float_check(lo=0.0, lo_open=True, limit=7 * 24 * 3600))
-    """Seconds a collective may wait for another rank before the job stops with an error naming the
-    lost rank; a dead rank is noticed at once, a hung one after this long."""
+    """Seconds from a rank hanging to the job stopping with an error naming the lost rank (a dead
+    rank is noticed at once). The collectives of the group tierzero creates wait this less the roll
+    call's share, 2 s or a quarter of a timeout under 8 s, in which the ranks that noticed ask the
+    job's store which ranks still answer; a group created before tierzero.initialize keeps its own."""
 
 
 def _check_product(count_key: str, count: int, size_key: str, size: int, what: str) -> None:
