@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+ROLL_CALL_S = 2.0
+"""The longest a rank that saw a collective fail waits for the others' answers (`unanswered_ranks`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +32,21 @@ class DistContext:
     """True when `setup` created the default group (and `teardown` should destroy it)."""
 
 
+def roll_call_s(timeout_s: float) -> float:
+    """The roll call's share of `dist.timeout`: `ROLL_CALL_S`, or a quarter of a timeout under 8 s.
+
+    A hung rank fails the job within `timeout_s`: the collectives of a group `setup` creates
+    wait `timeout_s - roll_call_s(timeout_s)`, then the ranks that noticed ask the store which
+    ranks still answer, waiting the rest.
+    """
+    return min(ROLL_CALL_S, timeout_s / 4)
+
+
 def setup(*, timeout_s: float = 600.0) -> DistContext:
     """Join (or create) the default process group when launched as one rank of several.
 
-    `timeout_s` bounds how long a collective of a group created here waits for a rank
-    that hung; a group the user created keeps its own timeout.
+    A collective of a group created here waits `timeout_s` less the roll call's share
+    (`roll_call_s`) for a rank that hung; a group the user created keeps its own timeout.
     """
     if dist.is_available() and dist.is_initialized():
         return _context(created=False)
@@ -50,13 +62,14 @@ def setup(*, timeout_s: float = 600.0) -> DistContext:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
+    collective_s = timeout_s - roll_call_s(timeout_s)
     dist.init_process_group(
-        backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=timeout_s)
+        backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=collective_s)
     )
     return _context(created=True)
 
 
-def unanswered_ranks(*, rank: int, world_size: int, tag: str, wait_s: float = 2.0) -> list[int] | None:
+def unanswered_ranks(*, rank: int, world_size: int, tag: str, wait_s: float = ROLL_CALL_S) -> list[int] | None:
     """After a collective failed: the ranks that do not answer a roll call within `wait_s` seconds.
 
     Every rank that saw the failure writes its own key under `tag` in the store the launcher

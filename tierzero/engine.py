@@ -99,8 +99,9 @@ class Engine:
         self._skips_overflow = self._param_dtype == torch.float16
         rules = GroupRules.from_config(cfg.optimizer)
         self.units = plan_units(
-            model, world_size=self.comm.world_size, unit_classes=list(cfg.zero.unit_classes), group_of=rules.group_of
-        )
+            model, world_size=self.comm.world_size, unit_classes=list(cfg.zero.unit_classes), group_of=rules.group_of,
+            quant_block=cfg.zero.quant_block,
+        )  # fmt: skip
         stage_class = STAGES[cfg.zero.stage]
         optimizer = make_optimizer(cfg.optimizer, rules.groups)
         homes = homes or Homes.configured(cfg.offload)
@@ -130,14 +131,14 @@ class Engine:
                     "gather_ahead": int(cfg.zero.gather_ahead),
                     "gather_budget": int(cfg.prefetch.max_live_bytes),
                     "secondary": self.mesh.secondary,
-                    "quantized_weights": bool(cfg.zero.quantized_weights),
+                    "weight_block": cfg.zero.quantization_block_size if cfg.zero.quantized_weights else None,
                 }
             self.stage = stage_class(
                 units=self.units, plan=self.plan, store=self.store, comm=self.comm, replica=self.mesh.replica,
                 optimizer=optimizer, param_dtype=self._param_dtype, homes=homes, device=ctx.device,
                 overlap=bool(cfg.zero.overlap_comm), bucket_bytes=int(cfg.zero.reduce_bucket_size),
                 activations=self._saved_activations(), **extra,
-                grad_hops=self.mesh.grad_hops(cfg.zero.quantized_gradients),
+                grad_hops=self.mesh.grad_hops(cfg.zero.quantized_gradients, block_size=cfg.zero.quant_block),
             )  # fmt: skip
             self.stage.grad_norm.enabled = float(cfg.gradient_clipping) > 0 or self._skips_overflow
             self._install()

@@ -52,11 +52,13 @@ class Mesh:
         all_groups = (self.shard, self.replica, self.secondary, self.intra, self.inter)
         return [group for group in all_groups if group is not None]
 
-    def grad_hops(self, quantized: str) -> GradHops | None:
-        """qgZ's two hops with `quantized` ("int8", "int4") across nodes; None for "none"."""
+    def grad_hops(self, quantized: str, *, block_size: int) -> GradHops | None:
+        """qgZ's two hops with `quantized` ("int8", "int4") across nodes, a scale per `block_size`
+        elements; None for "none"."""
         if quantized == "none" or self.intra is None or self.inter is None:
             return None
-        return GradHops(intra=self.intra, inter=self.inter, bits={"int8": 8, "int4": 4}[quantized])
+        bits = {"int8": 8, "int4": 4}[quantized]
+        return GradHops(intra=self.intra, inter=self.inter, bits=bits, block_size=block_size)
 
     @property
     def secondary_parts(self) -> int:

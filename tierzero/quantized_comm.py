@@ -3,15 +3,19 @@
 [Note: qwZ]
 With `zero.quantized_weights`, stage 3's parameter gathers over the data-parallel group
 send int8 instead of the compute dtype: each rank quantises its shard block-wise
-(tierzero/quant.py, one fp32 scale per `QWZ_BLOCK` elements), the ranks all-gather the
-packed bytes (payload then scales, `quantized_nbytes` of them per shard), and every rank
-dequantises every piece, its own included, into the gathered buffer. So all ranks compute
-with the same weights, each within half a block scale of the master's, and the masters,
-gradients and optimizer states never see a quantised value. The bytes a rank sends per
-gather are (N - 1) x quantized_nbytes(shard): about a quarter of an fp32 gather and half of
-a bf16 one, plus 4 bytes per block. Forward and backward gathers of a step are quantised
-alike, so backward differentiates the weights forward used; with hpZ the backward gathers
-inside the node from the secondary copy, which holds the dequantised weights.
+(tierzero/quant.py, one fp32 scale per b = `zero.quantization_block_size` elements), the
+ranks all-gather the packed bytes (payload then scales, `quantized_nbytes` of them per
+shard), and every rank dequantises every piece, its own included, into the gathered buffer.
+So all ranks compute with the same weights, each within half a block scale of the master's,
+and the masters, gradients and optimizer states never see a quantised value. Units are
+padded so that every shard is whole blocks (tierzero/units.py): no block straddles two
+shards, and the gathered weights are those of the unit's whole buffer quantised at once,
+whatever the number of ranks. The bytes a rank sends per gather are (N - 1) x
+quantized_nbytes(shard) = (N - 1) x (s + 4 s / b) for a shard of s elements: about a
+quarter of an fp32 gather and half of a bf16 one, plus the scales. Forward and backward
+gathers of a step are quantised alike, so backward differentiates the weights forward used;
+with hpZ the backward gathers inside the node from the secondary copy, which holds the
+dequantised weights.
 
 [Note: qgZ]
 With `zero.quantized_gradients`, the gradients' reduce-scatter over N = M nodes x L ranks
@@ -19,7 +23,7 @@ takes two hops. Inside the node, each rank sends each node peer that peer's shar
 node (M shards, in the gradients' dtype, unquantised) and sums what it receives in fp32, in
 local-rank order: it now holds its node's partial sums of the M shards owned by the ranks
 of its local rank. Across nodes, among those M ranks, each sends every other node's partial
-sum quantised (int8 or int4, a scale per 2048 elements) to its owner, which dequantises and
+sum quantised (int8 or int4, a scale per b elements) to its owner, which dequantises and
 adds the M partial sums in fp32, in node order, its own unquantised. A rank sends (L-1) x M
 shards inside the node and (M-1) x quantized_nbytes(shard) across: L times fewer shards
 cross than in a flat reduce-scatter, each 8 (int4) or 4 (int8) times smaller in fp32. The
@@ -36,17 +40,16 @@ import torch
 from tierzero import comm as C
 from tierzero.quant import Quantized, dequantize, quantize, quantized_nbytes
 
-__all__ = ["QWZ_BLOCK", "GradHops", "all_gather_quantized", "reduce_scatter_hierarchical"]
+__all__ = ["GradHops", "all_gather_quantized", "reduce_scatter_hierarchical"]
 
-#: Elements per scale in qwZ's gathers: a shard is a multiple of it (units pad to 2048 x N elements).
-QWZ_BLOCK = 2048
 _BITS = 8
 
 
 def all_gather_quantized(
-    output: torch.Tensor, shard: torch.Tensor, *, comm: C.CommGroup, async_op: bool = False
+    output: torch.Tensor, shard: torch.Tensor, *, comm: C.CommGroup, block_size: int, async_op: bool = False
 ) -> C.Pending:
-    """`comm.all_gather` of `shard` into `output` through int8 (see [Note: qwZ]); counts the packed bytes."""
+    """`comm.all_gather` of `shard` into `output` through int8, one scale per `block_size` elements
+    (see [Note: qwZ]); counts the packed bytes."""
     numel = shard.numel()
     if output.numel() != numel * comm.world_size:
         raise ValueError(
@@ -55,13 +58,13 @@ def all_gather_quantized(
         )
     if comm.world_size == 1:
         return C.all_gather(output, shard, comm=comm)  # nothing is sent: nothing to quantise
-    nbytes = quantized_nbytes(numel, bits=_BITS, block_size=QWZ_BLOCK)
-    payload = nbytes - 4 * -(-numel // QWZ_BLOCK)
+    nbytes = quantized_nbytes(numel, bits=_BITS, block_size=block_size)
+    payload = nbytes - 4 * -(-numel // block_size)
     packed = torch.empty(nbytes, dtype=torch.uint8, device=shard.device)
     received = torch.empty((comm.world_size, nbytes), dtype=torch.uint8, device=shard.device)
     if shard.is_meta:  # the estimate's dry run: count the bytes, move none
         return C.all_gather(received.view(-1), packed, comm=comm)
-    q = quantize(shard, bits=_BITS, block_size=QWZ_BLOCK)
+    q = quantize(shard, bits=_BITS, block_size=block_size)
     packed[:payload].copy_(q.data)
     packed[payload:].copy_(q.scales.view(torch.uint8))
     inner = C.all_gather(received.view(-1), packed, comm=comm, async_op=True)
@@ -72,7 +75,7 @@ def all_gather_quantized(
         for row, piece in zip(received, pieces):
             scales = row[payload:].clone().view(torch.float32)  # a copy: the row may not be 4-byte aligned
             got = Quantized(
-                data=row[:payload], scales=scales, numel=numel, bits=_BITS, block_size=QWZ_BLOCK, dtype=shard.dtype
+                data=row[:payload], scales=scales, numel=numel, bits=_BITS, block_size=block_size, dtype=shard.dtype
             )
             dequantize(got, out=piece)
 
@@ -89,6 +92,8 @@ class GradHops:
     """The ranks with this rank's local rank, one per node, in node order."""
     bits: int
     """8 or 4: what a partial sum crosses nodes in."""
+    block_size: int
+    """Elements per fp32 scale of a partial sum that crosses (`zero.quantization_block_size`)."""
 
 
 def reduce_scatter_hierarchical(
@@ -108,7 +113,7 @@ def reduce_scatter_hierarchical(
     sizes = [output.numel() for output in outputs]
     item = fulls[0].element_size()
     C.count_sent(intra, C.Collective.REDUCE_SCATTER, [(nodes * sum(sizes) * item, p) for p in _peers(intra)])
-    wire = sum(quantized_nbytes(size, bits=hops.bits, block_size=QWZ_BLOCK) for size in sizes)
+    wire = sum(quantized_nbytes(size, bits=hops.bits, block_size=hops.block_size) for size in sizes)
     C.count_sent(inter, C.Collective.REDUCE_SCATTER, [(wire, p) for p in _peers(inter)])
     if fulls[0].is_meta:
         return C.Pending()  # the estimate's dry run: counted, nothing moves
@@ -140,12 +145,12 @@ def _node_major(grids: list[torch.Tensor], local: int) -> torch.Tensor:
 def _across_nodes(partial: torch.Tensor, outputs: Sequence[torch.Tensor], sizes: list[int], hops: GradHops) -> None:
     """Hop 2: each node's partial sum of this rank's shard, quantised, to the rank owning it; summed in fp32."""
     inter, peers = hops.inter, _peers(hops.inter)
-    wire = sum(quantized_nbytes(size, bits=hops.bits, block_size=QWZ_BLOCK) for size in sizes)
+    wire = sum(quantized_nbytes(size, bits=hops.bits, block_size=hops.block_size) for size in sizes)
     received = [torch.empty(wire, dtype=torch.uint8, device=partial.device) for _ in peers]
-    sends = [(_pack(partial[p], sizes, bits=hops.bits), inter.global_rank(p)) for p in peers]
+    sends = [(_pack(partial[p], sizes, hops), inter.global_rank(p)) for p in peers]
     for work in C.exchange(sends, list(zip(received, (inter.global_rank(p) for p in peers))), comm=inter):
         work.wait()
-    pieces = {p: _unpack(row, sizes, bits=hops.bits) for p, row in zip(peers, received)}
+    pieces = {p: _unpack(row, sizes, hops) for p, row in zip(peers, received)}
     pieces[inter.rank] = partial[inter.rank]  # this node's own partial sum never leaves it: exact
     total = torch.zeros_like(partial[inter.rank])
     for node in range(inter.world_size):  # fp32, node order
@@ -154,26 +159,26 @@ def _across_nodes(partial: torch.Tensor, outputs: Sequence[torch.Tensor], sizes:
         output.copy_(part)
 
 
-def _pack(values: torch.Tensor, sizes: list[int], *, bits: int) -> torch.Tensor:
+def _pack(values: torch.Tensor, sizes: list[int], hops: GradHops) -> torch.Tensor:
     """Each buffer's part of `values` quantised, scales then payload, end to end as bytes."""
     parts = []
     for part in values.split(sizes):
-        q = quantize(part, bits=bits, block_size=QWZ_BLOCK)
+        q = quantize(part, bits=hops.bits, block_size=hops.block_size)
         parts += [q.scales.view(torch.uint8), q.data]
     return torch.cat(parts)
 
 
-def _unpack(row: torch.Tensor, sizes: list[int], *, bits: int) -> torch.Tensor:
-    out, start = [], 0
+def _unpack(row: torch.Tensor, sizes: list[int], hops: GradHops) -> torch.Tensor:
+    out, start, bits, block = [], 0, hops.bits, hops.block_size
     for size in sizes:
-        blocks = -(-size // QWZ_BLOCK)
+        blocks = -(-size // block)
         scales = row[start : start + 4 * blocks].clone().view(torch.float32)
         start += 4 * blocks
-        payload = quantized_nbytes(size, bits=bits, block_size=QWZ_BLOCK) - 4 * blocks
+        payload = quantized_nbytes(size, bits=bits, block_size=block) - 4 * blocks
         data = row[start : start + payload]
         start += payload
-        out.append(dequantize(Quantized(data=data, scales=scales, numel=size, bits=bits, block_size=QWZ_BLOCK,
-                                        dtype=torch.float32)))  # fmt: skip
+        q = Quantized(data=data, scales=scales, numel=size, bits=bits, block_size=block, dtype=torch.float32)
+        out.append(dequantize(q))
     return torch.cat(out)
 
 

@@ -30,7 +30,7 @@ from tierzero.checkpoint import find_checkpoint, probe_root
 from tierzero.config import load_config
 from tierzero.config.cli import parse_overrides
 from tierzero.data import batches_from_config, check_vocab
-from tierzero.dist import unanswered_ranks
+from tierzero.dist import roll_call_s, unanswered_ranks
 from tierzero.lora import is_peft_model, save_adapters
 from tierzero.micro_step import micro_step
 from tierzero.models import build_model, count_parameters
@@ -160,7 +160,7 @@ def train(
                 _export(engine, Path(export), tokenizer=tokenizer, out=out)
         except BaseException as exc:
             # Asked before the close, which may take down the store the roll call needs (rank 0's).
-            lost = _lost_rank(exc, rank=rank, world=world, step=engine.global_step + 1)
+            lost = _lost_rank(exc, rank=rank, world=world, step=engine.global_step + 1, timeout_s=cfg.dist.timeout)
             # The first error is the one to report; a close that fails after it would hide it.
             with contextlib.suppress(Exception):
                 _close(engine, ctrl_c)
@@ -286,8 +286,10 @@ def _resume(engine: Any, root: Path, step: int | None, *, show: bool, out: TextI
         out.write(f"resumed from {loaded} at step {engine.micro_steps // engine.cfg.gradient_accumulation_steps}\n")
 
 
-def _lost_rank(exc: BaseException, *, rank: int, world: int, step: int) -> ConnectionError | None:
+def _lost_rank(exc: BaseException, *, rank: int, world: int, step: int, timeout_s: float) -> ConnectionError | None:
     """A one-line error for a collective that failed because a peer died (its sockets closed) or hung (timeout).
+
+    The roll call waits its share of `dist.timeout` (`timeout_s`), so that a hung rank stops the job within it.
 
     A ConnectionError is an OSError, which the command prints as one line and exits 2.
     """
@@ -299,7 +301,8 @@ def _lost_rank(exc: BaseException, *, rank: int, world: int, step: int) -> Conne
     cause = text.splitlines()[0] if text else type(exc).__name__
     # One roll call per launch, whatever step each rank had reached: a rank may fail in the next
     # step's forward while a peer still waits in this step's backward.
-    gone = unanswered_ranks(rank=rank, world_size=world, tag=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    tag = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    gone = unanswered_ranks(rank=rank, world_size=world, tag=tag, wait_s=roll_call_s(timeout_s))
     who, those = "another rank", "that rank"  # no store to ask, or every rank answered: the cause says more
     if gone:
         who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))}"

@@ -7,7 +7,9 @@ to wrap instead, like FSDP's auto-wrap policy.
 
 Each unit's parameters are laid end to end in one buffer whose length is padded to a
 multiple of `world_size x align_numel`, so rank r owns the contiguous slice
-`[r * shard_numel, (r + 1) * shard_numel)` and every slice is I/O-aligned.
+`[r * shard_numel, (r + 1) * shard_numel)` and every slice is I/O-aligned. With ZeRO++'s
+quantised collectives the shards are whole quantisation blocks too (`quant_block`), so that
+no block straddles two ranks' shards ([Note: qwZ] in tierzero/quantized_comm.py).
 
 A parameter reachable from two units (tied weights across units) belongs to the root;
 a parameter reachable twice from the same unit (GPT-2's embedding and LM head, both in
@@ -23,6 +25,7 @@ after all trained ones, so a model's trained units are numbered the same with or
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -126,15 +129,18 @@ def plan_units(
     world_size: int,
     unit_classes: list[str] | tuple[str, ...] = (),
     align_numel: int = DEFAULT_ALIGN_NUMEL,
+    quant_block: int = 1,
     group_of: Callable[[Binding], int] | None = None,
 ) -> list[Unit]:
     """The model's units: wrapped blocks in module order, the root, then the frozen units in the same order.
 
+    Every shard is a multiple of `align_numel` and of `quant_block` (qwZ / qgZ's block; 1: none).
     `group_of(binding)` gives each trained parameter its optimizer group (default 0), from
     its first binding. Raises ValueError when `unit_classes` names a class the model does not contain.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    align_numel = math.lcm(align_numel, quant_block)
     wrapped = _wrapped_modules(model, unit_classes)
     unit_of_module = _owner_names(model, wrapped)
     bindings = _bindings_by_param(model)

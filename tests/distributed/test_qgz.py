@@ -9,6 +9,7 @@ plain stage 3's 2 x 4 s across nodes.
 With hpZ, qwZ and qgZ (int4) together, an fp32 step of a rank sends across nodes: the
 forward gather quantised, 2 x q8, plus the gradients' partial sum, q4, plus the clipping
 norm's 4 bytes, against plain stage 3's 6 Φ + 4 (Φ bytes = 4 Σ s): 0.104 x, under 0.3.
+The same at zero.quantization_block_size 8192 (shards padded to whole blocks), to the byte.
 Training stays close to plain stage 3, not equal: one quantisation of each node's partial sum.
 """
 
@@ -25,10 +26,15 @@ from tierzero.quant import quantized_nbytes
 
 ZEROPP = (("hpz_partition_size", 2), ("quantized_weights", True), ("quantized_gradients", "int4"))
 TRAIN = {b: Case(stage=3, optimizer="adamw", steps=4, zero=(("quantized_gradients", b),)) for b in ("int8", "int4")}
+BLOCKS = (2048, 512)
+"""The default `zero.quantization_block_size`, and one more."""
 MEASURE = {
     name: Case(stage=3, optimizer="adamw", accumulation=1, global_batch=4, steps=2, zero=zero)
-    for name, zero in [("plain", ()), ("int8", (("quantized_gradients", "int8"),)), ("zero++", ZEROPP)]
-}
+    for name, zero in [
+        ("plain", ()), ("int8", (("quantized_gradients", "int8"),)), ("zero++", ZEROPP),
+        ("zero++ 8192", (*ZEROPP, ("quantization_block_size", 8192))),
+    ]
+}  # fmt: skip
 
 
 def _fulls(rank: int) -> list[torch.Tensor]:
@@ -37,15 +43,15 @@ def _fulls(rank: int) -> list[torch.Tensor]:
     return [torch.randn(4 * 4096, generator=g), torch.randn(4 * 6144, generator=g) * 10.0 ** (rank - 2)]
 
 
-def _hops_against_exact(rank: int) -> dict[str, Any]:
-    """One hierarchical reduce-scatter of two buffers (int8) beside plain stage 3's exact one."""
+def _hops_against_exact(rank: int, block: int) -> dict[str, Any]:
+    """One hierarchical reduce-scatter of two buffers (int8, a scale per `block`) beside plain stage 3's exact one."""
     from tierzero import comm as C
     from tierzero.mesh import build_mesh
     from tierzero.quantized_comm import reduce_scatter_hierarchical
     from tierzero.topology import Topology
 
     mesh = build_mesh(Topology(world_size=4, rank=rank, local_world_size=2), node_hops=True)
-    hops = mesh.grad_hops("int8")
+    hops = mesh.grad_hops("int8", block_size=block)
     assert hops is not None
     fulls = _fulls(rank)
     exact, got = ([torch.empty(f.numel() // 4) for f in fulls] for _ in range(2))
@@ -57,7 +63,7 @@ def _hops_against_exact(rank: int) -> dict[str, Any]:
 def _job(rank: int, world_size: int, _: Any) -> dict[str, Any]:
     os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"] = "2", str(rank % 2)
     return {
-        "hops": _hops_against_exact(rank),
+        "hops": {block: _hops_against_exact(rank, block) for block in BLOCKS},
         "plain": train_case(Case(stage=3, optimizer="adamw", steps=4), rank=rank, world_size=world_size),
         "train": {bits: train_case(case, rank=rank, world_size=world_size) for bits, case in TRAIN.items()},
         "measure": {name: measure_comm(case, rank=rank, world_size=world_size) for name, case in MEASURE.items()},
@@ -69,8 +75,8 @@ def results() -> list[dict[str, Any]]:
     return run_ranks(_job, world_size=4)
 
 
-def _q(shards: list[int], bits: int) -> int:
-    return sum(quantized_nbytes(s, bits=bits, block_size=2048) for s in shards)
+def _q(shards: list[int], bits: int, block: int = 2048) -> int:
+    return sum(quantized_nbytes(s, bits=bits, block_size=block) for s in shards)
 
 
 @pytest.mark.parametrize("bits", ["int8", "int4"])
@@ -109,18 +115,36 @@ def test_hpz_qwz_and_qgz_send_a_tenth_of_plain_stage3_across_nodes(results: list
 
 
 
-def test_each_shard_is_off_by_at_most_one_quantisation_of_the_other_nodes_partial_sum(
+
+def test_a_block_of_8192_pads_the_shards_to_whole_blocks_and_sends_what_the_formula_says(
     results: list[dict[str, Any]],
 ) -> None:
+    """zero.quantization_block_size 8192: every shard s is whole blocks, so a rank sends across nodes
+    2 (s + 4 s / 8192) for the forward gather (int8), s / 2 + 4 s / 8192 for the gradients' partial
+    sum (int4) and the norm's 4 bytes."""
+    for rank in results:
+        run, default = rank["measure"]["zero++ 8192"], rank["measure"]["zero++"]
+        shards = run["shards"]
+        assert all(s % 8192 == 0 for s in shards) and sum(shards) > sum(default["shards"])
+        inter = sum(v["inter"] for group in run["groups"].values() for v in group.values())
+        assert inter == 2 * sum(s + 4 * s // 8192 for s in shards) + sum(s // 2 + 4 * s // 8192 for s in shards) + 4
+        assert inter == 2 * _q(shards, 8, 8192) + _q(shards, 4, 8192) + 4
+        assert run["groups"]["inter"]["reduce_scatter"] == {"intra": 0, "inter": _q(shards, 4, 8192)}
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_each_shard_is_off_by_at_most_one_quantisation_of_the_other_nodes_partial_sum(
+    results: list[dict[str, Any]], block: int
+) -> None:
     """Rank r = (node, local) owns shard r; the other node's partial sum of it (its two ranks' pieces)
-    crossed in int8, so each element is off by at most half that block's scale, absmax / 127 / 2."""
+    crossed in int8, so each element is off by at most half its block's scale, absmax / 127 / 2."""
     fulls = [_fulls(r) for r in range(4)]
     for rank, out in enumerate(results):
         node = rank // 2
-        for i, (got, exact) in enumerate(zip(out["hops"]["got"], out["hops"]["exact"])):
+        hops = out["hops"][block]
+        for i, (got, exact) in enumerate(zip(hops["got"], hops["exact"])):
             other = 1 - node
             partial = sum(fulls[r][i].view(4, -1)[rank] for r in (2 * other, 2 * other + 1))
-            bound = partial.view(-1, 2048).abs().amax(dim=1) / 127 / 2
-            error = (got - exact).abs().view(-1, 2048).amax(dim=1)
+            bound = partial.view(-1, block).abs().amax(dim=1) / 127 / 2
+            error = (got - exact).abs().view(-1, block).amax(dim=1)
             assert bool((error <= bound * (1 + 1e-4) + 1e-6 * exact.abs().max()).all()), (rank, i)
             assert not torch.equal(got, exact)

@@ -12,6 +12,9 @@ With hpZ and qwZ together (qgZ off: the reduce-scatter unquantised, flat), a
 rank's bytes across nodes in an fp32 step fall from plain stage 3's 6Φ + 4 to
 2 q + 2Φ + 4, q = Σ quantized_nbytes(Φ_unit / 4): the test states the ratio, 0.42.
 
+At zero.quantization_block_size 512 a gather sends s + 4 s / 512 bytes a peer instead, and
+every gathered weight is within half of its own 512-element block's scale.
+
 The masters never see a quantised value: with a learning rate of 0 they end bitwise where
 they started. With a real one the run stays close to plain stage 3 (not equal: the forward
 uses weights within half a block scale of the masters).
@@ -35,8 +38,26 @@ MEASURE = {
     name: Case(stage=3, optimizer="adamw", accumulation=1, global_batch=4, steps=2, dtype=dtype, zero=zero)
     for name, dtype, zero in [
         ("plain", "fp32", ()), ("qwz", "fp32", QWZ), ("qwz-bf16", "bf16", QWZ), ("hpz-qwz", "fp32", HPZ_QWZ),
+        ("qwz-512", "fp32", (*QWZ, ("quantization_block_size", 512))),
     ]
 }  # fmt: skip
+
+
+def _shard(rank: int) -> torch.Tensor:
+    """Rank `rank`'s shard of 2048 elements, each 512-block of a different magnitude."""
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(2048, generator=g) * torch.tensor([1e-3, 1.0, 10.0, 0.1]).repeat_interleave(512)
+
+
+def _gather_at_512(rank: int) -> torch.Tensor:
+    from tierzero.mesh import build_mesh
+    from tierzero.quantized_comm import all_gather_quantized
+    from tierzero.topology import Topology
+
+    comm = build_mesh(Topology(world_size=4, rank=rank, local_world_size=2)).shard
+    out = torch.empty(4 * 2048)
+    all_gather_quantized(out, _shard(rank), comm=comm, block_size=512).wait()
+    return out
 
 
 def _job(rank: int, world_size: int, _: Any) -> dict[str, Any]:
@@ -52,6 +73,7 @@ def _job(rank: int, world_size: int, _: Any) -> dict[str, Any]:
         "qwz": train_case(TRAIN, rank=rank, world_size=world_size),
         "lr0": train_case(TRAIN, rank=rank, world_size=world_size, make_engine=frozen_lr),
         "measure": {name: measure_comm(case, rank=rank, world_size=world_size) for name, case in MEASURE.items()},
+        "gather": _gather_at_512(rank),
     }
 
 
@@ -78,8 +100,8 @@ def test_qwz_trains_close_to_plain_stage3(results: list[dict[str, Any]]) -> None
     assert max(errors.values()) < 5e-2, errors
 
 
-def _q(shards: list[int]) -> int:
-    return sum(quantized_nbytes(s, bits=8, block_size=2048) for s in shards)
+def _q(shards: list[int], block: int = 2048) -> int:
+    return sum(quantized_nbytes(s, bits=8, block_size=block) for s in shards)
 
 
 def test_quantised_gathers_send_a_quarter_of_fp32_and_half_of_bf16_plus_scales(results: list[dict[str, Any]]) -> None:
@@ -107,3 +129,27 @@ def test_hpz_and_qwz_send_0_42_of_plain_stage3_across_nodes(results: list[dict[s
         assert plain_inter == 6 * piece + 4 and inter == 2 * q + 2 * piece + 4
         assert round(inter / plain_inter, 2) == 0.42
 
+
+
+def test_a_block_of_512_sends_a_scale_per_512_elements(results: list[dict[str, Any]]) -> None:
+    """zero.quantization_block_size 512: both gathers send 3 (s + 4 s / 512) a shard of s elements,
+    2 of the 3 peers across nodes; the reduce-scatter is plain stage 3's."""
+    for rank in results:
+        run = rank["measure"]["qwz-512"]
+        shards = run["shards"]
+        assert shards == rank["measure"]["qwz"]["shards"]  # 512 divides the 2048 the I/O alignment pads to
+        q = sum(s + 4 * s // 512 for s in shards)
+        assert q == _q(shards, 512) > _q(shards)
+        assert run["groups"]["world"]["all_gather"] == {"intra": 2 * q, "inter": 2 * 2 * q}
+        assert run["groups"]["world"]["reduce_scatter"] == rank["measure"]["qwz"]["groups"]["world"]["reduce_scatter"]
+
+
+def test_each_gathered_weight_is_within_half_its_512_block_s_scale(results: list[dict[str, Any]]) -> None:
+    """Every rank gets every shard back within absmax / 127 / 2 of its own 512-element block (blocks
+    10^4 apart in magnitude: one scale for 2048 would break the small blocks' bound), the same on all."""
+    exact = torch.cat([_shard(r) for r in range(4)])
+    bound = exact.view(-1, 512).abs().amax(dim=1, keepdim=True) / 127 / 2
+    for rank in results:
+        error = (rank["gather"] - exact).view(-1, 512).abs()
+        assert bool((error <= bound * (1 + 1e-5)).all())
+        assert torch.equal(rank["gather"], results[0]["gather"]) and not torch.equal(rank["gather"], exact)

@@ -145,7 +145,7 @@ BAD_CONFIGS = [
     ({"zero": {"xyzzy": 1}}, "unknown key zero.xyzzy; valid keys under zero: zero.stage, zero.unit_classes, "
      "zero.reduce_bucket_size, zero.overlap_comm, zero.overlap_step, zero.step_in_forward, zero.gather_ahead, "
      "zero.param_persistence_threshold, zero.shard_group_size, zero.hpz_partition_size, zero.quantized_weights, "
-     "zero.quantized_gradients"),
+     "zero.quantized_gradients, zero.quantization_block_size"),
     ({"zero": 3}, "zero: expected a mapping of keys, got 3"),
     ({"tiers": {"nvme": {"queue_depth": "eight"}}}, "tiers.nvme.queue_depth: expected a positive integer, got 'eight'"),
     ({"tiers": {"nvme": {"threads": 0}}}, "tiers.nvme.threads: expected a positive integer, got 0"),

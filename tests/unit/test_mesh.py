@@ -82,6 +82,11 @@ def test_hpz_group_is_the_node_and_zero_still_shards_over_all() -> None:
         ({"hpz_partition_size": 2, "shard_group_size": 2}, r"hybrid sharding already gathers inside its groups"),
         ({"stage": 1, "quantized_weights": True}, r"zero.quantized_weights is True, which needs zero.stage 3"),
         ({"quantized_gradients": "int4", "shard_group_size": 2}, r"zero.quantized_gradients is int4, which needs"),
+        *[
+            ({"quantization_block_size": bad}, rf"zero.quantization_block_size is {bad}, not a power of two from 64 "
+             r"to 16384: set zero.quantization_block_size to one, such as 2048")
+            for bad in (1000, 32, 32768, 0)
+        ],  # fmt: skip
     ],
 )
 def test_hpz_settings_that_cannot_work_are_refused(zero: dict[str, int], refusal: str) -> None:
@@ -119,8 +124,11 @@ def test_a_dry_run_quantised_gather_counts_the_packed_bytes() -> None:
     """int8 and a fp32 scale per 2048 elements: 4096 + 8 bytes a shard of 4096, to each of 3 peers (2 across)."""
     comm = CommGroup(rank=0, world_size=4, counter=CommCounter(), dry_run=True, local_world_size=2)
     meta = {"device": "meta", "dtype": torch.float32}
-    all_gather_quantized(torch.empty(4 * 4096, **meta), torch.empty(4096, **meta), comm=comm)
+    all_gather_quantized(torch.empty(4 * 4096, **meta), torch.empty(4096, **meta), comm=comm, block_size=2048)
     assert comm.counter.links()["all_gather"] == {"intra": 4104, "inter": 2 * 4104}
+    comm.counter.reset()  # a scale per 256 elements: 16 scales a shard
+    all_gather_quantized(torch.empty(4 * 4096, **meta), torch.empty(4096, **meta), comm=comm, block_size=256)
+    assert comm.counter.links()["all_gather"] == {"intra": 4096 + 64, "inter": 2 * (4096 + 64)}
 
 
 def test_a_dry_run_hierarchical_reduce_scatter_counts_both_hops() -> None:
@@ -129,9 +137,38 @@ def test_a_dry_run_hierarchical_reduce_scatter_counts_both_hops() -> None:
     mesh = build_mesh(Topology(world_size=8, rank=5, local_world_size=4), node_hops=True, dry_run=True)
     assert mesh.intra is not None and mesh.inter is not None
     assert (mesh.intra.rank, mesh.intra.members, mesh.inter.rank, mesh.inter.members) == (1, (4, 5, 6, 7), 1, (1, 5))
-    hops = mesh.grad_hops("int4")
-    assert hops is not None and hops.bits == 4 and mesh.grad_hops("none") is None
+    hops = mesh.grad_hops("int4", block_size=2048)
+    assert hops is not None and hops.bits == 4 and mesh.grad_hops("none", block_size=2048) is None
     meta = {"device": "meta", "dtype": torch.float32}
     reduce_scatter_hierarchical([torch.empty(4096, **meta)], [torch.empty(8 * 4096, **meta)], hops=hops)
     assert mesh.intra.counter.links()["reduce_scatter"] == {"intra": 3 * 2 * 4096 * 4, "inter": 0}
     assert mesh.inter.counter.links()["reduce_scatter"] == {"intra": 0, "inter": 2048 + 2 * 4}
+
+
+def test_a_dry_run_hierarchical_reduce_scatter_counts_the_block_it_is_given() -> None:
+    """As above, a scale per 512 elements: the partial sum crosses as 2048 bytes of int4 and 8 scales."""
+    mesh = build_mesh(Topology(world_size=8, rank=5, local_world_size=4), node_hops=True, dry_run=True)
+    hops = mesh.grad_hops("int4", block_size=512)
+    assert hops is not None and hops.block_size == 512
+    meta = {"device": "meta", "dtype": torch.float32}
+    reduce_scatter_hierarchical([torch.empty(4096, **meta)], [torch.empty(8 * 4096, **meta)], hops=hops)
+    assert mesh.inter.counter.links()["reduce_scatter"] == {"intra": 0, "inter": 2048 + 8 * 4}
+
+
+@pytest.mark.parametrize("block", [512, 8192])
+def test_quantised_units_pad_every_shard_to_whole_blocks(monkeypatch: pytest.MonkeyPatch, block: int) -> None:
+    """The estimate's engine at 4 ranks: each PARAM slice (one rank's shard) is whole blocks and whole
+    I/O alignments (2048 elements), with qwZ or qgZ; without them, the block pads nothing."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    raw = {"model": MODEL, "train": {"seq_len": 8, "micro_batch_size": 1}}
+    for zero, multiple in [
+        ({"quantized_weights": True}, max(block, 2048)),
+        ({"quantized_gradients": "int8"}, max(block, 2048)),
+        ({}, 2048),
+    ]:
+        cfg = load_config(raw | {"zero": {"stage": 3, "quantization_block_size": block, **zero}})
+        specs = [spec for specs in dry_run(cfg, world_size=4).plan.specs.values() for spec in specs]
+        shards = [spec.numel for spec in specs if spec.kind is Kind.PARAM]
+        assert all(n % multiple == 0 for n in shards), (zero, shards)
+        if block == 8192 and zero:
+            assert min(shards) == 8192  # the smallest unit pads up to one block a rank

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from tierzero.dist import unanswered_ranks
+from tierzero.dist import roll_call_s, setup, unanswered_ranks
 
 
 def _port() -> int:
@@ -42,3 +42,22 @@ def test_without_a_store_to_ask_nobody_is_named(monkeypatch: pytest.MonkeyPatch)
     started = time.monotonic()
     assert unanswered_ranks(rank=0, world_size=2, tag="0", wait_s=0.5) is None
     assert time.monotonic() - started < 5.0
+
+
+@pytest.mark.parametrize(
+    ("timeout", "collective", "roll_call"), [(600.0, 598.0, 2.0), (8.0, 6.0, 2.0), (5.0, 3.75, 1.25)]
+)
+def test_the_collectives_leave_the_roll_call_its_share_of_the_timeout(
+    monkeypatch: pytest.MonkeyPatch, timeout: float, collective: float, roll_call: float
+) -> None:
+    """A hung rank stops the job within dist.timeout: the group waits the rest after the roll call's share."""
+    seen: dict[str, timedelta] = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    ctx = setup(timeout_s=timeout)
+    assert ctx.created_group and seen["timeout"] == timedelta(seconds=collective)
+    assert roll_call_s(timeout) == roll_call and collective + roll_call == timeout

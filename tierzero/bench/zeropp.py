@@ -7,6 +7,7 @@ and hpZ + qwZ + qgZ int4. Every variant starts from the same weights and sees th
 batches, so the loss curves differ only by what quantisation changed. The loss of a step is
 the mean over the 4 ranks' micro-batches; the bytes are rank 0's (every rank sends alike),
 summed over its groups and collectives, across nodes only (`comm_report(per_group=True)`).
+`--block-size` sets `zero.quantization_block_size` for every quantised variant.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class ZeroppResult:
     """Variant -> the loss of each step, the mean of the 4 ranks' micro-batch losses."""
     inter_bytes: dict[str, float]
     """Variant -> bytes rank 0 sent across nodes per step, all groups and collectives."""
+    block_size: int = 2048
+    """Elements per fp32 scale of the quantised variants (`zero.quantization_block_size`)."""
 
     def max_rel_diff(self, name: str) -> float:
         exact = self.losses["exact"]
@@ -78,7 +81,8 @@ class ZeroppResult:
         windows = ", ".join(f"{n} {self.max_window_rel_diff(n):.3%}" for n in names)
         lines.append(f"max of {self.every}-step means: {windows}")
         plain = self.inter_bytes["exact"]
-        lines.append("inter-node bytes per step (rank 0), against plain stage 3:")
+        block = f"a scale per {self.block_size} elements"
+        lines.append(f"inter-node bytes per step (rank 0), {block}, against plain stage 3:")
         lines += [f"  {n:{width}s} {self.inter_bytes[n]:12,.0f} B  {self.inter_bytes[n] / plain:.3f}x" for n in names]
         lines.append(f"target: every variant within {TARGET:.0%} of the exact loss at every step: {self.met()}")
         return "\n".join(lines)
@@ -97,9 +101,9 @@ def _config(zero: dict[str, Any], *, steps: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _run_variant(zero: dict[str, Any], *, rank: int, steps: int) -> tuple[list[float], float]:
+def _run_variant(zero: dict[str, Any], *, rank: int, steps: int, block_size: int) -> tuple[list[float], float]:
     """(mean loss of each step over the ranks, bytes this rank sent across nodes per step)."""
-    cfg = load_config(_config(zero, steps=steps))
+    cfg = load_config(_config({**zero, "quantization_block_size": block_size}, steps=steps))
     torch.manual_seed(cfg.train.seed)  # rank 0's weights go to every rank; the same in every variant
     topology = Topology(world_size=WORLD, rank=rank, local_world_size=PER_NODE)
     data = batches_from_config(cfg, rank=rank, world_size=WORLD)
@@ -112,23 +116,27 @@ def _run_variant(zero: dict[str, Any], *, rank: int, steps: int) -> tuple[list[f
     return (losses / WORLD).tolist(), inter / steps
 
 
-def _rank(rank: int, steps: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+def _rank(rank: int, run: tuple[int, int]) -> tuple[dict[str, list[float]], dict[str, float]]:
+    steps, block_size = run
     losses, inter = {}, {}
     for name, zero in VARIANTS.items():
-        losses[name], inter[name] = _run_variant(zero, rank=rank, steps=steps)
+        losses[name], inter[name] = _run_variant(zero, rank=rank, steps=steps, block_size=block_size)
     return losses, inter
 
 
-def bench_zeropp(*, steps: int = 100, every: int = 10, threads: int = 1) -> ZeroppResult:
-    """Train every variant `steps` steps at 4 forked gloo ranks as 2 nodes; rank 0's view."""
+def bench_zeropp(*, steps: int = 100, every: int = 10, threads: int = 1, block_size: int = 2048) -> ZeroppResult:
+    """Train every variant `steps` steps at 4 forked gloo ranks as 2 nodes, a scale per `block_size`
+    elements; rank 0's view."""
     if steps < 1 or every < 1 or threads < 1:
         raise ValueError(f"bench zeropp needs steps, every and threads >= 1; got {steps}, {every}, {threads}")
-    losses, inter = forked_ranks(_rank, steps, world_size=WORLD, threads=threads, what="bench zeropp")
-    return ZeroppResult(steps=steps, every=every, losses=losses, inter_bytes=inter)
+    load_config({"zero": {"quantization_block_size": block_size}})  # refused here, before any rank forks
+    run = (steps, block_size)
+    losses, inter = forked_ranks(_rank, run, world_size=WORLD, threads=threads, what="bench zeropp")
+    return ZeroppResult(steps=steps, every=every, losses=losses, inter_bytes=inter, block_size=block_size)
 
 
 def _command(args: Any) -> int:
-    result = bench_zeropp(steps=args.steps, every=args.every, threads=args.threads)
+    result = bench_zeropp(steps=args.steps, every=args.every, threads=args.threads, block_size=args.block_size)
     print(result.format())
     if args.json:
         with open(args.json, "w") as f:
@@ -147,5 +155,9 @@ def add_zeropp_command(commands: Any) -> None:
     parser.add_argument("--steps", type=int, default=100, help="training steps of each variant (default 100)")
     parser.add_argument("--every", type=int, default=10, help="print the loss every this many steps (default 10)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument(
+        "--block-size", type=int, default=2048,
+        help="elements per fp32 scale of the quantised variants, zero.quantization_block_size (default 2048)",
+    )  # fmt: skip
     parser.add_argument("--json", help="also write the result here")
     parser.set_defaults(func=_command)

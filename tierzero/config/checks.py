@@ -153,6 +153,18 @@ def size_check(
     return Check(expected, "size \\| null" if optional else "size", convert, is_size=True, limit=shown)
 
 
+def power_of_two_check(lo: int, hi: int) -> Check:
+    """Powers of two from `lo` to `hi`."""
+
+    def convert(value: Any) -> int:
+        n = _as_int(value)
+        return _require(lo <= n <= hi and n & (n - 1) == 0, n)
+
+    expected = f"a power of two from {lo} to {hi}"
+    refusal = "{key} is {got}, not {expected}: set {key} to one, such as " + f"{max(lo, min(2048, hi))}"
+    return Check(expected, f"int {lo}..{hi}, a power of 2", convert, refusal=refusal)
+
+
 def choice_check(values: tuple[str, ...]) -> Check:
     def convert(value: Any) -> str:
         return _require(isinstance(value, str) and value.lower() in values, value).lower()

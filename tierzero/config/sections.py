@@ -29,6 +29,7 @@ from tierzero.config.checks import (
     choice_check,
     float_check,
     int_check,
+    power_of_two_check,
     size_check,
 )
 from tierzero.config.errors import ConfigError
@@ -105,14 +106,29 @@ class ZeroConfig(Section):
     2 or 4 bytes a parameter / this size, at offload.params' tier. It must divide the world
     size. 0: off."""
     quantized_weights: bool = setting(False, BOOL)
-    """ZeRO++ qwZ, stage 3: the parameter all-gathers send int8, one fp32 scale per 2048 elements
-    (about 1/4 of fp32's bytes, 1/2 of bf16's), dequantised on arrival; the fp32 masters, the
-    gradients and the optimizer never see a quantised value. Not bitwise plain stage 3: the
-    forward computes with weights within half a block scale of the masters."""
+    """ZeRO++ qwZ, stage 3: the parameter all-gathers send int8, one fp32 scale per
+    zero.quantization_block_size elements (about 1/4 of fp32's bytes, 1/2 of bf16's), dequantised
+    on arrival; the fp32 masters, the gradients and the optimizer never see a quantised value. Not
+    bitwise plain stage 3: the forward computes with weights within half a block scale of the masters."""
     quantized_gradients: str = setting("none", choice_check(("none", "int8", "int4")))
     """ZeRO++ qgZ, stage 3: the gradients' reduce-scatter in two hops, inside the node first
     (unquantised), then each node's partial sums across nodes in int8 or int4, one fp32 scale per
-    2048 elements, summed in fp32 (the nodes from LOCAL_WORLD_SIZE). none: one flat reduce-scatter."""
+    zero.quantization_block_size elements, summed in fp32 (the nodes from LOCAL_WORLD_SIZE). none:
+    one flat reduce-scatter."""
+    quantization_block_size: int = setting(2048, power_of_two_check(64, 16384))
+    """Elements per fp32 scale wherever ZeRO++ quantises: qwZ's weights and qgZ's partial sums
+    across nodes (one key: both are the same block-wise quantiser, trading the same 4 bytes a block
+    against the same error, at most half a block's absmax / 127 (int8) or / 7 (int4) an element).
+    Smaller blocks follow the values more closely and send more scales. With qwZ or qgZ on, units
+    are padded so that every rank's shard is whole blocks and no block straddles two shards: under
+    world size x block elements a unit, as the I/O alignment pads to world size x 2048. A power of
+    two, so that padding to both is padding to the larger; 64 to 16384: below 64 the scales pass
+    1/16 of int8's bytes, above 16384 they save under 0.03% while the padding grows."""
+
+    @property
+    def quant_block(self) -> int:
+        """Elements each rank's shard of a unit is whole blocks of: the block with qwZ or qgZ on, else 1."""
+        return self.quantization_block_size if self.quantized_weights or self.quantized_gradients != "none" else 1
 
     def _validate(self) -> None:
         if self.quantized_gradients != "none" and (self.stage != 3 or self.shard_group_size):
@@ -363,8 +379,10 @@ class DistConfig(Section):
 
     SECTION: ClassVar[str] = "dist"
     timeout: float = setting(600.0, float_check(lo=0.0, lo_open=True, limit=7 * 24 * 3600))
-    """Seconds a collective may wait for another rank before the job stops with an error naming the
-    lost rank; a dead rank is noticed at once, a hung one after this long."""
+    """Seconds from a rank hanging to the job stopping with an error naming the lost rank (a dead
+    rank is noticed at once). The collectives of the group tierzero creates wait this less the roll
+    call's share, 2 s or a quarter of a timeout under 8 s, in which the ranks that noticed ask the
+    job's store which ranks still answer; a group created before tierzero.initialize keeps its own."""
 
 
 def _check_product(count_key: str, count: int, size_key: str, size: int, what: str) -> None:

@@ -71,12 +71,13 @@ class Stage3(StepInTime, Stage):
         gather_ahead: int = 1,
         gather_budget: int = DEFAULT_GATHER_BUDGET,
         secondary: C.CommGroup | None = None,
-        quantized_weights: bool = False,
+        weight_block: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.quantized_weights = quantized_weights
-        """qwZ: gathers over `comm` send int8 ([Note: qwZ] in quantized_comm.py)."""
+        self.weight_block = weight_block
+        """qwZ: gathers over `comm` send int8, a scale per this many elements ([Note: qwZ] in
+        quantized_comm.py); None: unquantised."""
         self.secondary = secondary
         """hpZ: the group that splits each unit's secondary copy ([Note: hpZ's secondary copy])."""
         self._secondary_fresh: set[str] = set()
@@ -138,9 +139,12 @@ class Stage3(StepInTime, Stage):
             gathered, self._gathering[unit.name] = shard, C.Pending()
             self._lent[unit.name] = False
         else:
-            gathered = self.scratch(unit, unit.padded_numel, self.param_dtype)
-            gather = all_gather_quantized if self.quantized_weights and comm is self.comm else C.all_gather
-            self._gathering[unit.name] = gather(gathered, shard, comm=comm, async_op=self.overlap)
+            gathered, block = self.scratch(unit, unit.padded_numel, self.param_dtype), self.weight_block
+            if block is not None and comm is self.comm:
+                pending = all_gather_quantized(gathered, shard, comm=comm, block_size=block, async_op=self.overlap)
+            else:
+                pending = C.all_gather(gathered, shard, comm=comm, async_op=self.overlap)
+            self._gathering[unit.name] = pending
         unit.gathered = gathered
         self._by_storage[storage_id(gathered)] = unit
 
@@ -168,7 +172,7 @@ class Stage3(StepInTime, Stage):
         all of the unit (a gather would only copy it), and no step reads its PARAM slice meanwhile
         (a unit gathered in forward is freed before backward, and a step runs only in the last
         micro-step's backward)."""
-        whole = comm.world_size == 1 and not self.quantized_weights and shard.numel() == unit.padded_numel
+        whole = comm.world_size == 1 and self.weight_block is None and shard.numel() == unit.padded_numel
         if not whole or shard.dtype != self.param_dtype:
             return False
         if self._phase is Phase.FORWARD:
