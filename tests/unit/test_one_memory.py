@@ -131,3 +131,17 @@ def test_a_gather_of_one_rank_is_its_shard_and_trains_to_the_same_bits(tmp_path:
         assert [name for name in reference if not torch.equal(state[name], reference[name])] == []
         gathered_in_forward = [phase for phase, kind in scratch if kind is Kind.GATHERED and phase.value == "forward"]
         assert gathered_in_forward == [] and scratch, scratch
+
+
+def test_a_handed_over_buffer_goes_back_to_the_tier_that_made_it(tmp_path: Path) -> None:
+    """Gradients cycle device scratch -> step copy on cpu -> freed, every unit of every step: each
+    freed buffer returns to the device tier's pool, so no tier's held memory grows with the cycles."""
+    with _store(tmp_path) as store:
+        device, cpu = store._tiers[Tier.DEVICE], store._tiers[Tier.CPU]
+        key = SliceKey("u", Kind.GRAD)
+        store.register(key, numel=3000, dtype=torch.float32, home=Tier.NVME)
+        for _ in range(5):
+            scratch = store.allocate(kind=Kind.GRAD, numel=3000, dtype=torch.float32, tier=Tier.DEVICE)
+            store.adopt_scratch(key, to=Tier.CPU, scratch=scratch.fill_(1.0)).wait()
+            store.release(key)
+        assert device.reused == 4 and cpu.kept_bytes == 0 and device.held == 12000

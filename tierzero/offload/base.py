@@ -43,6 +43,9 @@ class Region:
     label: str
     buffer: torch.Tensor | None = None
     offset: int | None = None
+    maker: TierStorage | None = None
+    """The memory tier that made `buffer`, when another one holds it now (`MemoryTier.hand_over`):
+    freed, the buffer goes back to its maker, which reuses it."""
 
 
 class TierStorage(ABC):

@@ -56,7 +56,8 @@ class MemoryTier(TierStorage):
         assert region.tier is self.tier, f"{region.label}: a {region.tier.value} region freed by the {self.tier.value} tier"
         assert region.buffer is not None, f"{region.label}: freed twice"
         buffer, region.buffer = region.buffer, None
-        self._drop_buffer(buffer)
+        maker = region.maker if isinstance(region.maker, MemoryTier) else self
+        maker._drop_buffer(buffer)
         with self._lock:
             self._used -= region.nbytes
             assert self._used >= 0, f"{self.tier.value} tier accounting went negative"
@@ -75,7 +76,10 @@ class MemoryTier(TierStorage):
         buffer, region.buffer = region.buffer, None
         with self._lock:
             self._used -= region.nbytes  # given away: neither freed nor kept for reuse
-        return Region(tier=to.tier, nbytes=region.nbytes, label=region.label, buffer=buffer)
+        maker = region.maker or self
+        return Region(
+            tier=to.tier, nbytes=region.nbytes, label=region.label, buffer=buffer, maker=None if maker is to else maker
+        )
 
     def read(self, region: Region, dst: torch.Tensor) -> None:
         assert region.buffer is not None, f"{region.label}: read after free"
