@@ -161,14 +161,17 @@ class StepPipeline:
         self._prepared: list[Prepared] = list(prepared)
         self.report = PipelineReport(prepared=len(self._prepared))
 
-    def has_room(self, group: SliceGroup) -> bool:
-        """Whether `prepare(group)` would take the group now (one more fits in the bound)."""
+    def has_room(self, group: SliceGroup, *, wait: bool = False) -> bool:
+        """Whether `prepare(group)` would take the group now (one more fits in the bound); `wait`:
+        let the oldest write-backs land first where that makes room, as `push` would."""
         if any(held == group for held, _ in self._prepared):
             return False
-        while self._writing and self._writing[0].landed():
-            self._writing.popleft().wait()  # returns at once (and raises a failed write)
-        held = len(self._writing) + (self._waiting is not None) + len(self._prepared)
-        return held + 1 <= self._max_resident
+        while self._writing and (self._writing[0].landed() or (wait and not self._fits())):
+            self._writing.popleft().wait()  # at once for a landed one (and raises a failed write)
+        return self._fits()
+
+    def _fits(self) -> bool:
+        return len(self._writing) + (self._waiting is not None) + len(self._prepared) + 1 <= self._max_resident
 
     def prepare(self, group: SliceGroup, *, given: dict[Kind, Transfer[torch.Tensor]] | None = None) -> None:
         """Start reading `group`'s slices but its gradient (which backward is still producing)

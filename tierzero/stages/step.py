@@ -143,12 +143,16 @@ class BackwardStep:
 
     def expect(self, unit: Unit, *, given: dict[Kind, Transfer[torch.Tensor]] | None = None) -> None:
         """`unit`'s backward has started: read its states now, ahead of its gradient (`given`: those
-        already on their way, see `StepPipeline.prepare`)."""
-        self._pipeline.prepare(slice_group(self._stage, unit), given=given)
+        already on their way, see `StepPipeline.prepare`), once there is room (`has_room`)."""
+        if self.has_room(unit) or given:  # a slice given without room: `prepare` says so
+            self._pipeline.prepare(slice_group(self._stage, unit), given=given)
 
     def has_room(self, unit: Unit) -> bool:
-        """Whether `expect(unit)` would read ahead now."""
-        return self._pipeline.has_room(slice_group(self._stage, unit))
+        """Whether `expect(unit)` reads ahead: after the oldest write-backs land where that makes
+        room. The unit's `ready` would wait for them anyway; waiting before its backward, its
+        states are read while that backward runs, and its gathered parameters can move down
+        (`Stage3._hand_down`) instead of being read from NVMe again."""
+        return self._pipeline.has_room(slice_group(self._stage, unit), wait=True)
 
     def ready(self, unit: Unit, *, grad: Transfer[torch.Tensor] | None = None) -> None:
         """`unit`'s gradient for this step is complete: start its step (`grad`: its GRAD slice already
