@@ -119,11 +119,14 @@ def test_stage3_sends_one_and_a_half_times_stage1(job: tuple[int, list[dict[str,
 
 
 def test_stage3_peak_gathered_is_a_few_units(job: tuple[int, list[dict[str, list[Any]]]]) -> None:
-    _, ranks = job
+    world, ranks = job
     for rank in ranks:
         traffic = rank["measure"][2]
         blocks = sorted((b for name, b in traffic.unit_bytes.items() if name != "root"), reverse=True)
         root = traffic.unit_bytes["root"]
+        if world == 1:  # a gather of one rank is its fetched slice itself (Stage3._lends): nothing gathered
+            assert traffic.peak_gathered == 0
+            continue
         assert root + blocks[0] <= traffic.peak_gathered <= root + blocks[0] + blocks[1]
         assert traffic.peak_gathered < sum(traffic.unit_bytes.values())
         # stages 1 and 2 never gather: their full parameters are model state, not scratch

@@ -337,7 +337,8 @@ def test_estimate_counts_units_kept_gathered(tmp_path: Path, monkeypatch: pytest
     released = estimate(load_config(raw))
     raw["zero"]["param_persistence_threshold"] = 10**9
     kept = estimate(load_config(raw))
-    assert kept.tiers[Tier.DEVICE].working["gathered"] > released.tiers[Tier.DEVICE].working["gathered"]
+    # Released units lend their shard at world size 1 (no gathered buffer); kept ones are gathered copies.
+    assert kept.tiers[Tier.DEVICE].working["gathered"] > released.tiers[Tier.DEVICE].working.get("gathered", 0)
     summary, _ = _train(raw, monkeypatch)
     measured = summary.peak_tier_bytes["device"]
     assert abs(kept.tiers[Tier.DEVICE].peak - measured) <= 0.10 * measured, (kept.tiers[Tier.DEVICE].peak, measured)

@@ -169,15 +169,15 @@ class Stage3(StepInTime, Stage):
 
     def _lends(self, unit: Unit, shard: torch.Tensor, comm: C.CommGroup) -> bool:
         """Whether the fetched shard itself is the gathered buffer, until `reshard`: one rank holds
-        all of the unit (a gather would only copy it), and no step reads its PARAM slice meanwhile
-        (a unit gathered in forward is freed before backward, and a step runs only in the last
-        micro-step's backward)."""
+        all of the unit (a gather would only copy it) and no step reads its PARAM slice meanwhile:
+        a forward's unit is freed before backward (but a persistent one), a backward's before its
+        gradient goes to its step (`post_backward`), unless its gathered copy moves down to it."""
         whole = comm.world_size == 1 and self.weight_block is None and shard.numel() == unit.padded_numel
         if not whole or shard.dtype != self.param_dtype:
             return False
         if self._phase is Phase.FORWARD:
             return not (torch.is_grad_enabled() and self._persists(unit))
-        return not self.last_micro_step or (self._backward_step is None and self._step_ahead is None)
+        return not (self._backward_step is not None and self.last_micro_step and self._moves_down(unit))
 
     def _keep_secondary(self, unit: Unit) -> None:
         """Write this rank's part of a forward gather to the unit's SECONDARY slice ([Note: hpZ's secondary copy])."""
@@ -313,18 +313,20 @@ class Stage3(StepInTime, Stage):
             self.bind_params(unit, counts_as_use=False)
         self._prefetch(unit, step=-1)
 
+    def _moves_down(self, unit: Unit) -> bool:
+        """fp32, PARAM on NVMe, a host step: the unit's step in backward may take its gathered copy."""
+        return not self.mixed and self.plan.home(unit.name, Kind.PARAM) is Tier.NVME and self.homes.optimizer is not Tier.DEVICE
+
     def _hand_down(self, key: SliceKey, job: Any, unit: Unit, given: dict[Kind, Any]) -> bool:
-        """Move the gather's PARAM copy down to the step tier for the unit's step (fp32, host step)."""
-        if self.mixed or self.plan.home(unit.name, Kind.PARAM) is not Tier.NVME or self.homes.optimizer is Tier.DEVICE:
-            return False
-        if not job.has_room(unit):
+        """Move the gather's PARAM copy down to the step tier for the unit's step (`_moves_down`)."""
+        if not self._moves_down(unit) or not job.has_room(unit):
             return False
         given[Kind.PARAM] = self.store.adopt(key, to=Tier.CPU)
         return True
 
     def post_backward(self, unit: Unit, grads: list[torch.Tensor]) -> None:
+        self.reshard(unit)  # first: the step the reduce may start reads the PARAM slice a lent gather holds
         self.reduce_grads(unit, grads)
-        self.reshard(unit)
 
     def after_backward(self) -> None:
         super().after_backward()
