@@ -224,25 +224,34 @@ def assumed_flops(param_dtype: str) -> Bandwidth:
 
 
 def measure_flops(param_dtype: str, *, seconds: float = 0.3, shape: tuple[int, int, int] | None = None) -> Bandwidth:
-    """Time matmuls in the compute dtype on the compute device for about `seconds`: (m x k) @ (k x n)
-    of `shape`, e.g. a model's tokens x width x feed-forward width, else square ones. The best of
-    three windows: other work on the machine only ever slows a window down."""
+    """Time matmuls in the compute dtype on the compute device for about `seconds`, the best of three
+    windows (other work on the machine only ever slows a window down). With `shape` (m, k, n), e.g.
+    a model's tokens x width x feed-forward width, the three products a Linear of that shape runs in
+    a training step: forward x @ W^T, and in backward the gradients of x (dy @ W) and of W (dy^T @ x),
+    whose inner size is only the tokens; else square (m x k) @ (k x n) ones."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     side = 4096 if device.type == "cuda" else 1024
-    m, k, n = shape or (side, side, side)
-    a = torch.randn(m, k, device=device).to(dtype_of(param_dtype))
-    b = torch.randn(k, n, device=device).to(dtype_of(param_dtype))
-    (a @ b).sum().item()  # warm-up
+    dtype = dtype_of(param_dtype)
+    if shape is None:
+        a, b = (torch.randn(side, side, device=device).to(dtype) for _ in range(2))
+        products, flops, what = [lambda: a @ b], 2.0 * side**3, f"{side}x{side} @ {side}x{side} matmul"
+    else:
+        m, k, n = shape
+        x, w, dy = (torch.randn(*size, device=device).to(dtype) for size in ((m, k), (n, k), (m, n)))
+        products = [lambda: x @ w.t(), lambda: dy @ w, lambda: dy.t() @ x]
+        flops, what = 6.0 * m * k * n, f"{m}x{k} @ {k}x{n} matmul, forward and backward"
+    for product in products:
+        product().sum().item()  # warm-up
     rate = 0.0
     for _ in range(3):
         runs, began = 0, time.perf_counter()
         while time.perf_counter() - began < seconds / 3:
-            c = a @ b
+            for product in products:
+                c = product()
             runs += 1
         c.sum().item()
-        rate = max(rate, 2.0 * m * k * n * runs / (time.perf_counter() - began))
-    source = f"measured {rate / 1e9:.0f} GFLOP/s ({param_dtype} {m}x{k} @ {k}x{n} matmul, {device.type})"
-    return Bandwidth(read=rate, write=rate, source=source)
+        rate = max(rate, flops * runs / (time.perf_counter() - began))
+    return Bandwidth(read=rate, write=rate, source=f"measured {rate / 1e9:.0f} GFLOP/s ({param_dtype} {what}, {device.type})")
 
 
 def _capacity(cfg: Any, tier: Tier) -> int | None:
