@@ -26,7 +26,7 @@ from tierzero.estimate.counting import CountingStore
 from tierzero.mesh import build_mesh
 from tierzero.micro_step import micro_step
 from tierzero.models import build_model, count_parameters
-from tierzero.slices import SliceKey, Tier
+from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.plan import Homes, SlicePlan
 from tierzero.topology import Topology
 
@@ -153,6 +153,10 @@ def _replay(cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_
             _step(engine, cfg)
             run.steps += 1
         run.read, run.written, run.copied = store.nvme_read, store.nvme_written, store.memory_copied
+        if not torch.cuda.is_available():
+            # Host memory traffic besides the compute's: each micro-step writes its gradients into
+            # this rank's GRAD slices (stages/grad_landing.py), one pass over them.
+            run.copied += store.kind_bytes().get(Kind.GRAD, 0) * cfg.gradient_accumulation_steps
         run.by_slice = {key: (read, written) for key, (read, written) in store.by_slice.items()}
         run.comm = engine.comm_report(per_group=True)
     finally:

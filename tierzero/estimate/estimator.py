@@ -94,7 +94,8 @@ class Estimate:
     nvme_written_first: int
     """NVMe bytes written in the first step (with the step in the next forward, only its first units')."""
     memory_copied: int
-    """Bytes copied between the device and cpu tiers per optimizer step, per rank."""
+    """Bytes copied between the device and cpu tiers per optimizer step, per rank; without a GPU
+    also into gathered buffers, and the gradients' landing in their slices (host memory traffic)."""
     nvme_by_slice: dict[SliceKey, tuple[int, int]]
     """NVMe bytes (read, written) per optimizer step, by slice."""
     nvme_written_setup: int
