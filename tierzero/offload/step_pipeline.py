@@ -228,8 +228,7 @@ class StepPipeline:
 
     def _make_room(self) -> None:
         """Drain write-backs until one more group fits in the bound."""
-        held = (self._waiting is not None) + len(self._prepared)
-        while self._writing and len(self._writing) + held + 1 > self._max_resident:
+        while self._writing and not self._fits():
             self._writing.popleft().wait()
 
     def flush(self, *, drain: bool = True) -> PipelineReport:
