@@ -1,13 +1,15 @@
 """The placement planner's prediction of a step: its parts, at rates measured on this machine.
 
 Without a GPU the parts add up: the NVMe bytes the replay counts at the disk's rates (reads
-and writes one after the other), the compute (6 x parameters x tokens at a matmul rate
-measured at the model's own shape), the optimizer's kernel over the owned elements and the
-copies between tiers. On this machine the disk's I/O spends as much system time as the
-compute spends user time, so nothing overlaps: on the 2B preset the sum came within 6% of
-the measured step for the planned and the all-NVMe placement, the longest part alone 50%
-short. With a GPU the disk, the GPU's compute, the copy stream and the host's optimizer
-overlap, and the longest bounds the step.
+and writes one after the other), the compute (6 x parameters x tokens at the rate of a
+Linear's three training products at the model's own shape), the optimizer's kernel over the
+owned elements and the host memory traffic (copies between tiers, gathers into buffers of
+their own, the gradients' landing). On this machine the disk's I/O spends as much system
+time as the compute spends user time, so nothing overlaps: on the 2B preset's planned
+placement the sum came within 8% of the measured step in the last two runs of
+docs/BENCHMARKS.md's session 7, the longest part alone 50% short; the rates it measures
+move by 20% between runs here. With a GPU the disk, the GPU's compute, the copy stream and
+the host's optimizer overlap, and the longest bounds the step.
 """
 
 from __future__ import annotations
