@@ -150,37 +150,51 @@ def test_the_next_forward_reads_no_parameter_back_from_nvme(tmp_path: Path, monk
     assert [name for name in reference if not torch.equal(state[name], reference[name])] == []
 
 
+def _master_reads(tmp_path: Path, **zero: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """fp32 stage 3, step in backward, parameters and optimizer on NVMe: the weights after 4 steps,
+    and how many times each step read an fp32 master (a PARAM slice fetched to the cpu tier) from NVMe."""
+    cfg = {
+        "zero": {"stage": 3, **zero},
+        "optimizer": {"type": "adamw", "lr": 1e-2},
+        "gradient_clipping": 0.0,
+        "offload": {"params": "nvme", "optimizer": "nvme"},
+        "tiers": {"nvme": {"path": str(tmp_path)}},
+        "prefetch": {"bytes": 0},  # no slice kept or fetched ahead: every gather reads its shard
+    }
+    master_reads: list[int] = []
+    with tierzero.initialize(Stack(), cfg) as engine:
+        reads = _count_reads(engine, lambda key, to: key.kind is Kind.PARAM and to is Tier.CPU)
+        for step in range(4):
+            reads[0] = 0
+            engine.backward(engine(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))))
+            engine.step()
+            master_reads.append(reads[0])
+        state = engine.full_state_dict()
+    assert state is not None
+    return state, master_reads
+
+
 def test_the_backward_gathers_copy_becomes_the_steps_master(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """fp32 stage 3, step in backward: a unit's PARAM slice is its master, and the gather just
     read it; moved down to the step instead of released, it is not read from NVMe again."""
-
-    def train(hand_down: bool) -> tuple[dict[str, torch.Tensor], list[int]]:
-        if not hand_down:
-            monkeypatch.setattr(Stage3, "_hand_down", lambda self, *args: False)
-        cfg = {
-            "zero": {"stage": 3},
-            "optimizer": {"type": "adamw", "lr": 1e-2},
-            "gradient_clipping": 0.0,
-            "offload": {"params": "nvme", "optimizer": "nvme"},
-            "tiers": {"nvme": {"path": str(tmp_path)}},
-            "prefetch": {"bytes": 0},  # no slice kept or fetched ahead: every gather reads its shard
-        }
-        master_reads: list[int] = []
-        with tierzero.initialize(Stack(), cfg) as engine:
-            # The step reading its fp32 master from NVMe.
-            reads = _count_reads(engine, lambda key, to: key.kind is Kind.PARAM and to is Tier.CPU)
-            for step in range(4):
-                reads[0] = 0
-                engine.backward(engine(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))))
-                engine.step()
-                master_reads.append(reads[0])
-            state = engine.full_state_dict()
-        monkeypatch.undo()
-        assert state is not None
-        return state, master_reads
-
-    reference, read_again = train(hand_down=False)
-    state, handed = train(hand_down=True)
+    with monkeypatch.context() as patched:
+        patched.setattr(Stage3, "_hand_down", lambda self, *args: False)
+        reference, read_again = _master_reads(tmp_path)
+    state, handed = _master_reads(tmp_path)
     assert read_again[1:] == [4] * 3  # root and three blocks: each master read after its gather
     assert handed[1:] == [1] * 3, handed  # only the root's (it is never handed down), from the second step
     assert [name for name in reference if not torch.equal(state[name], reference[name])] == []
+
+
+def test_a_full_pipeline_lets_its_oldest_write_land_rather_than_read_a_master_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on a disk that has not kept up: every write-back is still landing when the step's
+    pipeline is asked for room. A unit's backward then waits for the oldest to land (its step
+    would wait for it anyway), and its gathered copy still moves down to the step."""
+    from tierzero.offload import step_pipeline
+
+    monkeypatch.setattr(step_pipeline._Writing, "landed", lambda self: False)
+    # Each Linear a unit: four step in backward, more than the pipeline's three groups.
+    _, handed = _master_reads(tmp_path, unit_classes=["Linear"])
+    assert handed[1:] == [1] * 3, handed  # the root's only, as with a disk that keeps up
