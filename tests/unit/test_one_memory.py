@@ -64,6 +64,20 @@ def test_a_fetched_copy_changes_tier_without_a_copy(tmp_path: Path) -> None:
         assert torch.equal(store.fetch(key, to=Tier.CPU).wait(), value + 1.0)
 
 
+def test_a_slice_homed_in_one_memory_tier_is_fetched_to_the_other_as_its_home(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        key = SliceKey("u", Kind.PARAM)
+        store.register(key, numel=5000, dtype=torch.float32, home=Tier.DEVICE)
+        home = store.home_tensor(key)
+        fetched = store.fetch(key, to=Tier.CPU).wait()
+        assert fetched.data_ptr() == home.data_ptr()
+        assert _fetched(store, Kind.PARAM) == {Tier.DEVICE: 20000, Tier.CPU: 0}  # the home's bytes, no copy's
+        fetched.fill_(2.0)
+        store.write_back(key).wait()
+        store.release(key)
+        assert torch.equal(store.home_tensor(key), torch.full((5000,), 2.0))
+
+
 @pytest.mark.parametrize("device", [HostDeviceTier, DeviceTier], ids=["one-memory", "emulated-gpu"])
 def test_scratch_handed_to_the_store_becomes_the_copy_or_is_copied_and_freed(tmp_path: Path, device: type) -> None:
     with _store(tmp_path, device=device) as store:
@@ -127,7 +141,8 @@ def test_a_gather_of_one_rank_is_its_shard_and_trains_to_the_same_bits(tmp_path:
     as with everything on the device, and a gather allocates a buffer of its own only in a
     backward whose step takes that copy as its fp32 master (parameters on NVMe, step in backward)."""
     reference, _ = _train(tmp_path / "device", {}, clipping)
-    for offload in ({"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}, {"params": "cpu", "optimizer": "cpu"}):
+    placements = ({"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}, {"params": "cpu", "optimizer": "cpu"})
+    for offload in placements:
         state, scratch = _train(tmp_path / "-".join(offload.values()), offload, clipping)
         assert [name for name in reference if not torch.equal(state[name], reference[name])] == []
         gathered = {phase.value for phase, kind in scratch if kind is Kind.GATHERED}
