@@ -1,4 +1,17 @@
-"""tierzero: a ZeRO engine for PyTorch whose shards live in GPU memory, host memory and NVMe."""
+"""tierzero: a ZeRO engine for PyTorch whose shards live in GPU memory, host memory and NVMe.
+
+Importing tierzero before torch turns on transparent huge pages for torch's host
+allocations of 2 MiB and more (`THP_MEM_ALLOC_ENABLE`, read by torch once, at its first
+allocation; a value already in the environment wins). An offloaded step allocates
+unit-sized host buffers all the time (gradients, scratch, fetched copies): with 4 KiB
+pages each fresh GiB costs about 0.4 s of page faults on the cores the step computes on
+(docs/BENCHMARKS.md, session 8). Programs that import torch first can set the variable
+themselves.
+"""
+
+import os
+
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from tierzero.api import initialize
 from tierzero.engine import Engine
