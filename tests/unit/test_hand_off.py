@@ -3,6 +3,7 @@ read back from NVMe: the bytes and bits a read would give, one disk crossing few
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -10,9 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+from test_estimate import _raw, _train
 from test_grad_norm import Stack
 
 import tierzero
+from tierzero.config import load_config
+from tierzero.estimate import estimate
 from tierzero.offload.cpu import CpuTier
 from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
@@ -231,3 +235,27 @@ def test_a_full_pipeline_lets_its_oldest_write_land_rather_than_read_a_master_ag
     _, handed = _master_reads(tmp_path, unit_classes=["Linear"])
     assert handed[1:] == [1] * 3, handed  # the root's only, as with a disk that keeps up
 
+
+def test_a_slow_move_up_holds_its_group_and_the_run_stays_within_the_estimate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handed-off copy is freed once its move to the device has read it. A move queued behind
+    other transfers (a loaded host) must hold its group in the step pipeline's bound, as the
+    estimate counts it, or the next group's reads overrun a cpu tier sized to the estimate."""
+    raw = _raw(tmp_path, stage=3, params="nvme", grads="cpu", optimizer="nvme", unit_classes=("Linear",))
+    raw["tiers"]["nvme"]["cache"] = 40 << 10
+    raw["tiers"]["cpu"] = {"capacity": estimate(load_config(raw)).tiers[Tier.CPU].need}
+    copy, slowed = Swapper.copy, []
+
+    def slow_moves_up(swapper: Swapper, *, key: Any, src: torch.Tensor, dst: torch.Tensor) -> Transfer:
+        moved = copy(swapper, key=key, src=src, dst=dst)
+        if not (isinstance(key, tuple) and key[-1] == "adopt"):
+            return moved
+        late: Future[TransferOutcome] = Future()
+        threading.Timer(0.2, lambda: late.set_result(moved.future.result())).start()
+        slowed.append(key)
+        return Transfer(late)
+
+    monkeypatch.setattr(Swapper, "copy", slow_moves_up)
+    _train(raw, monkeypatch)
+    assert slowed
