@@ -236,7 +236,7 @@ class TieredStore:
             self.free(scratch)
             raise
         moved.future.add_done_callback(lambda _: self.free(scratch))
-        return moved
+        return moved.then(lambda value: value)  # told after the free: a waiter finds the scratch gone
 
     def write_back(self, key: SliceKey, src: torch.Tensor | None = None) -> Transfer[None]:
         """Copy the fetched copy, or `src` (same numel and dtype), to the home. Ordered after the key's fetch."""
