@@ -3,15 +3,20 @@ read back from NVMe: the bytes and bits a read would give, one disk crossing few
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from test_estimate import _raw, _train
 from test_grad_norm import Stack
 
 import tierzero
+from tierzero.config import load_config
+from tierzero.estimate import estimate
 from tierzero.offload.cpu import CpuTier
 from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
@@ -20,6 +25,7 @@ from tierzero.stages import Stage3
 from tierzero.store import SliceState, TieredStore
 from tierzero.store.ledger import Use
 from tierzero.swapper import Swapper
+from tierzero.transfer import Transfer, TransferOutcome
 
 
 @pytest.fixture(autouse=True)
@@ -92,6 +98,36 @@ def test_a_fetched_copy_moves_up_a_tier_and_the_old_one_goes(tmp_path: Path) -> 
         assert cpu.current_by_kind.get(Kind.MASTER, 0) == 0
         assert store.report().tiers[Tier.DEVICE].current_by_kind[Kind.MASTER] >= 3000 * 4
         assert reads == [key]  # the first fetch only
+
+
+def test_whoever_sees_a_moved_copy_arrive_finds_the_old_one_freed(tmp_path: Path) -> None:
+    """The step pipeline counts a handed-off group gone once the move up has landed: by then
+    the host copy it read must be out of the books, whichever thread lands it."""
+    store, _ = _store(tmp_path)
+    gate: Future[TransferOutcome] = Future()
+    copy = store.swapper.copy
+
+    def gated(**kwargs: Any) -> Transfer:
+        copy(**kwargs).wait()
+        return Transfer(gate)  # lands when the test says, running its callbacks in this thread
+
+    store.swapper.copy = gated  # type: ignore[method-assign]
+    with store:
+        key = SliceKey("u", Kind.MASTER)
+        store.register(key, numel=3000, dtype=torch.float32, home=Tier.NVME)
+        store.write_back(key, torch.zeros(3000)).wait()
+        store.fetch(key, to=Tier.CPU).wait()
+        store.write_back(key).wait()
+        moved = store.adopt(key, to=Tier.DEVICE)
+        held: list[int] = []
+
+        def arrived(_: object) -> None:
+            held.append(store.report().tiers[Tier.CPU].current_by_kind.get(Kind.MASTER, 0))
+
+        moved.future.add_done_callback(arrived)
+        assert held == []
+        gate.set_result(TransferOutcome())
+        assert held == [0]
 
 
 def test_adopt_refuses_what_it_cannot_do_and_changes_nothing(tmp_path: Path) -> None:
@@ -198,3 +234,28 @@ def test_a_full_pipeline_lets_its_oldest_write_land_rather_than_read_a_master_ag
     # Each Linear a unit: four step in backward, more than the pipeline's three groups.
     _, handed = _master_reads(tmp_path, unit_classes=["Linear"])
     assert handed[1:] == [1] * 3, handed  # the root's only, as with a disk that keeps up
+
+
+def test_a_slow_move_up_holds_its_group_and_the_run_stays_within_the_estimate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handed-off copy is freed once its move to the device has read it. A move queued behind
+    other transfers (a loaded host) must hold its group in the step pipeline's bound, as the
+    estimate counts it, or the next group's reads overrun a cpu tier sized to the estimate."""
+    raw = _raw(tmp_path, stage=3, params="nvme", grads="cpu", optimizer="nvme", unit_classes=("Linear",))
+    raw["tiers"]["nvme"]["cache"] = 40 << 10
+    raw["tiers"]["cpu"] = {"capacity": estimate(load_config(raw)).tiers[Tier.CPU].need}
+    copy, slowed = Swapper.copy, []
+
+    def slow_moves_up(swapper: Swapper, *, key: Any, src: torch.Tensor, dst: torch.Tensor) -> Transfer:
+        moved = copy(swapper, key=key, src=src, dst=dst)
+        if not (isinstance(key, tuple) and key[-1] == "adopt"):
+            return moved
+        late: Future[TransferOutcome] = Future()
+        threading.Timer(0.2, lambda: late.set_result(moved.future.result())).start()
+        slowed.append(key)
+        return Transfer(late)
+
+    monkeypatch.setattr(Swapper, "copy", slow_moves_up)
+    _train(raw, monkeypatch)
+    assert slowed

@@ -22,10 +22,12 @@ allows, and `push` adds the gradient; reads prepared by one pipeline can be push
 another (`hand_over`, `prepared=`), for a step whose scalars come later. After a group's
 step each slice is written home and released, unless `hand_off` takes its copy over (the
 new parameters, up to the device) or `keep_home` leaves its home unwritten (a stale
-gradient). A group whose
-slices live in memory costs nothing here: fetching a slice to its own home tier
-hands back the home tensor and its write-back is a no-op, so device and CPU homes
-take the same path with nothing to overlap. The arithmetic is the same on every
+gradient). A group counts against the bound until its host copies are freed: after its
+write-backs, and after the moves of the copies handed off, which read them (a move still
+queued behind other transfers would otherwise keep a copy past the bound, beyond what
+`tierzero estimate` counts). A group whose slices live in memory costs nothing here:
+fetching a slice to its own home tier hands back the home tensor and its write-back is
+a no-op, so device and CPU homes take the same path with nothing to overlap. The arithmetic is the same on every
 path — the same kernel on the same fp32 values — so where the states live changes
 no bit.
 """
@@ -76,7 +78,8 @@ class PendingWrite:
 
 @dataclass(slots=True)
 class _Writing:
-    """A group written back and released: done once every write and the release's free have run."""
+    """A group written back and released: done once every write, every move of a copy handed off,
+    and the frees they hold back have run."""
 
     done: list[threading.Event] = field(default_factory=list)
     sources: list[torch.Tensor] = field(default_factory=list)
@@ -143,7 +146,7 @@ class StepPipeline:
         written: Callable[[SliceGroup], None] | None = None,
         max_resident: int = MAX_RESIDENT_GROUPS,
         prepared: Sequence[Prepared] = (),
-        hand_off: Callable[[SliceKey], bool] | None = None,
+        hand_off: Callable[[SliceKey], Transfer[torch.Tensor] | None] | None = None,
         keep_home: Callable[[SliceKey], bool] | None = None,
     ) -> None:
         """`written(group)` is told once the group's write-backs are queued: a read of its slices
@@ -151,7 +154,8 @@ class StepPipeline:
         `max_resident` lowers the bound on groups held at once (a step that shares memory with a forward).
         `prepared` takes over the reads another pipeline started (its `hand_over`).
         `hand_off(key)` is offered each fetched slice of a stepped group once its write-back is
-        queued: True when it took the copy over (`SliceStore.adopt`), which is then not released.
+        queued: the move of the copy it took over (`SliceStore.adopt`), which is then not released
+        and holds the group until it lands; None when it took nothing.
         `keep_home(key)`: the slice's home stays as it is, and its copy is released unwritten."""
         self._store, self._compute, self._written = store, compute, written
         self._hand_off, self._keep_home = hand_off, keep_home
@@ -289,17 +293,22 @@ class StepPipeline:
         store = self._store
         job = _Writing(sources=[w.source for w in writes])
         transfers = [w.transfer for w in writes]
+        moves: list[Transfer[torch.Tensor]] = []
         for key in group.keys():
             if self._keep_home is not None and self._keep_home(key):
                 store.release(key)
                 continue
             transfer = store.write_back(key)
-            if self._hand_off is None or not self._hand_off(key):
+            moved = None if self._hand_off is None else self._hand_off(key)
+            if moved is None:
                 store.release(key)
+            else:
+                moves.append(moved)  # its old copy goes once the move has read it
             # Registered after the release's own callback, so this one fires after the free.
             transfers.append(transfer)
         job.transfers = transfers
-        for transfer in transfers:
+        # A failed move is the taker's to raise (it waits for the copy); here it only has to have ended.
+        for transfer in transfers + moves:
             event = threading.Event()
             transfer.future.add_done_callback(lambda _f, e=event: e.set())
             job.done.append(event)

@@ -15,10 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from tierzero.offload.step_pipeline import MAX_RESIDENT_GROUPS, Prepared
 from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.stages.step import ForwardStep, StepAhead, StepScalars
+from tierzero.transfer import Transfer
 from tierzero.units import Unit, is_root
 
 __all__ = ["StepInTime"]
@@ -128,14 +131,16 @@ class StepInTime:
         return {"first": first, "written": lambda unit: prefetch.warm(unit) if unit in first else None,
                 "hand_off": self.hand_off}  # fmt: skip
 
-    def hand_off(self, key: SliceKey) -> bool:
+    def hand_off(self, key: SliceKey) -> Transfer[torch.Tensor] | None:
         """Take the stepped unit's PARAM slice (fp32: the master the step fetched) up to the device
-        from the step's memory, if the next forward wants it soon: it crosses the disk once."""
+        from the step's memory, if the next forward wants it soon: it crosses the disk once. The
+        move, which the step's pipeline waits for before it counts the host copy gone; None: not taken."""
         if key.kind is not Kind.PARAM or not self._wants_new_param(key.unit):
-            return False
+            return None
         assert self.param_prefetch is not None
-        self.param_prefetch.adopt(key.unit, self.store.adopt(key, to=Tier.DEVICE))
-        return True
+        moved = self.store.adopt(key, to=Tier.DEVICE)
+        self.param_prefetch.adopt(key.unit, moved)
+        return moved
 
     def _wants_new_param(self, unit: str) -> bool:
         """Whether the next forward takes `unit`'s new parameters soon, within the prefetcher's

@@ -35,8 +35,8 @@ from tierzero.units import Unit
 __all__ = ["BackwardStep", "ForwardStep", "HandOff", "StepAhead", "StepScalars", "Steppable", "run_step", "slice_group"]
 
 
-#: Offered each stepped slice: True when it took the fetched copy over (`StepPipeline`'s `hand_off`).
-HandOff = Callable[[SliceKey], bool]
+#: Offered each stepped slice: the move of the fetched copy it took over, or None (`StepPipeline`'s `hand_off`).
+HandOff = Callable[[SliceKey], Transfer[torch.Tensor] | None]
 
 
 @dataclass(frozen=True, slots=True)

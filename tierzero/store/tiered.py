@@ -200,14 +200,15 @@ class TieredStore:
                 self._tiers[to].free(copy)
                 raise
             self._ledger.add(to, key.kind, Use.FETCHED, copy.nbytes)
+            if old is not None:
+                assert old_tier is not None
+                # Before `then`: a future runs its callbacks in order, so whoever has seen the new
+                # copy arrive (the step pipeline counting its group gone) finds the old one freed.
+                self._free_when_done(old, old_tier, key.kind, [*pending, moved])
             record.copy_tier, record.copy, record.state = to, copy, SliceState.FETCHING
             record.fetch = moved.then(lambda _: record.typed(copy))
             record.inherited = tuple(record.writes)
-            fetched = record.fetch
-        if old is not None:
-            assert old_tier is not None
-            self._free_when_done(old, old_tier, key.kind, [*pending, moved])
-        return fetched
+            return record.fetch
 
     def adopt_scratch(self, key: SliceKey, *, to: Tier, scratch: torch.Tensor) -> Transfer[torch.Tensor]:
         """`adopt` from `scratch`, a tensor `allocate` made holding the slice's whole value: the
@@ -235,7 +236,7 @@ class TieredStore:
             self.free(scratch)
             raise
         moved.future.add_done_callback(lambda _: self.free(scratch))
-        return moved
+        return moved.then(lambda value: value)  # told after the free: a waiter finds the scratch gone
 
     def write_back(self, key: SliceKey, src: torch.Tensor | None = None) -> Transfer[None]:
         """Copy the fetched copy, or `src` (same numel and dtype), to the home. Ordered after the key's fetch."""
