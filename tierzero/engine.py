@@ -25,6 +25,7 @@ from tierzero.config import Config
 from tierzero.groups import GroupRules
 from tierzero.materialize import flat_fp32, has_meta, materialize_rest, materialize_unit, unit_on_meta
 from tierzero.mesh import Mesh, build_mesh, launcher_topology
+from tierzero.offload.host_heap import keep_freed_memory
 from tierzero.optim import make_optimizer
 from tierzero.precision import dtype_of, make_loss_scaler
 from tierzero.prefetch import Prefetcher
@@ -142,6 +143,8 @@ class Engine:
             )  # fmt: skip
             self.stage.grad_norm.enabled = float(cfg.gradient_clipping) > 0 or self._skips_overflow
             self._install()
+            if self._ctx.device.type != "meta":  # see [Note: freed host memory]
+                keep_freed_memory(cfg.tiers.cpu.keep_freed)
         except BaseException:
             # A tier that is too small fails here: leave no swap file or group behind.
             self.close()

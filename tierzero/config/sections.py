@@ -272,6 +272,10 @@ class CpuTierConfig(Section):
     """Bytes of model state the host tier may hold; null: what the host has."""
     pin_memory: bool = setting(True, BOOL)
     """Page-lock host buffers for fast device copies; only where CUDA is available."""
+    keep_freed: int = setting(512 * MiB, size_check(allow_zero=True, limit=GiB))
+    """Freed host memory the process keeps for reuse (glibc): every block comes from the heap,
+    whose freed blocks are reused instead of unmapped and faulted in fresh, and up to this many
+    free bytes stay at its top; 0: the C library's defaults. Process-wide, set by the engine."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -1,0 +1,38 @@
+"""Freed host memory kept for reuse, where the C library allows it (glibc on Linux).
+
+[Note: freed host memory]
+glibc maps every block of 32 MiB or more with its own mmap and unmaps it when freed, so
+each such block comes fresh from the kernel: zeroed page by page and, in a VM whose freed
+pages go back to the host, faulted in there again. An offloaded step frees and allocates
+unit-sized host blocks all the time (autograd's weight gradients, landing scratch, fetched
+copies): on the 2B preset this was about a third of the step (docs/BENCHMARKS.md, session
+8). `keep_freed_memory` makes every block come from the heap, whose freed blocks malloc
+reuses, and keeps up to `top` bytes of free heap at its top instead of trimming them. It
+first trims what the set-up freed. Like every malloc setting it holds for the whole
+process, after the engine too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+__all__ = ["keep_freed_memory"]
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_INT_MAX = 2**31 - 1
+
+
+def keep_freed_memory(top: int) -> bool:
+    """Reuse freed host memory (see the note); True where glibc took the settings, False where
+    `top` is 0 or the C library is not glibc."""
+    if top <= 0 or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt, trim = libc.mallopt, libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, min(top, _INT_MAX)))
