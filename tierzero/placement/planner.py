@@ -179,14 +179,16 @@ class PlacementPlan:
         widths = [max(len(r[i]) for r in rows) for i in range(6)]
         table = ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + "  " + r[6] for r in rows]
         p, e = self.prediction, self.estimate
+        how = "overlapped: the longest counts"
+        if p.serial:
+            how = "the disk beside the rest, which share the cores without a GPU"
         disk = "" if self.disk is None else f"; disk {self.disk.source}"
         lines = [
             f"placement (offload: auto), per rank: {self.label}",
             *table,
             f"  nvme per step: read {format_size(e.nvme_read)}, write {format_size(e.nvme_written)}{disk}",
             f"  predicted step {p.step_s:.2f} s, most of it {p.bound}: I/O {p.io_s:.2f} s, compute "
-            f"{p.compute_s:.2f} s ({e.flops.source}), optimizer {p.optimizer_s:.2f} s, copies {p.copy_s:.2f} s "
-            f"({'added up: without a GPU they share the cores' if p.serial else 'overlapped: the longest counts'})",
+            f"{p.compute_s:.2f} s ({e.flops.source}), optimizer {p.optimizer_s:.2f} s, copies {p.copy_s:.2f} s ({how})",
             f"  why: the shortest predicted step of {len(self.considered)} placements that fit or were tried:",
         ]
         if self.overrides:
