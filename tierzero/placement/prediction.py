@@ -11,7 +11,7 @@ copies take the same cores and add up. Until host buffers came in huge pages and
 were reused (docs/BENCHMARKS.md, session 8), the disk's page faults took those cores too and
 the sum of every part matched best. Since then, on the 2B preset, the planned placement's
 step measured 8.3-8.9 s against 6.9-7.6 s predicted (-15% to -21%: the rest, timed on idle
-cores, runs 1.2-1.35x slower beside the I/O threads), and the all-NVMe step 14.1-18.6 s
+cores, ran 1.18-1.39x slower beside the I/O threads), and the all-NVMe step 14.1-18.6 s
 against its disk's 17.2 s.
 """
 
