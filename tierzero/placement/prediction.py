@@ -10,9 +10,9 @@ host's optimizer), and the longest part bounds the step; without one, compute, o
 copies take the same cores and add up. Until host buffers came in huge pages and freed ones
 were reused (docs/BENCHMARKS.md, session 8), the disk's page faults took those cores too and
 the sum of every part matched best. Since then, on the 2B preset, the planned placement's
-step measured 8.3-8.9 s against 6.9-7.6 s predicted (-15% to -21%: the rest, timed on idle
-cores, ran 1.18-1.39x slower beside the I/O threads), and the all-NVMe step 14.1-18.6 s
-against its disk's 17.2 s.
+step measured 8.3-8.9 s against 6.9-7.6 s predicted (-15% to -21%: the model's own forward
+and backward run slower than one Linear's products, and the disk slows them by 7-9%), and
+the all-NVMe step 14.1-18.6 s against its disk's 17.2 s.
 """
 
 from __future__ import annotations
