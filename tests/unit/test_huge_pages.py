@@ -29,7 +29,8 @@ print(os.environ.get("THP_MEM_ALLOC_ENABLE"), huge)
 
 def _probe(**env: str) -> tuple[str, int]:
     clean = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    out = subprocess.run([sys.executable, "-c", _PROBE], env={**clean, **env}, capture_output=True, text=True, check=True)
+    command = [sys.executable, "-c", _PROBE]
+    out = subprocess.run(command, env={**clean, **env}, capture_output=True, text=True, check=True)
     value, huge = out.stdout.split()
     return value, int(huge)
 

@@ -232,10 +232,10 @@ def measure_flops(param_dtype: str, *, seconds: float = 1.0, shape: tuple[int, i
     """Time matmuls in the compute dtype on the compute device for about `seconds`, the best of
     `_WINDOWS` windows: other work on the machine only ever slows a window down, and on a shared
     2-core VM a 0.3 s measurement of three windows read 79 to 136 GFLOP/s in one hour's runs of
-    the 2B preset (127 to 147 alone). With `shape` (m, k, n), e.g.
-    a model's tokens x width x feed-forward width, the three products a Linear of that shape runs in
-    a training step: forward x @ W^T, and in backward the gradients of x (dy @ W) and of W (dy^T @ x),
-    whose inner size is only the tokens; else square (m x k) @ (k x n) ones."""
+    the 2B preset (127 to 147 alone). With `shape` (m, k, n), e.g. a model's tokens x width x
+    feed-forward width, the three products a Linear of that shape runs in a training step: forward
+    x @ W^T, and in backward the gradients of x (dy @ W) and of W (dy^T @ x), whose inner size is
+    only the tokens; else square (m x k) @ (k x n) ones."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     side = 4096 if device.type == "cuda" else 1024
     dtype = dtype_of(param_dtype)
@@ -258,7 +258,8 @@ def measure_flops(param_dtype: str, *, seconds: float = 1.0, shape: tuple[int, i
             runs += 1
         c.sum().item()
         rate = max(rate, flops * runs / (time.perf_counter() - began))
-    return Bandwidth(read=rate, write=rate, source=f"measured {rate / 1e9:.0f} GFLOP/s ({param_dtype} {what}, {device.type})")
+    source = f"measured {rate / 1e9:.0f} GFLOP/s ({param_dtype} {what}, {device.type})"
+    return Bandwidth(read=rate, write=rate, source=source)
 
 
 def _capacity(cfg: Any, tier: Tier) -> int | None:

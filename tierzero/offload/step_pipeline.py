@@ -27,9 +27,9 @@ write-backs, and after the moves of the copies handed off, which read them (a mo
 queued behind other transfers would otherwise keep a copy past the bound, beyond what
 `tierzero estimate` counts). A group whose slices live in memory costs nothing here:
 fetching a slice to its own home tier hands back the home tensor and its write-back is
-a no-op, so device and CPU homes take the same path with nothing to overlap. The arithmetic is the same on every
-path — the same kernel on the same fp32 values — so where the states live changes
-no bit.
+a no-op, so device and CPU homes take the same path with nothing to overlap. The
+arithmetic is the same on every path — the same kernel on the same fp32 values — so
+where the states live changes no bit.
 """
 
 from __future__ import annotations
