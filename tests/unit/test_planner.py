@@ -101,6 +101,21 @@ def test_a_unit_home_differs_from_its_kind_only_off_the_device() -> None:
         Homes(grads=Tier.DEVICE, units={("h.0", "grads"): Tier.CPU})
 
 
+def test_the_predicted_step_is_the_disk_beside_the_rest_which_adds_up_without_a_gpu() -> None:
+    """4 s of disk, 3 s of compute, 1 s of optimizer and 0.5 s of copies: without a GPU the
+    compute, optimizer and copies share the cores (4.5 s) and the disk runs beside them; with
+    one every part overlaps and the disk's 4 s bounds the step."""
+    from types import SimpleNamespace
+
+    plan = SimpleNamespace(stepped_elements=lambda: 2_000)
+    result = SimpleNamespace(plan=plan, io_floor_s=4.0, compute_floor_s=3.0, memory_copied=500)
+    host = predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=False)  # type: ignore[arg-type]
+    assert (host.step_s, host.serial, host.bound) == (4.5, True, "disk")
+    assert predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=True).step_s == 4.0  # type: ignore[arg-type]
+    result.io_floor_s = 6.0
+    assert predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=False).step_s == 6.0  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("share", [8, 4, 1], ids=["eighth", "quarter", "whole"])
 def test_the_plan_is_never_worse_than_any_whole_kind_placement(share: int, tmp_path: Path) -> None:
     """Brute force over the 27 whole-kind placements, each replayed and predicted as the planner does:
