@@ -315,8 +315,7 @@ class Stage3(StepInTime, Stage):
 
     def _moves_down(self, unit: Unit) -> bool:
         """fp32, PARAM on NVMe, a host step: the unit's step in backward may take its gathered copy."""
-        host_step = self.homes.optimizer is not Tier.DEVICE
-        return not self.mixed and host_step and self.plan.home(unit.name, Kind.PARAM) is Tier.NVME
+        return not self.mixed and self.plan.home(unit.name, Kind.PARAM) is Tier.NVME and self.homes.optimizer is not Tier.DEVICE
 
     def _hand_down(self, key: SliceKey, job: Any, unit: Unit, given: dict[Kind, Any]) -> bool:
         """Move the gather's PARAM copy down to the step tier for the unit's step (`_moves_down`)."""
