@@ -55,3 +55,18 @@ def test_the_probe_measures_a_real_disk(tmp_path: Path) -> None:
     read, write = disk.probe(tmp_path, nbytes=4 << 20, repeats=1, settle_s=0.0)
     assert read > 0 and write > 0
     assert not list(tmp_path.iterdir())  # its file goes with it
+
+
+def test_a_stream_keeps_the_disk_busy_until_its_block_ends(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    with disk.streaming(tmp_path, nbytes=4 << 20) as moved:
+        time.sleep(0.3)
+        assert moved() > 0  # GB/s written and read back so far
+        assert any(t.name == "tierzero-disk-stream" for t in threading.enumerate())
+    assert not any(t.name == "tierzero-disk-stream" for t in threading.enumerate())
+    with pytest.raises(ValueError, match="under one 4096-byte block each"):
+        with disk.streaming(tmp_path, nbytes=4096):
+            pass
+

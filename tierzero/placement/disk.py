@@ -3,7 +3,8 @@
 `tierzero bench nvme --json` remembers its best read and write rates for the directory it
 ran in, and so does a probe; `disk_rates(path)` returns what is remembered for that path,
 else runs `probe` (a few seconds: 256 MiB written, left to settle, read back through the
-NVMe tier the engine uses) and remembers that. The cache is one JSON file,
+NVMe tier the engine uses) and remembers that. `streaming(path)` keeps the disk as busy as a
+step's swaps do, for what must be measured beside them. The cache is one JSON file,
 `$TIERZERO_CACHE_DIR/disks.json` (default `~/.cache/tierzero`), keyed by the directory's
 real path; a file that cannot be read is ignored and rewritten, never trusted.
 """
@@ -13,9 +14,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -29,7 +32,8 @@ from tierzero.sizes import format_size
 from tierzero.slices import IO_ALIGNMENT, aligned_empty
 
 __all__ = [
-    "PROBE_BYTES", "SETTLE_S", "DiskRates", "cache_file", "disk_rates", "probe", "remember", "remembered", "timed_moves",
+    "PROBE_BYTES", "SETTLE_S", "DiskRates", "cache_file", "disk_rates", "probe", "remember", "remembered", "streaming",
+    "timed_moves",
 ]
 
 #: Bytes `probe` moves each way per pass by default.
@@ -107,14 +111,7 @@ def probe(
     """(read, write) GB/s of `path`'s disk through an NvmeTier with the default settings: the medians
     of `repeats` passes writing `slices` slices of `nbytes` in all, submitted at once, then (after
     `settle_s`) of as many passes reading them back."""
-    size = nbytes // slices // IO_ALIGNMENT * IO_ALIGNMENT
-    if size == 0:
-        raise ValueError(f"{format_size(nbytes)} in {slices} slices is under one {IO_ALIGNMENT}-byte block each")
-    nvme = TiersConfig().nvme
-    tier = NvmeTier(
-        path, capacity=size * slices, block_size=nvme.block_size, queue_depth=nvme.queue_depth,
-        threads=nvme.threads, backend=nvme.backend,
-    )  # fmt: skip
+    tier, size = _probe_tier(path, nbytes, slices)
     with tier:
         regions = [tier.allocate(size, label=f"probe/{i}") for i in range(slices)]
         buffers = [aligned_empty(size) for _ in range(slices)]
@@ -124,6 +121,46 @@ def probe(
         time.sleep(settle_s)
         reads = [timed_moves(tier.submit_read, regions, buffers) for _ in range(repeats)]
     return statistics.median(reads), statistics.median(writes)
+
+
+@contextmanager
+def streaming(path: str | os.PathLike[str], *, nbytes: int = PROBE_BYTES, slices: int = 4) -> Iterator[Callable[[], float]]:
+    """Keep `path`'s disk busy while the block runs: a thread writes `slices` slices of `nbytes` in
+    all through an NvmeTier with the default settings and reads them back, over and over, as a
+    step's swaps do. Yields a function that returns the GB/s moved so far."""
+    tier, size = _probe_tier(path, nbytes, slices)
+    stop, moved = threading.Event(), [0]
+
+    def stream(regions: list[Region], buffers: list[torch.Tensor]) -> None:
+        while not stop.is_set():
+            for submit in (tier.submit_write, tier.submit_read):
+                timed_moves(submit, regions, buffers)
+                moved[0] += size * slices
+
+    with tier:
+        regions = [tier.allocate(size, label=f"stream/{i}") for i in range(slices)]
+        buffers = [aligned_empty(size) for _ in range(slices)]
+        thread = threading.Thread(target=stream, args=(regions, buffers), name="tierzero-disk-stream", daemon=True)
+        began = time.perf_counter()
+        thread.start()
+        try:
+            yield lambda: moved[0] / (time.perf_counter() - began) / 1e9
+        finally:
+            stop.set()
+            thread.join()
+
+
+def _probe_tier(path: str | os.PathLike[str], nbytes: int, slices: int) -> tuple[NvmeTier, int]:
+    """An NvmeTier with the default settings holding `slices` aligned slices of `nbytes` in all, and their size."""
+    size = nbytes // slices // IO_ALIGNMENT * IO_ALIGNMENT
+    if size == 0:
+        raise ValueError(f"{format_size(nbytes)} in {slices} slices is under one {IO_ALIGNMENT}-byte block each")
+    nvme = TiersConfig().nvme
+    tier = NvmeTier(
+        path, capacity=size * slices, block_size=nvme.block_size, queue_depth=nvme.queue_depth,
+        threads=nvme.threads, backend=nvme.backend,
+    )  # fmt: skip
+    return tier, size
 
 
 def timed_moves(
