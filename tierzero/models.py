@@ -121,6 +121,13 @@ class GPTBlock(nn.Module):
 class GPT(nn.Module):
     """GPT-2 style: learned positions, pre-LN blocks, final LayerNorm, head tied to the embedding."""
 
+    Block = GPTBlock
+
+    @staticmethod
+    def block_inputs(spec: ModelSpec, seq_len: int) -> tuple[torch.Tensor, ...]:
+        """What a block takes besides the hidden states at `seq_len` tokens: nothing."""
+        return ()
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
@@ -224,6 +231,14 @@ class LlamaBlock(nn.Module):
 class Llama(nn.Module):
     """Llama style: rotary positions, RMSNorm, SwiGLU, an untied output head."""
 
+    Block = LlamaBlock
+
+    @staticmethod
+    def block_inputs(spec: ModelSpec, seq_len: int) -> tuple[torch.Tensor, ...]:
+        """What a block takes besides the hidden states at `seq_len` tokens: the rotary tables."""
+        cos, sin = rotary_tables(head_dim=spec.head_dim, max_seq_len=spec.max_seq_len)
+        return cos[:seq_len], sin[:seq_len]
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         if spec.head_dim % 2:
@@ -286,7 +301,7 @@ def _residual_std(spec: ModelSpec) -> float:
 # ---------------------------------------------------------------- building
 
 
-BUILT_IN: dict[str, type[nn.Module]] = {"gpt": GPT, "llama": Llama}
+BUILT_IN: dict[str, type[GPT] | type[Llama]] = {"gpt": GPT, "llama": Llama}
 
 
 def spec_from_config(model_cfg: Any) -> ModelSpec:

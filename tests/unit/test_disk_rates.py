@@ -70,3 +70,18 @@ def test_a_stream_keeps_the_disk_busy_until_its_block_ends(tmp_path: Path) -> No
         with disk.streaming(tmp_path, nbytes=4096):
             pass
 
+
+def test_the_compute_is_measured_alone_and_beside_the_disk(tmp_path: Path) -> None:
+    from tierzero.config import load_config
+    from tierzero.placement.prediction import measure_compute
+
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    model = {"type": "gpt", "n_layer": 1, "n_head": 2, "d_model": 64, "d_ff": 256, "max_seq_len": 32}
+    raw = {"model": model, "train": {"micro_batch_size": 2, "seq_len": 32}, "tiers": {"nvme": {"path": str(swap)}}}
+    flops, slowdown = measure_compute(load_config(raw))
+    assert flops.read > 1e6 and slowdown >= 1.0
+    assert f"{slowdown:.2f}x slower beside the disk at" in flops.source
+    assert "one gpt block's forward and backward at 2x32 tokens" in flops.source
+    alone = measure_compute(load_config({**raw, "tiers": {}}))  # no NVMe path: nothing to stream to
+    assert alone[1] == 1.0 and "beside the disk" not in alone[0].source

@@ -116,6 +116,25 @@ def test_the_predicted_step_is_the_disk_beside_the_rest_which_adds_up_without_a_
     assert predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=False).step_s == 6.0  # type: ignore[arg-type]
 
 
+def test_the_rest_slows_for_as_long_as_the_disk_works_beside_it() -> None:
+    """Measured 1.2x slower beside the disk: 4.5 s of rest with 3 s of disk slows for two thirds of
+    it (4.5 x (1 + 0.2 x 2/3) = 5.1 s); under 9 s of disk, all of it (5.4 s, and the disk bounds
+    the step); with no disk, none. A GPU's compute does not share the host's cores."""
+    from types import SimpleNamespace
+
+    plan = SimpleNamespace(stepped_elements=lambda: 2_000)
+    result = SimpleNamespace(plan=plan, io_floor_s=3.0, compute_floor_s=3.0, memory_copied=500)
+    kw = {"copy_rate": 1_000.0, "step_rate": 2_000.0, "slowdown": 1.2}
+    assert predict(result, cuda=False, **kw).step_s == pytest.approx(5.1)  # type: ignore[arg-type]
+    gpu = predict(result, cuda=True, **kw)  # type: ignore[arg-type]
+    assert (gpu.step_s, gpu.slowdown) == (3.0, 1.0)
+    result.io_floor_s = 9.0
+    host = predict(result, cuda=False, **kw)  # type: ignore[arg-type]
+    assert (host.step_s, host.bound) == (9.0, "disk")
+    result.io_floor_s = 0.0
+    assert predict(result, cuda=False, **kw).step_s == 4.5  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("share", [8, 4, 1], ids=["eighth", "quarter", "whole"])
 def test_the_plan_is_never_worse_than_any_whole_kind_placement(share: int, tmp_path: Path) -> None:
     """Brute force over the 27 whole-kind placements, each replayed and predicted as the planner does:
@@ -233,15 +252,37 @@ def test_tierzero_estimate_prints_the_plan(tmp_path: Path) -> None:
 
 
 def test_the_rates_are_measured_on_this_machine(tmp_path: Path) -> None:
-    from tierzero.estimate.estimator import measure_flops
-    from tierzero.placement.prediction import matmul_shape, measure_copy_rate, measure_step_rate
+    from tierzero.placement.prediction import measure_block_flops, measure_copy_rate, measure_step_rate
 
     cfg = load_config(_raw(tmp_path))
-    assert matmul_shape(cfg) == (2 * 32, 128, 512)  # a micro-batch's tokens x width x feed-forward width
-    flops = measure_flops("fp32", seconds=0.03, shape=matmul_shape(cfg))
-    assert flops.read > 1e8 and "64x128 @ 128x512 matmul" in flops.source
+    flops = measure_block_flops(cfg, seconds=0.03)
+    assert flops is not None and flops.read > 1e8
+    assert "one gpt block's forward and backward at 2x32 tokens" in flops.source  # a micro-batch at train.seq_len
     assert measure_copy_rate(1 << 20) > 1e8  # bytes/s of a host copy
     assert measure_step_rate(cfg, numel=1 << 16) > 1e6  # elements/s of the engine's AdamW kernel
+
+
+def test_the_compute_rate_is_one_block_of_the_model_trained_at_the_training_shape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierzero.models import LlamaBlock, spec_from_config
+    from tierzero.placement import prediction
+
+    raw = _raw(tmp_path)
+    cfg = load_config({**raw, "model": {**raw["model"], "type": "llama"}})
+    passes: list[tuple[int, ...]] = []
+
+    def timed(block: torch.nn.Module, x: torch.Tensor, extra: tuple[torch.Tensor, ...], device: torch.device) -> float:
+        passes.append((*x.shape, len(extra)))
+        return 0.5
+
+    monkeypatch.setattr(prediction, "_timed_pass", timed)
+    flops = prediction.measure_block_flops(cfg, seconds=0.0)
+    block = sum(p.numel() for p in LlamaBlock(spec_from_config(cfg.model)).parameters())
+    assert flops is not None and flops.read == 6.0 * block * 2 * 32 / 0.5  # 6 x a block's parameters x tokens / median
+    assert passes == [(2, 32, 128, 2)] * 4  # a warm-up and three timed passes, with the rotary tables
+    transformers = {"type": "transformers", "transformers_class": "GPT2LMHeadModel", "transformers_config": {}}
+    assert prediction.measure_block_flops(load_config({**raw, "model": transformers})) is None
 
 
 def test_a_tight_device_lowers_the_prefetchers_budgets_and_the_run_keeps_within_it(

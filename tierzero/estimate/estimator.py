@@ -228,37 +228,26 @@ def assumed_flops(param_dtype: str) -> Bandwidth:
 _WINDOWS = 5
 
 
-def measure_flops(param_dtype: str, *, seconds: float = 1.0, shape: tuple[int, int, int] | None = None) -> Bandwidth:
-    """Time matmuls in the compute dtype on the compute device for about `seconds`, the best of
-    `_WINDOWS` windows: other work on the machine only ever slows a window down, and on a shared
-    2-core VM a 0.3 s measurement of three windows read 79 to 136 GFLOP/s in one hour's runs of
-    the 2B preset (127 to 147 alone). With `shape` (m, k, n), e.g. a model's tokens x width x
-    feed-forward width, the three products a Linear of that shape runs in a training step: forward
-    x @ W^T, and in backward the gradients of x (dy @ W) and of W (dy^T @ x), whose inner size is
-    only the tokens; else square (m x k) @ (k x n) ones."""
+def measure_flops(param_dtype: str, *, seconds: float = 1.0) -> Bandwidth:
+    """Time square matmuls in the compute dtype on the compute device for about `seconds`, the
+    best of `_WINDOWS` windows: other work on the machine only ever slows a window down, and on a
+    shared 2-core VM a 0.3 s measurement of three windows read 79 to 136 GFLOP/s in one hour's
+    runs (127 to 147 alone). The placement planner times one of a built-in model's blocks
+    instead (tierzero.placement.prediction)."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     side = 4096 if device.type == "cuda" else 1024
     dtype = dtype_of(param_dtype)
-    if shape is None:
-        a, b = (torch.randn(side, side, device=device).to(dtype) for _ in range(2))
-        products, flops, what = [lambda: a @ b], 2.0 * side**3, f"{side}x{side} @ {side}x{side} matmul"
-    else:
-        m, k, n = shape
-        x, w, dy = (torch.randn(*size, device=device).to(dtype) for size in ((m, k), (n, k), (m, n)))
-        products = [lambda: x @ w.t(), lambda: dy @ w, lambda: dy.t() @ x]
-        flops, what = 6.0 * m * k * n, f"{m}x{k} @ {k}x{n} matmul, forward and backward"
-    for product in products:
-        product().sum().item()  # warm-up
+    a, b = (torch.randn(side, side, device=device).to(dtype) for _ in range(2))
+    (a @ b).sum().item()  # warm-up
     rate = 0.0
     for _ in range(_WINDOWS):
         runs, began = 0, time.perf_counter()
         while time.perf_counter() - began < seconds / _WINDOWS:
-            for product in products:
-                c = product()
+            c = a @ b
             runs += 1
         c.sum().item()
-        rate = max(rate, flops * runs / (time.perf_counter() - began))
-    source = f"measured {rate / 1e9:.0f} GFLOP/s ({param_dtype} {what}, {device.type})"
+        rate = max(rate, 2.0 * side**3 * runs / (time.perf_counter() - began))
+    source = f"measured {rate / 1e9:.0f} GFLOP/s ({param_dtype} {side}x{side} @ {side}x{side} matmul, {device.type})"
     return Bandwidth(read=rate, write=rate, source=source)
 
 

@@ -124,7 +124,9 @@ def probe(
 
 
 @contextmanager
-def streaming(path: str | os.PathLike[str], *, nbytes: int = PROBE_BYTES, slices: int = 4) -> Iterator[Callable[[], float]]:
+def streaming(
+    path: str | os.PathLike[str], *, nbytes: int = PROBE_BYTES, slices: int = 4
+) -> Iterator[Callable[[], float]]:
     """Keep `path`'s disk busy while the block runs: a thread writes `slices` slices of `nbytes` in
     all through an NvmeTier with the default settings and reads them back, over and over, as a
     step's swaps do. Yields a function that returns the GB/s moved so far."""

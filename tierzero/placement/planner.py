@@ -36,10 +36,10 @@ from typing import Any
 import torch
 
 from tierzero.config import AUTO, Config, load_config
-from tierzero.estimate.estimator import Bandwidth, Estimate, estimate, measure_flops
+from tierzero.estimate.estimator import Bandwidth, Estimate, estimate
 from tierzero.placement.budgets import MachineBudgets, machine_budgets
 from tierzero.placement.disk import disk_rates
-from tierzero.placement.prediction import Prediction, matmul_shape, measure_copy_rate, measure_step_rate, predict
+from tierzero.placement.prediction import Prediction, measure_compute, measure_copy_rate, measure_step_rate, predict
 from tierzero.sizes import format_size
 from tierzero.slices import SliceKey, Tier, align_up
 from tierzero.stages.plan import KIND_HOMES, Homes
@@ -182,6 +182,8 @@ class PlacementPlan:
         how = "overlapped: the longest counts"
         if p.serial:
             how = "the disk beside the rest, which share the cores without a GPU"
+            if p.slowdown > 1.0:
+                how += ", slowed while the disk works"
         disk = "" if self.disk is None else f"; disk {self.disk.source}"
         lines = [
             f"placement (offload: auto), per rank: {self.label}",
@@ -223,16 +225,19 @@ def plan_placement(
     """Choose every slice's home for `cfg`'s auto kinds; raises PlacementError when none fits.
 
     `budgets` default to the machine's (`machine_budgets`), `disk` to the rates remembered or
-    probed for `tiers.nvme.path`, `flops` to a short matmul measurement at the model's shape,
-    `copy_rate` (bytes/s between the device and host tiers) and `step_rate` (elements/s of the
-    optimizer's kernel) to short measurements.
+    probed for `tiers.nvme.path`, `flops` to the rate one of the model's blocks trains at, alone
+    and beside the disk (`measure_compute`; a given rate is taken as the step's), `copy_rate`
+    (bytes/s between the device and host tiers) and `step_rate` (elements/s of the optimizer's
+    kernel) to short measurements.
     """
     rank_budgets = RankBudgets.of(budgets or machine_budgets(cfg.tiers), cfg, local_world_size=local_world_size)
     free = load_config(cfg, overrides={"tiers.device.capacity": None, "tiers.cpu.capacity": None})
     if disk is None and cfg.tiers.nvme.path is not None:
         rates = disk_rates(cfg.tiers.nvme.path)
         disk = Bandwidth(read=rates.read, write=rates.write, source=rates.source)
-    flops = flops or measure_flops(cfg.precision.param_dtype, shape=matmul_shape(cfg))
+    slowdown = 1.0
+    if flops is None:
+        flops, slowdown = measure_compute(cfg)
     cuda = torch.cuda.is_available()
     copy_rate = copy_rate or measure_copy_rate()
     step_rate = step_rate or measure_step_rate(cfg)
@@ -262,7 +267,7 @@ def plan_placement(
                 result, short, candidate.overrides = again, {}, lowered
                 break
         candidate.result, candidate.short = result, short
-        candidate.prediction = predict(result, copy_rate=copy_rate, step_rate=step_rate, cuda=cuda)
+        candidate.prediction = predict(result, copy_rate=copy_rate, step_rate=step_rate, cuda=cuda, slowdown=slowdown)
         return candidate
 
     whole = [judge(c) for c in _whole_kind(cfg)]
