@@ -25,6 +25,7 @@ __all__ = [
     "ParityResult",
     "Placement",
     "PlainTraining",
+    "difference_to_autocast",
     "engine_config",
     "gpt",
     "max_param_difference",
@@ -180,9 +181,34 @@ def max_param_difference(engine: Any, model: torch.nn.Module) -> float:
     """The largest per-tensor norm-relative difference between the engine's parameters and `model`'s."""
     state = engine.full_state_dict()
     assert state is not None, "full_state_dict() is rank 0's"
+    return _max_difference(state, model)
+
+
+def _max_difference(state: dict[str, torch.Tensor], model: torch.nn.Module) -> float:
     return max(
-        float((state[name] - p.detach().cpu()).norm() / p.detach().cpu().norm()) for name, p in model.named_parameters()
+        float((state[name].float() - p.detach().cpu()).norm() / p.detach().cpu().norm())
+        for name, p in model.named_parameters()
     )
+
+
+def difference_to_autocast(
+    preset: str, config: dict[str, Any], *, steps: int, batch: int, seq: int, clip: float = 0.0
+) -> tuple[float, float]:
+    """After `steps` steps on the same batches, the largest per-tensor difference to plain PyTorch
+    under autocast(bf16): of tierzero's bf16 with `config`, and of plain fp32 PyTorch. autocast
+    rounds each product's inputs to bf16 and keeps fp32 elsewhere, so any other precision, fp32
+    included, drifts from it: the second is how far exact arithmetic does."""
+    reference, fp32 = PlainTraining(preset, clip=clip, dtype="bf16"), PlainTraining(preset, clip=clip)
+    tz = EngineTraining(preset, config)
+    try:
+        for step in range(steps):
+            tokens, targets = token_batch(step, batch=batch, seq=seq)
+            for runner in (reference, fp32, tz):
+                runner.step(tokens, targets)
+        exact = {name: p.detach().cpu() for name, p in fp32.model.named_parameters()}
+        return max_param_difference(tz.engine, reference.model), _max_difference(exact, reference.model)
+    finally:
+        tz.close()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

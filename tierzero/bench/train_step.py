@@ -28,6 +28,7 @@ from tierzero.bench.contenders import (
     PLACEMENTS,
     EngineTraining,
     PlainTraining,
+    difference_to_autocast,
     engine_config,
     max_param_difference,
     token_batch,
@@ -62,6 +63,9 @@ class TrainStepResult:
     tierzero_peak_rss: int | None
     io: IoFloor | None = None
     """tierzero's NVMe bytes per timed step, beside the disk's bandwidth measured after them."""
+    autocast_difference: tuple[float, float] | None = None
+    """bf16 only: after `AUTOCAST_STEPS` steps, the largest per-tensor difference to autocast of
+    tierzero's bf16 and of plain fp32 PyTorch (`difference_to_autocast`)."""
 
     @property
     def ratio(self) -> float:
@@ -96,6 +100,12 @@ class TrainStepResult:
             f"I/O wait median {statistics.median(self.waited_s or (0.0,)) * 1e3:.1f} ms/step",
             f"  parameters after the last step: largest per-tensor difference {self.max_param_difference:.2e}",
         ]
+        if self.autocast_difference is not None:
+            ours, exact = self.autocast_difference
+            lines.append(
+                f"  after {AUTOCAST_STEPS} steps, largest per-tensor difference to autocast: tierzero bf16 {ours:.2e} "
+                f"(target <= 2e-3), plain fp32 PyTorch {exact:.2e}"
+            )
         if self.io is not None:
             lines += self.io.lines(statistics.median(self.tierzero_seconds))
         if self.rss_ratio is not None:
@@ -108,14 +118,20 @@ class TrainStepResult:
 
 
 _PLACEMENT = PLACEMENTS["params-optimizer-nvme"]
+#: Steps after which issue 11 compares bf16 with autocast.
+AUTOCAST_STEPS = 8
 
 
 def _plain(preset: str, clip: float, dtype: str = "fp32") -> PlainTraining:
     return PlainTraining(preset, clip=clip, dtype=dtype)
 
 
+def _config(nvme_path: str, clip: float, dtype: str = "fp32") -> dict[str, Any]:
+    return engine_config(stage=3, placement=_PLACEMENT, nvme_path=nvme_path, clip=clip, dtype=dtype)
+
+
 def _tierzero(preset: str, nvme_path: str, clip: float, dtype: str = "fp32") -> EngineTraining:
-    return EngineTraining(preset, engine_config(stage=3, placement=_PLACEMENT, nvme_path=nvme_path, clip=clip, dtype=dtype))
+    return EngineTraining(preset, _config(nvme_path, clip, dtype))
 
 
 def bench_train_step(
@@ -172,6 +188,10 @@ def bench_train_step(
     finally:
         plain.close()
         tz.close()
+    autocast = None
+    if dtype == "bf16":
+        config = _config(str(nvme_path), clip, dtype)
+        autocast = difference_to_autocast(preset, config, steps=AUTOCAST_STEPS, batch=batch, seq=seq, clip=clip)
     shape = {"preset": preset, "seq": seq, "batch": batch, "steps": rss_steps, "nvme_path": str(nvme_path), "clip": clip}
     read_gbs, write_gbs = probe(nvme_path, nbytes=disk_bytes, settle_s=disk_settle_s)
     io = IoFloor(
@@ -194,6 +214,7 @@ def bench_train_step(
         plain_peak_rss=plain_rss,
         tierzero_peak_rss=tz_rss,
         io=io,
+        autocast_difference=autocast,
     )
 
 
