@@ -85,3 +85,13 @@ def test_the_compute_is_measured_alone_and_beside_the_disk(tmp_path: Path) -> No
     assert "one gpt block's forward and backward at 2x32 tokens" in flops.source
     alone = measure_compute(load_config({**raw, "tiers": {}}))  # no NVMe path: nothing to stream to
     assert alone[1] == 1.0 and "beside the disk" not in alone[0].source
+
+
+def test_a_stream_that_fails_raises_when_its_block_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(*_: object) -> float:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk, "timed_moves", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        with disk.streaming(tmp_path, nbytes=4 << 20):
+            pass

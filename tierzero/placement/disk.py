@@ -129,15 +129,21 @@ def streaming(
 ) -> Iterator[Callable[[], float]]:
     """Keep `path`'s disk busy while the block runs: a thread writes `slices` slices of `nbytes` in
     all through an NvmeTier with the default settings and reads them back, over and over, as a
-    step's swaps do. Yields a function that returns the GB/s moved so far."""
+    step's swaps do. Yields a function that returns the GB/s moved so far. An error of the
+    stream's is raised when the block ends."""
     tier, size = _probe_tier(path, nbytes, slices)
-    stop, moved = threading.Event(), [0]
+    stop, moved, failed = threading.Event(), [0], []
 
     def stream(regions: list[Region], buffers: list[torch.Tensor]) -> None:
-        while not stop.is_set():
-            for submit in (tier.submit_write, tier.submit_read):
-                timed_moves(submit, regions, buffers)
-                moved[0] += size * slices
+        try:
+            while True:  # one pass at least, however short the block
+                for submit in (tier.submit_write, tier.submit_read):
+                    timed_moves(submit, regions, buffers)
+                    moved[0] += size * slices
+                if stop.is_set():
+                    return
+        except Exception as exc:  # raised in the caller's thread once the block ends
+            failed.append(exc)
 
     with tier:
         regions = [tier.allocate(size, label=f"stream/{i}") for i in range(slices)]
@@ -150,6 +156,8 @@ def streaming(
         finally:
             stop.set()
             thread.join()
+        if failed:
+            raise failed[0]
 
 
 def _probe_tier(path: str | os.PathLike[str], nbytes: int, slices: int) -> tuple[NvmeTier, int]:

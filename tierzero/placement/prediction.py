@@ -9,11 +9,11 @@ whatever computes, so the step is the longer of the disk and the rest. With a GP
 overlaps too (the GPU's compute, the copy stream and the host's optimizer), and the longest
 part bounds the step; without one, compute, optimizer and copies take the same cores and add
 up, and run slower for as long as the disk works beside them (the block timed again beside a
-disk stream: 1.1-1.2x on the 2-core VM).
+disk stream: 1.03-1.17x on the 2-core VM).
 
 On the 2B preset (docs/BENCHMARKS.md, sessions 8 and 9) the planned placement's step measured
 8.3-9.4 s. Predicted from one Linear's three products it was 6.8-7.6 s (-15% to -25%); from
-a block with the disk's slowdown, 7.5-8.2 s. The rest of the gap is work the same cores do
+a block with the disk's slowdown, 7.5-8.4 s. The rest of the gap is work the same cores do
 more slowly inside the step than alone, which no probe here has caught.
 """
 
@@ -153,7 +153,7 @@ def measure_compute(cfg: Config) -> tuple[Bandwidth, float]:
 
     A built-in model's block (`measure_block_flops`), timed alone and then beside a stream to
     `tiers.nvme.path` (`streaming`): without a GPU the swaps' threads, interrupts and memory
-    traffic take from the cores. On the 2B preset the block ran 1.1-1.2x slower beside the
+    traffic take from the cores. On the 2B preset the block ran 1.03-1.17x slower beside the
     disk. A transformers model gets a square matmul's rate, and no slowdown is measured on a
     GPU or without an NVMe path (1.0).
     """
