@@ -17,6 +17,13 @@ def _disk_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mo
     monkeypatch.setenv("TIERZERO_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
 
 
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No torchrun variables from the shell that runs pytest: a test is one process unless it spawns ranks."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture
 def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
     """Mounts a size-limited tmpfs under tmp_path (`mount_tmpfs("2m")`), a real small disk.

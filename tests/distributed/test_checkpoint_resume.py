@@ -168,12 +168,6 @@ CHAIN = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 RUNS = {
     "world1-stage3-bf16-nvme": (1, {"stage": 3, "dtype": "bf16", "offload": {"optimizer": "nvme", "params": "nvme"}}),
     "world2-stage3-bf16": (2, {"stage": 3, "dtype": "bf16"}),

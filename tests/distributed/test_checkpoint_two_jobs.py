@@ -13,17 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from harness import tiny_train_config
 from test_checkpoint_resume import _free_port, launch
 
 WAIT_S = 90.0
-
-
-@pytest.fixture(autouse=True)
-def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def _train(env: dict[str, str]) -> None:

@@ -12,12 +12,6 @@ from harness import Case, TinyLM, run_ranks
 import tierzero
 
 
-@pytest.fixture(autouse=True)
-def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _config(**zero: Any) -> dict[str, Any]:
     return {"zero": {"stage": 3, **zero}, "optimizer": {"type": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0}}
 

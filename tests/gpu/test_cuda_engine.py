@@ -14,12 +14,6 @@ from tierzero.models import GPT, ModelSpec
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def test_a_materialised_model_is_streamed_to_the_device_unit_by_unit() -> None:
     model = GPT(ModelSpec(n_layer=8, n_head=4, d_model=512, d_ff=2048, max_seq_len=64, vocab_size=256))
     whole = sum(p.numel() * 4 for p in model.parameters())

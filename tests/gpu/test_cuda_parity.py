@@ -25,12 +25,6 @@ runs torch's CPU kernel, not the CUDA one)."""
 LOSS_TOLERANCE = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _case_id(case: tuple[int, Placement]) -> str:
     stage, placement = case
     params, grads, optimizer = (tier.value for tier in placement.homes())

@@ -26,12 +26,6 @@ WARMUP = 2
 STEADY = 3
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @contextmanager
 def host_syncs_raise() -> Iterator[None]:
     previous = torch.cuda.get_sync_debug_mode()

@@ -16,12 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from harness import Case  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _run(
     stage: int, activations: dict[str, Any], tmp_path: Path, *, offload: dict[str, str] | None = None, clip: float = 0.5
 ) -> Any:

@@ -5,15 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from tierzero.bench.activations import bench_activations
-
-
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def test_offload_moves_the_activations_to_the_cpu_tier(tmp_path: Path) -> None:

@@ -14,12 +14,6 @@ from tierzero.pretrained.files import scan_directory
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_load_reads_every_tensor_once(tmp_path: Path, dtype: torch.dtype) -> None:
     torch.manual_seed(0)

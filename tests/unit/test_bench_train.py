@@ -10,12 +10,6 @@ import pytest
 from tierzero.bench.train_step import bench_train_step
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.mark.parametrize(("dtype", "clip", "runs"), [("fp32", 0.0, 1), ("fp32", 1.0, 2), ("bf16", 0.0, 1)])
 def test_both_contenders_train_the_same_model(dtype: str, clip: float, runs: int, tmp_path: Path) -> None:
     result = bench_train_step(

@@ -18,12 +18,6 @@ from tierzero.checkpoint.manifest import Manifest
 from tierzero.checkpoint.shards import ShardReader
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _run(config: Path, *args: str) -> str:
     parser = argparse.ArgumentParser(prog="tierzero")
     T.add_train_command(parser.add_subparsers(dest="command", required=True))

@@ -23,12 +23,6 @@ from tierzero.models import build_model
 VOCAB = len(WORDS) + 2
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def test_data_config_keys_and_their_refusals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = load_config({}).data
     assert (data.tokenizer, data.format, data.text_field, data.cache_dir) == (None, "auto", "text", None)

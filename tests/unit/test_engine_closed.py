@@ -11,12 +11,6 @@ import tierzero
 from tierzero.models import GPT, ModelSpec
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def test_every_call_after_close_is_refused_and_close_is_idempotent(tmp_path) -> None:
     model = GPT(ModelSpec(n_layer=2, n_head=2, d_model=32, d_ff=64, max_seq_len=16, vocab_size=64))
     engine = tierzero.initialize(model, {"zero": {"stage": 3}, "optimizer": {"type": "adamw", "lr": 1e-3}})

@@ -27,12 +27,6 @@ from tierzero.stages import Stage3
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _raw(
     tmp_path: Path,
     *,

@@ -22,12 +22,6 @@ peft = pytest.importorskip("peft")
 STEPS, LR, DECAY, WARMUP = 8, 3e-3, 0.1, 3
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.fixture
 def saved(tmp_path: Path) -> Path:
     torch.manual_seed(0)

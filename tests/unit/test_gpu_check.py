@@ -28,12 +28,6 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 </testsuite></testsuites>"""
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def test_placement_matrix_gives_each_stage_what_it_allows_once() -> None:
     cases = placement_matrix()
     assert [sum(stage == s for stage, _ in cases) for s in (1, 2, 3)] == [3, 4, 4]

@@ -16,12 +16,6 @@ import tierzero
 from tierzero.slices import Kind, SliceKey, Tier
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _train(tmp_path: Path, *, grads: str, accumulation: int, clip: float) -> tuple[dict[str, torch.Tensor], list[Counter[str]]]:
     cfg = {
         "zero": {"stage": 3},

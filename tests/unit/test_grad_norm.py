@@ -17,12 +17,6 @@ from tierzero.slices import Kind
 from tierzero.stages.step import ForwardStep
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 class Stack(nn.Module):
     def __init__(self) -> None:
         super().__init__()

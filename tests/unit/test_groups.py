@@ -18,12 +18,6 @@ from tierzero.units import plan_units
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()

@@ -28,12 +28,6 @@ from tierzero.swapper import Swapper
 from tierzero.transfer import Transfer, TransferOutcome
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _count_reads(engine: Any, counted: Callable[[SliceKey, Tier], bool]) -> list[int]:
     """Wrap the engine's `store.fetch`: the returned one-item list counts the fetches `counted`
     picks that read the slice's home (none is fetched already)."""

@@ -44,8 +44,6 @@ def test_a_freed_block_is_reused_without_faults_and_not_when_turned_off() -> Non
 
 @pytest.mark.parametrize("keep", [0, 256 << 20])
 def test_the_engine_keeps_what_the_config_says(keep: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
     asked: list[int] = []
     monkeypatch.setattr(tierzero.engine, "keep_freed_memory", asked.append)
     model = GPT(ModelSpec(n_layer=1, n_head=2, d_model=32, d_ff=64, max_seq_len=16, vocab_size=64))

@@ -21,12 +21,6 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _saved_llama(directory: Path, *, vocab: int = 64) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(

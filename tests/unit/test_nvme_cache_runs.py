@@ -20,12 +20,6 @@ SLICES = 12 * 8192
 (param, grad, exp_avg, exp_avg_sq)."""
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _config(tmp_path: Path, *, dtype: str = "fp32", cache: int = 0) -> dict[str, Any]:
     swap = tmp_path / "swap"
     swap.mkdir(exist_ok=True)

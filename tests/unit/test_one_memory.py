@@ -23,12 +23,6 @@ from tierzero.swapper import Swapper
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the host is the compute device only without a GPU")
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _store(tmp_path: Path, *, device: type = HostDeviceTier) -> TieredStore:
     cpu = CpuTier(capacity=64 << 20, reuse_limit=0)
     tiers = {

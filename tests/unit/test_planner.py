@@ -31,12 +31,6 @@ STEP = 1.0e9
 ALL_CPU = {"params": "cpu", "gradients": "cpu", "optimizer": "cpu"}
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _raw(tmp_path: Path, *, offload: Any = "auto", stage: int = 3, clipping: float = 0.0) -> dict[str, Any]:
     swap = tmp_path / "swap"
     swap.mkdir(exist_ok=True)

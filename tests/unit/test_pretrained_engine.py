@@ -19,12 +19,6 @@ from tierzero.pretrained import PretrainedError, build_meta_model
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _llama(*, vocab: int = 64) -> nn.Module:
     config = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -16,12 +16,6 @@ from tierzero.slices import Kind
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _transformers_rates(kind: str, *, base: float, warmup: int, total: int, steps: int) -> list[float]:
     """The rate of each optimizer step in the usual loop: optimizer.step(); scheduler.step()."""
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=base)

@@ -24,12 +24,6 @@ REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tierzero")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -19,12 +19,6 @@ import tierzero.train as T
 from tierzero.engine import Engine
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.fixture
 def ctrl_c_delivered() -> Iterator[None]:
     """SIGINT handled as in a terminal: a shell starts background jobs (a CI runner's, say) with it ignored."""
