@@ -111,12 +111,7 @@ def probe(
     """(read, write) GB/s of `path`'s disk through an NvmeTier with the default settings: the medians
     of `repeats` passes writing `slices` slices of `nbytes` in all, submitted at once, then (after
     `settle_s`) of as many passes reading them back."""
-    tier, size = _probe_tier(path, nbytes, slices)
-    with tier:
-        regions = [tier.allocate(size, label=f"probe/{i}") for i in range(slices)]
-        buffers = [aligned_empty(size) for _ in range(slices)]
-        for i, buffer in enumerate(buffers):
-            buffer.fill_(i + 1)
+    with _probe_slices(path, nbytes, slices) as (tier, regions, buffers):
         writes = [timed_moves(tier.submit_write, regions, buffers) for _ in range(repeats)]
         time.sleep(settle_s)
         reads = [timed_moves(tier.submit_read, regions, buffers) for _ in range(repeats)]
@@ -131,24 +126,22 @@ def streaming(
     all through an NvmeTier with the default settings and reads them back, over and over, as a
     step's swaps do. Yields a function that returns the GB/s moved so far. An error of the
     stream's is raised when the block ends."""
-    tier, size = _probe_tier(path, nbytes, slices)
     stop, moved, failed = threading.Event(), [0], []
+    with _probe_slices(path, nbytes, slices) as (tier, regions, buffers):
+        each_way = sum(buf.numel() for buf in buffers)
 
-    def stream(regions: list[Region], buffers: list[torch.Tensor]) -> None:
-        try:
-            while True:  # one pass at least, however short the block
-                for submit in (tier.submit_write, tier.submit_read):
-                    timed_moves(submit, regions, buffers)
-                    moved[0] += size * slices
-                if stop.is_set():
-                    return
-        except Exception as exc:  # raised in the caller's thread once the block ends
-            failed.append(exc)
+        def stream() -> None:
+            try:
+                while True:  # one pass at least, however short the block
+                    for submit in (tier.submit_write, tier.submit_read):
+                        timed_moves(submit, regions, buffers)
+                        moved[0] += each_way
+                    if stop.is_set():
+                        return
+            except Exception as exc:  # raised in the caller's thread once the block ends
+                failed.append(exc)
 
-    with tier:
-        regions = [tier.allocate(size, label=f"stream/{i}") for i in range(slices)]
-        buffers = [aligned_empty(size) for _ in range(slices)]
-        thread = threading.Thread(target=stream, args=(regions, buffers), name="tierzero-disk-stream", daemon=True)
+        thread = threading.Thread(target=stream, name="tierzero-disk-stream", daemon=True)
         began = time.perf_counter()
         thread.start()
         try:
@@ -160,8 +153,12 @@ def streaming(
             raise failed[0]
 
 
-def _probe_tier(path: str | os.PathLike[str], nbytes: int, slices: int) -> tuple[NvmeTier, int]:
-    """An NvmeTier with the default settings holding `slices` aligned slices of `nbytes` in all, and their size."""
+@contextmanager
+def _probe_slices(
+    path: str | os.PathLike[str], nbytes: int, slices: int
+) -> Iterator[tuple[NvmeTier, list[Region], list[torch.Tensor]]]:
+    """An open NvmeTier with the default settings, its `slices` aligned regions of `nbytes` in
+    all, and a patterned host buffer for each; the tier's file goes when the block ends."""
     size = nbytes // slices // IO_ALIGNMENT * IO_ALIGNMENT
     if size == 0:
         raise ValueError(f"{format_size(nbytes)} in {slices} slices is under one {IO_ALIGNMENT}-byte block each")
@@ -170,7 +167,10 @@ def _probe_tier(path: str | os.PathLike[str], nbytes: int, slices: int) -> tuple
         path, capacity=size * slices, block_size=nvme.block_size, queue_depth=nvme.queue_depth,
         threads=nvme.threads, backend=nvme.backend,
     )  # fmt: skip
-    return tier, size
+    with tier:
+        regions = [tier.allocate(size, label=f"probe/{i}") for i in range(slices)]
+        buffers = [aligned_empty(size).fill_(i + 1) for i in range(slices)]
+        yield tier, regions, buffers
 
 
 def timed_moves(

@@ -9,7 +9,7 @@ whatever computes, so the step is the longer of the disk and the rest. With a GP
 overlaps too (the GPU's compute, the copy stream and the host's optimizer), and the longest
 part bounds the step; without one, compute, optimizer and copies take the same cores and add
 up, and run slower for as long as the disk works beside them (the block timed again beside a
-disk stream: 1.03-1.17x on the 2-core VM).
+disk stream: 1.03-1.21x on the 2-core VM).
 
 On the 2B preset (docs/BENCHMARKS.md, sessions 8 and 9) the planned placement's step measured
 8.3-9.4 s. Predicted from one Linear's three products it was 6.8-7.6 s (-15% to -25%); from
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,7 @@ class Prediction:
     serial: bool
     """Without a GPU the compute, the optimizer and the copies add up: they take the same cores."""
     slowdown: float = 1.0
-    """How much slower the rest ran beside a disk stream, measured; it slows as much of the rest as the disk overlaps."""
+    """How much slower the rest ran beside a disk stream, measured; it slows the part the disk overlaps."""
 
     @property
     def bound(self) -> str:
@@ -124,6 +125,36 @@ def measure_block_flops(cfg: Config, *, seconds: float = 1.5) -> Bandwidth | Non
     of the runs that fit in about `seconds` (at least three, after a warm-up). The median, not the
     best: a block inside the step shares the cores with the engine's own work. None for a
     transformers model, whose layers take inputs of their own."""
+    timer = _block_timer(cfg)
+    return None if timer is None else timer(seconds)
+
+
+def measure_compute(cfg: Config, *, seconds: float = 1.5) -> tuple[Bandwidth, float]:
+    """The compute rate for the prediction, and how much slower it runs while the disk streams.
+
+    A built-in model's block (`measure_block_flops`), built once and timed alone and then beside
+    a stream to `tiers.nvme.path` (`streaming`): without a GPU the swaps' threads, interrupts and
+    memory traffic take from the cores. On the 2B preset the block ran 1.03-1.21x slower beside
+    the disk. A transformers model gets a square matmul's rate, and no slowdown is measured on a
+    GPU or without an NVMe path (1.0).
+    """
+    timer = _block_timer(cfg)
+    if timer is None:
+        return measure_flops(cfg.precision.param_dtype), 1.0
+    quiet = timer(seconds)
+    if torch.cuda.is_available() or cfg.tiers.nvme.path is None:
+        return quiet, 1.0
+    with streaming(cfg.tiers.nvme.path) as moved:
+        busy = timer(seconds)
+        gbs = moved()
+    slowdown = max(1.0, quiet.read / busy.read)
+    source = f"{quiet.source}; {slowdown:.2f}x slower beside the disk at {gbs:.1f} GB/s"
+    return Bandwidth(read=quiet.read, write=quiet.write, source=source), slowdown
+
+
+def _block_timer(cfg: Config) -> Callable[[float], Bandwidth] | None:
+    """One block of `cfg`'s built-in model at the training shape, built and warmed up once, and a
+    function that times it for about so many seconds (see `measure_block_flops`)."""
     model = cfg.model
     if model.is_transformers:
         return None
@@ -137,38 +168,19 @@ def measure_block_flops(cfg: Config, *, seconds: float = 1.5) -> Bandwidth | Non
     for p in block.parameters():
         p.grad = torch.zeros_like(p)
     _timed_pass(block, x, extra, device)  # warm-up: first touch of the pages, kernel choice
-    runs: list[float] = []
-    began = time.perf_counter()
-    while len(runs) < 3 or time.perf_counter() - began < seconds:
-        runs.append(_timed_pass(block, x, extra, device))
     flops = 6.0 * sum(p.numel() for p in block.parameters()) * x.shape[0] * x.shape[1]
-    rate = flops / statistics.median(runs)
     what = f"one {model.type} block's forward and backward at {x.shape[0]}x{x.shape[1]} tokens"
-    source = f"measured {rate / 1e9:.0f} GFLOP/s ({cfg.precision.param_dtype} {what}, {device.type})"
-    return Bandwidth(read=rate, write=rate, source=source)
 
+    def rate(seconds: float) -> Bandwidth:
+        runs: list[float] = []
+        began = time.perf_counter()
+        while len(runs) < 3 or time.perf_counter() - began < seconds:
+            runs.append(_timed_pass(block, x, extra, device))
+        measured = flops / statistics.median(runs)
+        source = f"measured {measured / 1e9:.0f} GFLOP/s ({cfg.precision.param_dtype} {what}, {device.type})"
+        return Bandwidth(read=measured, write=measured, source=source)
 
-def measure_compute(cfg: Config) -> tuple[Bandwidth, float]:
-    """The compute rate for the prediction, and how much slower it runs while the disk streams.
-
-    A built-in model's block (`measure_block_flops`), timed alone and then beside a stream to
-    `tiers.nvme.path` (`streaming`): without a GPU the swaps' threads, interrupts and memory
-    traffic take from the cores. On the 2B preset the block ran 1.03-1.17x slower beside the
-    disk. A transformers model gets a square matmul's rate, and no slowdown is measured on a
-    GPU or without an NVMe path (1.0).
-    """
-    quiet = measure_block_flops(cfg)
-    if quiet is None:
-        return measure_flops(cfg.precision.param_dtype), 1.0
-    if torch.cuda.is_available() or cfg.tiers.nvme.path is None:
-        return quiet, 1.0
-    with streaming(cfg.tiers.nvme.path) as moved:
-        busy = measure_block_flops(cfg)
-        gbs = moved()
-    assert busy is not None
-    slowdown = max(1.0, quiet.read / busy.read)
-    source = f"{quiet.source}; {slowdown:.2f}x slower beside the disk at {gbs:.1f} GB/s"
-    return Bandwidth(read=quiet.read, write=quiet.write, source=source), slowdown
+    return rate
 
 
 def _timed_pass(block: nn.Module, x: torch.Tensor, extra: tuple[torch.Tensor, ...], device: torch.device) -> float:
