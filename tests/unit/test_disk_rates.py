@@ -61,14 +61,81 @@ def test_a_stream_keeps_the_disk_busy_until_its_block_ends(tmp_path: Path) -> No
     import threading
     import time
 
-    with disk.streaming(tmp_path, nbytes=4 << 20) as moved:
+    with disk.streaming(tmp_path, nbytes=4 << 20) as stream:
         time.sleep(0.3)
-        assert moved() > 0  # GB/s written and read back so far
+        assert stream.rate() > 0  # GB/s written and read back so far
         assert any(t.name == "tierzero-disk-stream" for t in threading.enumerate())
     assert not any(t.name == "tierzero-disk-stream" for t in threading.enumerate())
     with pytest.raises(ValueError, match="under one 4096-byte block each"):
         with disk.streaming(tmp_path, nbytes=4096):
             pass
+
+
+def test_a_paused_stream_leaves_the_disk_idle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    moves: list[float] = []
+    real = disk.timed_moves
+
+    def counted(*args: object) -> float:
+        moves.append(time.perf_counter())
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(disk, "timed_moves", counted)
+    with disk.streaming(tmp_path, nbytes=4 << 20) as stream:
+        with stream.paused():
+            paused_at = len(moves)
+            time.sleep(0.2)
+            assert len(moves) == paused_at  # the pass under way ended before the block began
+        time.sleep(0.2)
+        assert len(moves) > paused_at
+    stopped_at = len(moves)
+    time.sleep(0.05)
+    assert len(moves) == stopped_at
+
+
+def test_the_slowdown_is_the_median_of_the_paired_windows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each pair times the block alone and then beside the stream: a spike in one busy window and
+    a drift of the whole machine between pairs move the median of the pairs' ratios not at all."""
+    from contextlib import contextmanager
+
+    from tierzero.config import load_config
+    from tierzero.placement import prediction
+
+    class Stream:
+        running = True
+
+        @contextmanager
+        def paused(self):  # type: ignore[no-untyped-def]
+            Stream.running = False
+            yield
+            Stream.running = True
+
+        def rate(self) -> float:
+            return 3.5
+
+    @contextmanager
+    def streaming(path: object):  # type: ignore[no-untyped-def]
+        yield Stream()
+
+    # A warm-up, then seven pairs; the machine runs at half speed from the fifth pair. Apart, the
+    # medians would read 2.5 beside against 1.0 alone.
+    alone = iter([1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0])
+    busy = iter([1.25, 1.25, 4.0, 1.25, 2.5, 2.5, 2.5])
+
+    def timed(*_: object) -> float:
+        return next(busy) if Stream.running else next(alone)
+
+    monkeypatch.setattr(prediction, "streaming", streaming)
+    monkeypatch.setattr(prediction, "_timed_pass", timed)
+    Stream.running = False  # the warm-up pass
+    model = {"type": "gpt", "n_layer": 1, "n_head": 2, "d_model": 64, "d_ff": 256, "max_seq_len": 32}
+    raw = {"model": model, "train": {"micro_batch_size": 2, "seq_len": 32}, "tiers": {"nvme": {"path": str(tmp_path)}}}
+    flops, slowdown = prediction.measure_compute(load_config(raw), seconds=0.0, rounds=7)
+    assert slowdown == 1.25
+    assert flops.source.endswith("; 1.25x slower beside the disk at 3.5 GB/s")
+    block = 6.0 * (4 * 64 * 64 + 4 * 64 + 2 * 64 * 256 + 256 + 64 + 4 * 64) * 2 * 32
+    assert flops.read == block / 1.0  # the median of the seven passes alone
 
 
 def test_the_compute_is_measured_alone_and_beside_the_disk(tmp_path: Path) -> None:

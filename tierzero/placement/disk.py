@@ -4,7 +4,8 @@
 ran in, and so does a probe; `disk_rates(path)` returns what is remembered for that path,
 else runs `probe` (a few seconds: 256 MiB written, left to settle, read back through the
 NVMe tier the engine uses) and remembers that. `streaming(path)` keeps the disk as busy as a
-step's swaps do, for what must be measured beside them. The cache is one JSON file,
+step's swaps do, for what must be measured beside them, and pauses on demand for what must be
+measured alone in between. The cache is one JSON file,
 `$TIERZERO_CACHE_DIR/disks.json` (default `~/.cache/tierzero`), keyed by the directory's
 real path; a file that cannot be read is ignored and rewritten, never trusted.
 """
@@ -32,8 +33,8 @@ from tierzero.sizes import format_size
 from tierzero.slices import IO_ALIGNMENT, aligned_empty
 
 __all__ = [
-    "PROBE_BYTES", "SETTLE_S", "DiskRates", "cache_file", "disk_rates", "probe", "remember", "remembered", "streaming",
-    "timed_moves",
+    "PROBE_BYTES", "SETTLE_S", "DiskRates", "DiskStream", "cache_file", "disk_rates", "probe", "remember", "remembered",
+    "streaming", "timed_moves",
 ]
 
 #: Bytes `probe` moves each way per pass by default.
@@ -118,39 +119,78 @@ def probe(
     return statistics.median(reads), statistics.median(writes)
 
 
+class DiskStream:
+    """A disk kept busy by a thread (`streaming`), which `paused` stops for what is measured alone."""
+
+    def __init__(self, tier: NvmeTier, regions: list[Region], buffers: list[torch.Tensor]) -> None:
+        self._moves = [(submit, regions, buffers) for submit in (tier.submit_write, tier.submit_read)]
+        self._each_way = sum(buf.numel() for buf in buffers)
+        self._changed = threading.Condition()
+        self._wanted, self._stopping, self._idle = True, False, False
+        self._moved, self._busy_s = 0, 0.0
+        self.failed: Exception | None = None
+        self._thread = threading.Thread(target=self._stream, name="tierzero-disk-stream", daemon=True)
+        self._thread.start()
+
+    def rate(self) -> float:
+        """GB/s written and read back while it streamed (0.0 before its first pass ends)."""
+        with self._changed:
+            return self._moved / self._busy_s / 1e9 if self._busy_s else 0.0
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The disk idle inside the block: the pass under way ends first."""
+        with self._changed:
+            self._wanted = False
+            self._changed.wait_for(lambda: self._idle)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._wanted = True
+                self._changed.notify_all()
+
+    def _stream(self) -> None:
+        try:
+            while True:  # one pass at least, however short the block
+                began = time.perf_counter()
+                for submit, regions, buffers in self._moves:
+                    timed_moves(submit, regions, buffers)
+                with self._changed:
+                    self._moved += 2 * self._each_way
+                    self._busy_s += time.perf_counter() - began
+                    self._idle = True
+                    self._changed.notify_all()
+                    self._changed.wait_for(lambda: self._wanted or self._stopping)
+                    self._idle = False
+                    if self._stopping:
+                        return
+        except Exception as exc:  # raised in the caller's thread once the block ends
+            self.failed = exc
+            with self._changed:
+                self._idle = True
+                self._changed.notify_all()
+
+    def _stop(self) -> None:
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+        self._thread.join()
+
+
 @contextmanager
-def streaming(
-    path: str | os.PathLike[str], *, nbytes: int = PROBE_BYTES, slices: int = 4
-) -> Iterator[Callable[[], float]]:
+def streaming(path: str | os.PathLike[str], *, nbytes: int = PROBE_BYTES, slices: int = 4) -> Iterator[DiskStream]:
     """Keep `path`'s disk busy while the block runs: a thread writes `slices` slices of `nbytes` in
     all through an NvmeTier with the default settings and reads them back, over and over, as a
-    step's swaps do. Yields a function that returns the GB/s moved so far. An error of the
-    stream's is raised when the block ends."""
-    stop, moved, failed = threading.Event(), [0], []
+    step's swaps do. Yields the `DiskStream`. An error of the stream's is raised when the block ends."""
     with _probe_slices(path, nbytes, slices) as (tier, regions, buffers):
-        each_way = sum(buf.numel() for buf in buffers)
-
-        def stream() -> None:
-            try:
-                while True:  # one pass at least, however short the block
-                    for submit in (tier.submit_write, tier.submit_read):
-                        timed_moves(submit, regions, buffers)
-                        moved[0] += each_way
-                    if stop.is_set():
-                        return
-            except Exception as exc:  # raised in the caller's thread once the block ends
-                failed.append(exc)
-
-        thread = threading.Thread(target=stream, name="tierzero-disk-stream", daemon=True)
-        began = time.perf_counter()
-        thread.start()
+        stream = DiskStream(tier, regions, buffers)
         try:
-            yield lambda: moved[0] / (time.perf_counter() - began) / 1e9
+            yield stream
         finally:
-            stop.set()
-            thread.join()
-        if failed:
-            raise failed[0]
+            stream._stop()
+        if stream.failed is not None:
+            raise stream.failed
 
 
 @contextmanager

@@ -8,20 +8,19 @@ traffic (copies between tiers, gathers into buffers of their own). The disk work
 whatever computes, so the step is the longer of the disk and the rest. With a GPU the rest
 overlaps too (the GPU's compute, the copy stream and the host's optimizer), and the longest
 part bounds the step; without one, compute, optimizer and copies take the same cores and add
-up, and run slower for as long as the disk works beside them (the block timed again beside a
-disk stream: 1.03-1.21x on the 2-core VM).
+up, and run slower for as long as the disk works beside them (the block timed in pairs of
+windows, alone and beside a disk stream: 1.06-1.13x on the 2-core VM).
 
-On the 2B preset (docs/BENCHMARKS.md, sessions 8 and 9) the planned placement's step measured
-8.3-9.4 s. Predicted from one Linear's three products it was 6.8-7.6 s (-15% to -25%); from
-a block with the disk's slowdown, 7.5-8.4 s. The rest of the gap is work the same cores do
-more slowly inside the step than alone, which no probe here has caught.
+On the 2B preset (docs/BENCHMARKS.md, sessions 8 to 10) the planned placement's step measured
+8.3-9.7 s. Predicted from one Linear's three products it was 6.8-7.6 s (-15% to -25%); from
+a block timed once alone and once beside the disk, 7.5-11.3 s, as the machine drifted between
+the two timings; from the paired windows, within 15% of the measured step.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,19 +79,24 @@ def predict(result: Estimate, *, copy_rate: float, step_rate: float, cuda: bool,
     return Prediction(step_s=step, **parts, serial=not cuda, slowdown=slowdown)
 
 
-def measure_copy_rate(nbytes: int = 64 << 20) -> float:
-    """Bytes/s of one copy from host to device memory (pinned, with CUDA), or host to host without."""
+def measure_copy_rate(nbytes: int = 256 << 20, *, copies: int = 5) -> float:
+    """Bytes/s of a copy from host to device memory (pinned, with CUDA), or host to host without:
+    the median of `copies` after a warm-up, each larger than a host's last-level cache, as the
+    engine's slices are (on the 2-core VM, 64 MiB copied at 44-63 GB/s and 256 MiB at 37)."""
     pin = torch.cuda.is_available()
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if pin else "cpu")
     dst.copy_(src)  # warm-up: first touch of the pages
-    if pin:
-        torch.cuda.synchronize()
-    began = time.perf_counter()
-    dst.copy_(src)
-    if pin:
-        torch.cuda.synchronize()
-    return nbytes / (time.perf_counter() - began)
+    runs = []
+    for _ in range(copies):
+        if pin:
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        dst.copy_(src)
+        if pin:
+            torch.cuda.synchronize()
+        runs.append(time.perf_counter() - began)
+    return nbytes / statistics.median(runs)
 
 
 def measure_step_rate(cfg: Config, numel: int = 1 << 24, *, steps: int = 3) -> float:
@@ -125,62 +129,81 @@ def measure_block_flops(cfg: Config, *, seconds: float = 1.5) -> Bandwidth | Non
     of the runs that fit in about `seconds` (at least three, after a warm-up). The median, not the
     best: a block inside the step shares the cores with the engine's own work. None for a
     transformers model, whose layers take inputs of their own."""
-    timer = _block_timer(cfg)
-    return None if timer is None else timer(seconds)
+    block = _TimedBlock.build(cfg)
+    return None if block is None else block.rate(block.passes(seconds, at_least=3))
 
 
-def measure_compute(cfg: Config, *, seconds: float = 1.5) -> tuple[Bandwidth, float]:
+def measure_compute(cfg: Config, *, seconds: float = 2.0, rounds: int = 7) -> tuple[Bandwidth, float]:
     """The compute rate for the prediction, and how much slower it runs while the disk streams.
 
-    A built-in model's block (`measure_block_flops`), built once and timed alone and then beside
-    a stream to `tiers.nvme.path` (`streaming`): without a GPU the swaps' threads, interrupts and
-    memory traffic take from the cores. On the 2B preset the block ran 1.03-1.21x slower beside
-    the disk. A transformers model gets a square matmul's rate, and no slowdown is measured on a
-    GPU or without an NVMe path (1.0).
+    A built-in model's block (`measure_block_flops`), built once and timed in `rounds` pairs of
+    windows within about `seconds`: alone, then beside a stream to `tiers.nvme.path`
+    (`streaming`, paused for the first of each pair). Without a GPU the swaps' threads,
+    interrupts and memory traffic take from the cores. The slowdown is the median of the pairs'
+    ratios, so that a machine whose speed drifts meanwhile slows both halves of a pair alike:
+    timed once alone and then once beside, the 2B preset read 1.03-1.74x within a day. A
+    transformers model gets a square matmul's rate, and no slowdown is measured on a GPU or
+    without an NVMe path (1.0).
     """
-    timer = _block_timer(cfg)
-    if timer is None:
+    block = _TimedBlock.build(cfg)
+    if block is None:
         return measure_flops(cfg.precision.param_dtype), 1.0
-    quiet = timer(seconds)
     if torch.cuda.is_available() or cfg.tiers.nvme.path is None:
-        return quiet, 1.0
-    with streaming(cfg.tiers.nvme.path) as moved:
-        busy = timer(seconds)
-        gbs = moved()
-    slowdown = max(1.0, quiet.read / busy.read)
-    source = f"{quiet.source}; {slowdown:.2f}x slower beside the disk at {gbs:.1f} GB/s"
-    return Bandwidth(read=quiet.read, write=quiet.write, source=source), slowdown
+        return block.rate(block.passes(seconds, at_least=3)), 1.0
+    window = seconds / (2 * rounds)
+    alone: list[float] = []
+    ratios: list[float] = []
+    with streaming(cfg.tiers.nvme.path) as stream:
+        for _ in range(rounds):
+            with stream.paused():
+                quiet = block.passes(window, at_least=1)
+            busy = block.passes(window, at_least=1)
+            alone += quiet
+            ratios.append(statistics.median(busy) / statistics.median(quiet))
+        gbs = stream.rate()
+    quiet_rate, slowdown = block.rate(alone), max(1.0, statistics.median(ratios))
+    source = f"{quiet_rate.source}; {slowdown:.2f}x slower beside the disk at {gbs:.1f} GB/s"
+    return Bandwidth(read=quiet_rate.read, write=quiet_rate.write, source=source), slowdown
 
 
-def _block_timer(cfg: Config) -> Callable[[float], Bandwidth] | None:
-    """One block of `cfg`'s built-in model at the training shape, built and warmed up once, and a
-    function that times it for about so many seconds (see `measure_block_flops`)."""
-    model = cfg.model
-    if model.is_transformers:
-        return None
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    dtype = dtype_of(cfg.precision.param_dtype)
-    spec = spec_from_config(model)
-    with torch.device(device):
-        block = BUILT_IN[model.type].Block(spec).to(dtype)
-        x = torch.randn(cfg.train.micro_batch_size, cfg.train.seq_len, spec.d_model, dtype=dtype, requires_grad=True)
-        extra = BUILT_IN[model.type].block_inputs(spec, cfg.train.seq_len)
-    for p in block.parameters():
-        p.grad = torch.zeros_like(p)
-    _timed_pass(block, x, extra, device)  # warm-up: first touch of the pages, kernel choice
-    flops = 6.0 * sum(p.numel() for p in block.parameters()) * x.shape[0] * x.shape[1]
-    what = f"one {model.type} block's forward and backward at {x.shape[0]}x{x.shape[1]} tokens"
+class _TimedBlock:
+    """One block of a config's built-in model at the training shape, built and warmed up once
+    (see `measure_block_flops`)."""
 
-    def rate(seconds: float) -> Bandwidth:
+    def __init__(self, cfg: Config, device: torch.device) -> None:
+        model, dtype = cfg.model, dtype_of(cfg.precision.param_dtype)
+        spec = spec_from_config(model)
+        with torch.device(device):
+            self.block = BUILT_IN[model.type].Block(spec).to(dtype)
+            shape = (cfg.train.micro_batch_size, cfg.train.seq_len, spec.d_model)
+            self.x = torch.randn(*shape, dtype=dtype, requires_grad=True)
+            self.extra = BUILT_IN[model.type].block_inputs(spec, cfg.train.seq_len)
+        for p in self.block.parameters():
+            p.grad = torch.zeros_like(p)
+        self.device = device
+        self.flops = 6.0 * sum(p.numel() for p in self.block.parameters()) * shape[0] * shape[1]
+        what = f"one {model.type} block's forward and backward at {shape[0]}x{shape[1]} tokens"
+        self.what = f"{cfg.precision.param_dtype} {what}, {device.type}"
+        self.passes(0.0, at_least=1)  # warm-up: first touch of the pages, kernel choice
+
+    @classmethod
+    def build(cls, cfg: Config) -> _TimedBlock | None:
+        """None for a transformers model."""
+        if cfg.model.is_transformers:
+            return None
+        return cls(cfg, torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+
+    def passes(self, seconds: float, *, at_least: int) -> list[float]:
+        """The seconds of each pass run in about `seconds`, `at_least` of them."""
         runs: list[float] = []
         began = time.perf_counter()
-        while len(runs) < 3 or time.perf_counter() - began < seconds:
-            runs.append(_timed_pass(block, x, extra, device))
-        measured = flops / statistics.median(runs)
-        source = f"measured {measured / 1e9:.0f} GFLOP/s ({cfg.precision.param_dtype} {what}, {device.type})"
-        return Bandwidth(read=measured, write=measured, source=source)
+        while len(runs) < at_least or time.perf_counter() - began < seconds:
+            runs.append(_timed_pass(self.block, self.x, self.extra, self.device))
+        return runs
 
-    return rate
+    def rate(self, runs: list[float]) -> Bandwidth:
+        measured = self.flops / statistics.median(runs)
+        return Bandwidth(read=measured, write=measured, source=f"measured {measured / 1e9:.0f} GFLOP/s ({self.what})")
 
 
 def _timed_pass(block: nn.Module, x: torch.Tensor, extra: tuple[torch.Tensor, ...], device: torch.device) -> float:
