@@ -315,7 +315,8 @@ class Stage3(StepInTime, Stage):
 
     def _moves_down(self, unit: Unit) -> bool:
         """fp32, PARAM on NVMe, a host step: the unit's step in backward may take its gathered copy."""
-        return not self.mixed and self.plan.home(unit.name, Kind.PARAM) is Tier.NVME and self.homes.optimizer is not Tier.DEVICE
+        host_step = self.homes.optimizer is not Tier.DEVICE
+        return not self.mixed and host_step and self.plan.home(unit.name, Kind.PARAM) is Tier.NVME
 
     def _hand_down(self, key: SliceKey, job: Any, unit: Unit, given: dict[Kind, Any]) -> bool:
         """Move the gather's PARAM copy down to the step tier for the unit's step (`_moves_down`)."""
@@ -339,11 +340,10 @@ class Stage3(StepInTime, Stage):
             self.param_prefetch.end_step(keep_warm=True)
         # After end_step, so that the last units' new slices can start up for the next forward.
         self.finish_backward_step()
-        if self.param_prefetch is not None:
-            if not self.last_micro_step:
-                # The next micro-step's forward comes without an optimizer step in between:
-                # its first units can start coming up now.
-                self.param_prefetch.begin_step()
+        if self.param_prefetch is not None and not self.last_micro_step:
+            # The next micro-step's forward comes without an optimizer step in between:
+            # its first units can start coming up now.
+            self.param_prefetch.begin_step()
 
     def gather_fp32(self, unit: Unit) -> torch.Tensor:
         self.settle_step()
