@@ -9,12 +9,13 @@ whatever computes, so the step is the longer of the disk and the rest. With a GP
 overlaps too (the GPU's compute, the copy stream and the host's optimizer), and the longest
 part bounds the step; without one, compute, optimizer and copies take the same cores and add
 up, and run slower for as long as the disk works beside them (the block timed in pairs of
-windows, alone and beside a disk stream: 1.06-1.13x on the 2-core VM).
+windows, alone and beside a disk stream: 1.00-1.18x on the 2-core VM).
 
 On the 2B preset (docs/BENCHMARKS.md, sessions 8 to 10) the planned placement's step measured
 8.3-9.7 s. Predicted from one Linear's three products it was 6.8-7.6 s (-15% to -25%); from
 a block timed once alone and once beside the disk, 7.5-11.3 s, as the machine drifted between
-the two timings; from the paired windows, within 15% of the measured step.
+the two timings; from the paired windows, -13% to +17% of the measured step in four pairs (the
++17% timed the block while the machine ran slow).
 """
 
 from __future__ import annotations
