@@ -14,8 +14,8 @@ windows, alone and beside a disk stream: 1.00-1.18x on the 2-core VM).
 On the 2B preset (docs/BENCHMARKS.md, sessions 8 to 10) the planned placement's step measured
 8.3-9.7 s. Predicted from one Linear's three products it was 6.8-7.6 s (-15% to -25%); from
 a block timed once alone and once beside the disk, 7.5-11.3 s, as the machine drifted between
-the two timings; from the paired windows, -13% to +17% of the measured step in four pairs (the
-+17% timed the block while the machine ran slow).
+the two timings; from the paired windows, -24% to +17% of the measured step in six pairs, four
+within 15% (the misses timed the block while the machine ran at another speed than its steps).
 """
 
 from __future__ import annotations
