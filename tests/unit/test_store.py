@@ -155,7 +155,8 @@ def test_accounting_is_exact_per_tier_kind_and_use(tmp_path) -> None:
         store.register(m, numel=1000, dtype=torch.float32, home=Tier.CPU)
         store.register(e, numel=3000, dtype=torch.float32, home=Tier.NVME)
         assert store.kind_bytes() == {Kind.PARAM: 2000, Kind.GRAD: 0, Kind.MASTER: 4000, Kind.EXP_AVG: 12000, Kind.EXP_AVG_SQ: 0}
-        store.write_back(e, torch.ones(3000)).wait()
+        # One element into torch's 64-byte aligned allocation: never 4096-aligned, so always bounced.
+        store.write_back(e, torch.ones(3001)[1:]).wait()
         store.fetch(m, to=Tier.DEVICE).wait()
         store.fetch(e, to=Tier.DEVICE).wait()
         gathered = store.allocate(kind=Kind.GATHERED, numel=500, dtype=torch.float32, tier=Tier.DEVICE, label="u0 full")
