@@ -80,11 +80,15 @@ def predict(result: Estimate, *, copy_rate: float, step_rate: float, cuda: bool,
     return Prediction(step_s=step, **parts, serial=not cuda, slowdown=slowdown)
 
 
-def measure_copy_rate(nbytes: int = 256 << 20, *, copies: int = 5) -> float:
+def measure_copy_rate(nbytes: int | None = None, *, copies: int = 5) -> float:
     """Bytes/s of a copy from host to device memory (pinned, with CUDA), or host to host without:
-    the median of `copies` after a warm-up, each larger than a host's last-level cache, as the
-    engine's slices are (on the 2-core VM, 64 MiB copied at 44-63 GB/s and 256 MiB at 37)."""
+    the median of `copies` after a warm-up. By default 256 MiB host to host, larger than a host's
+    last-level cache as the engine's slices are (on the 2-core VM, 64 MiB copied at 44-63 GB/s and
+    256 MiB at 37); 64 MiB to a GPU, which no cache serves, and whose pinned buffer torch's host
+    allocator keeps cached for the rest of the run."""
     pin = torch.cuda.is_available()
+    if nbytes is None:
+        nbytes = (64 if pin else 256) << 20
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if pin else "cpu")
     dst.copy_(src)  # warm-up: first touch of the pages
