@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -10,17 +11,28 @@ import torch.nn.functional as F
 __all__ = ["micro_step"]
 
 
-def micro_step(engine: Any, x: torch.Tensor, y: torch.Tensor, *, is_hf: bool) -> torch.Tensor:
+def micro_step(
+    engine: Any, x: torch.Tensor, y: torch.Tensor, *, is_hf: bool, mark: Callable[[str], None] | None = None
+) -> torch.Tensor:
     """Forward, loss, backward and `engine.step()` on one micro-batch; the detached loss.
 
     `tierzero estimate` runs the same function on the meta device, so what it predicts
-    is what this loop does.
+    is what this loop does; `mark` hears each part begin ("forward", "backward", "step"),
+    which the estimate counts traffic by.
     """
+    mark = mark or _unmarked
+    mark("forward")
     if is_hf:
         logits = engine(input_ids=x).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     else:
         _, loss = engine(x, y)
+    mark("backward")
     engine.backward(loss)
+    mark("step")
     engine.step()
     return loss.detach()
+
+
+def _unmarked(phase: str) -> None:
+    """The training loop's `mark`: nothing to hear."""

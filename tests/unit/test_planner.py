@@ -15,6 +15,7 @@ from tierzero import dist as D
 from tierzero import train as T
 from tierzero.config import ConfigError, load_config
 from tierzero.engine import Engine
+from tierzero.estimate.counting import Traffic
 from tierzero.estimate.estimator import Bandwidth, estimate
 from tierzero.micro_step import micro_step
 from tierzero.models import build_model
@@ -95,38 +96,94 @@ def test_a_unit_home_differs_from_its_kind_only_off_the_device() -> None:
         Homes(grads=Tier.DEVICE, units={("h.0", "grads"): Tier.CPU})
 
 
-def test_the_predicted_step_is_the_disk_beside_the_rest_which_adds_up_without_a_gpu() -> None:
-    """4 s of disk, 3 s of compute, 1 s of optimizer and 0.5 s of copies: without a GPU the
-    compute, optimizer and copies share the cores (4.5 s) and the disk runs beside them; with
-    one every part overlaps and the disk's 4 s bounds the step."""
+def _replayed(*, forward: Traffic, backward: Traffic, step: Traffic | None = None) -> Any:
+    """An estimate's fields `predict` reads: 3 s of compute (1 s forward, 2 s backward), 2,000
+    elements stepped, a disk of 1,000 bytes/s both ways, the traffic by part as given."""
     from types import SimpleNamespace
 
-    plan = SimpleNamespace(stepped_elements=lambda: 2_000)
-    result = SimpleNamespace(plan=plan, io_floor_s=4.0, compute_floor_s=3.0, memory_copied=500)
-    host = predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=False)  # type: ignore[arg-type]
-    assert (host.step_s, host.serial, host.bound) == (4.5, True, "disk")
-    assert predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=True).step_s == 4.0  # type: ignore[arg-type]
-    result.io_floor_s = 6.0
-    assert predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=False).step_s == 6.0  # type: ignore[arg-type]
+    phases = {"forward": forward, "backward": backward, "step": step or Traffic()}
+    read, written = (sum(getattr(t, what) for t in phases.values()) for what in ("read", "written"))
+    return SimpleNamespace(
+        plan=SimpleNamespace(stepped_elements=lambda: 2_000), compute_floor_s=3.0, io_floor_s=(read + written) / 1_000,
+        memory_copied=sum(t.copied for t in phases.values()), disk=Bandwidth(read=1_000.0, write=1_000.0, source=""),
+        phases=phases,
+    )  # fmt: skip
+
+
+def test_each_part_of_the_step_is_its_disk_beside_the_rest_which_adds_up_without_a_gpu() -> None:
+    """4 s of disk in backward, beside 2 s of its compute, 1 s of optimizer and 0.5 s of copies:
+    without a GPU those share the cores (3.5 s), so backward takes the disk's 4 s, after a forward
+    of 1 s: 5 s, where the whole step's disk beside its whole rest (4.5 s) would say 4.5. With a
+    GPU every part overlaps: the same here. The same disk in forward: 4 s beside 1 s, then 3.5 s."""
+    result = _replayed(forward=Traffic(), backward=Traffic(read=3_000, written=1_000, copied=500, stepped=2_000))
+    host = predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=False)
+    assert (host.step_s, host.serial, host.io_s, host.optimizer_s, host.copy_s) == (5.0, True, 4.0, 1.0, 0.5)
+    assert host.by_part() == "forward 1.00 s (compute), backward 4.00 s (disk), step 0.00 s (compute)"
+    assert predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=True).step_s == 5.0
+    result = _replayed(forward=Traffic(read=4_000), backward=Traffic(copied=500, stepped=2_000))
+    assert predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=False).step_s == 7.5
+
+
+def test_the_optimizer_counts_in_the_step_part_when_no_element_was_counted() -> None:
+    """No stepped elements counted (an estimate without parts): the optimizer's 1 s is the step's own part."""
+    result = _replayed(forward=Traffic(), backward=Traffic(read=2_000))
+    host = predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=False)
+    assert [part.optimizer_s for part in host.parts] == [0.0, 0.0, 1.0]
+    assert host.step_s == 1.0 + 2.0 + 1.0
 
 
 def test_the_rest_slows_for_as_long_as_the_disk_works_beside_it() -> None:
-    """Measured 1.2x slower beside the disk: 4.5 s of rest with 3 s of disk slows for two thirds of
-    it (4.5 x (1 + 0.2 x 2/3) = 5.1 s); under 9 s of disk, all of it (5.4 s, and the disk bounds
-    the step); with no disk, none. A GPU's compute does not share the host's cores."""
-    from types import SimpleNamespace
-
-    plan = SimpleNamespace(stepped_elements=lambda: 2_000)
-    result = SimpleNamespace(plan=plan, io_floor_s=3.0, compute_floor_s=3.0, memory_copied=500)
+    """Measured 1.2x slower beside the disk: backward's 3.5 s of rest with 3 s of disk slows for
+    6/7 of it (3.5 x (1 + 0.2 x 3/3.5) = 4.1 s), after 1 s of forward with no disk beside it;
+    under 9 s of disk, all of it (4.2 s, and the disk bounds backward); with no disk, none. A
+    GPU's compute does not share the host's cores."""
     kw = {"copy_rate": 1_000.0, "step_rate": 2_000.0, "slowdown": 1.2}
-    assert predict(result, cuda=False, **kw).step_s == pytest.approx(5.1)  # type: ignore[arg-type]
-    gpu = predict(result, cuda=True, **kw)  # type: ignore[arg-type]
-    assert (gpu.step_s, gpu.slowdown) == (3.0, 1.0)
-    result.io_floor_s = 9.0
-    host = predict(result, cuda=False, **kw)  # type: ignore[arg-type]
-    assert (host.step_s, host.bound) == (9.0, "disk")
-    result.io_floor_s = 0.0
-    assert predict(result, cuda=False, **kw).step_s == 4.5  # type: ignore[arg-type]
+    result = _replayed(forward=Traffic(), backward=Traffic(read=3_000, copied=500, stepped=2_000))
+    assert predict(result, cuda=False, **kw).step_s == pytest.approx(5.1)
+    gpu = predict(result, cuda=True, **kw)
+    assert (gpu.step_s, gpu.slowdown) == (4.0, 1.0)
+    result = _replayed(forward=Traffic(), backward=Traffic(read=9_000, copied=500, stepped=2_000))
+    host = predict(result, cuda=False, **kw)
+    assert (host.step_s, host.bound) == (10.0, "disk")
+    result = _replayed(forward=Traffic(), backward=Traffic(copied=500, stepped=2_000))
+    assert predict(result, cuda=False, **kw).step_s == 4.5
+
+
+def test_a_step_part_that_steps_nothing_is_the_next_forwards_prefetch() -> None:
+    """2 s of reads issued by the step part, which steps no element (all 2,000 in backward): the
+    disk serves them while the next forward's 1 s computes, so the forward takes 2 s."""
+    result = _replayed(forward=Traffic(), backward=Traffic(stepped=2_000), step=Traffic(read=2_000))
+    host = predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=False)
+    assert [(p.name, p.io_s) for p in host.parts] == [("forward", 2.0), ("backward", 0.0), ("step", 0.0)]
+    assert host.step_s == 2.0 + 3.0
+
+
+@pytest.mark.parametrize(
+    ("stage", "clipping", "stepped_in"),
+    [(3, 0.0, ("backward",)), (3, 1.0, ("forward", "step")), (1, 0.0, ("step",))],
+    ids=["stage3-in-backward", "stage3-clipped", "stage1"],
+)
+def test_the_replay_counts_each_byte_in_the_part_of_the_step_that_issues_it(
+    stage: int, clipping: float, stepped_in: tuple[str, ...], tmp_path: Path
+) -> None:
+    """Each unit is stepped where its stage steps it: stage 3 without clipping inside backward,
+    writing every NVMe byte there; with clipping in the next forward's order (the first units
+    when the step is asked for); stage 1 in the step, which reads and writes all the states
+    there. The parts add up to the step's totals."""
+    offload = {"optimizer": "nvme"} if stage == 1 else {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}
+    cfg = load_config(_raw(tmp_path, offload=offload, stage=stage, clipping=clipping))
+    result = estimate(cfg, disk=DISK, flops=FLOPS, suggest=False)
+    phases, plan = result.phases, result.plan
+    assert plan is not None and list(phases) == ["forward", "backward", "step"]
+    assert sum(phases[name].stepped for name in stepped_in) == plan.stepped_elements()
+    assert all(phases[name].stepped > 0 for name in stepped_in)
+    assert sum(t.read for t in phases.values()) == result.nvme_read
+    assert sum(t.written for t in phases.values()) == result.nvme_written
+    assert sum(t.copied for t in phases.values()) == result.memory_copied
+    if stepped_in == ("backward",):
+        assert phases["backward"].written == result.nvme_written > 0
+    if stage == 1:
+        assert (phases["step"].read, phases["step"].written) == (result.nvme_read, result.nvme_written)
 
 
 @pytest.mark.parametrize("share", [8, 4, 1], ids=["eighth", "quarter", "whole"])
@@ -237,9 +294,12 @@ def test_tierzero_estimate_prints_the_plan(tmp_path: Path) -> None:
 
     rc, table = cli()
     assert rc == 0 and "placement (offload: auto), per rank:" in table and "predicted step" in table
+    assert "by part, each its disk beside the rest: forward " in table
     rc, text = cli("--json")
     placement = json.loads(text)["placement"]
     assert rc == 0 and placement["predicted_step_s"] > 0
+    assert list(placement["parts_s"]) == ["forward", "backward", "step"]
+    assert sum(placement["parts_s"].values()) == pytest.approx(placement["predicted_step_s"])
     assert placement["homes"].keys() == {"params", "grads", "optimizer"}
     with pytest.raises(PlacementError, match=r"no placement fits .* short by"):
         cli("--set", "tiers.cpu.capacity=2MiB", "--set", "tiers.device.capacity=1MiB")

@@ -42,7 +42,18 @@ from tierzero.store.cache_policy import CachePolicy
 from tierzero.store.ledger import Ledger
 from tierzero.transfer import Transfer, TransferOutcome
 
-__all__ = ["CountingStore"]
+__all__ = ["CountingStore", "Traffic"]
+
+
+@dataclass(slots=True)
+class Traffic:
+    """What one part of a step moved: NVMe bytes read and written, host memory bytes copied, and
+    the elements the optimizer stepped (counted by the dry run)."""
+
+    read: int = 0
+    written: int = 0
+    copied: int = 0
+    stepped: int = 0
 
 
 class _LandsWhenWaited(Future):
@@ -113,6 +124,9 @@ class CountingStore:
         self.memory_copied = 0
         """Bytes copied between the device and cpu tiers (fetches, write-backs, adopted copies), and
         without a GPU into gathered buffers: host memory traffic besides the compute's."""
+        self.phase = "set-up"
+        """The part of the step under way, as `micro_step` marks it: its traffic is counted in `by_phase` too."""
+        self.by_phase: dict[str, Traffic] = {}
         self.by_slice: dict[SliceKey, list[int]] = {}
         """NVMe bytes [read, written], by slice."""
         self.evictions = 0
@@ -156,8 +170,7 @@ class CountingStore:
                 self._move(Tier.CPU, to, record.nbytes)
             else:
                 if record.home is Tier.NVME:
-                    self.nvme_read += record.nbytes
-                    self.by_slice.setdefault(key, [0, 0])[0] += record.nbytes
+                    self._count(read=record.nbytes, key=key)
                 self._move(record.home, to, record.nbytes)
             record.fetched = Transfer.ready(record.tensor())
         for write in list(record.writes):
@@ -217,8 +230,7 @@ class CountingStore:
             self._move(source, record.home, record.nbytes)
         write = _LandsWhenAsked() if self._lands_when_asked else _LandsWhenWaited()
         if record.home is Tier.NVME and not self._cached_write(record):
-            self.nvme_written += record.nbytes
-            self.by_slice.setdefault(key, [0, 0])[1] += record.nbytes
+            self._count(written=record.nbytes, key=key)
             self._move(source, Tier.NVME, record.nbytes)
             if src is not None and not self._cuda:
                 self._bounce(write, record.nbytes)
@@ -259,7 +271,7 @@ class CountingStore:
         self._scratch[storage_id(tensor)] = (tier, kind, tensor.nbytes)
         self._add(tier, kind, Use.SCRATCH, tensor.nbytes, "gathered" if kind is Kind.GATHERED else "scratch")
         if kind is Kind.GATHERED and not self._cuda:
-            self.memory_copied += tensor.nbytes  # the gather's copy into it is host memory traffic too
+            self._count(copied=tensor.nbytes)  # the gather's copy into it is host memory traffic too
         return tensor
 
     def free(self, tensor: torch.Tensor) -> None:
@@ -299,18 +311,39 @@ class CountingStore:
             return False
         admission = self._cache.write(record.key)
         for victim in admission.evicted:
-            nbytes = self._slices[victim].nbytes
-            self.nvme_written += nbytes
-            self.by_slice.setdefault(victim, [0, 0])[1] += nbytes
+            self._count(written=self._slices[victim].nbytes, key=victim)
             self.evictions += 1
-            self._add(Tier.CPU, victim.kind, Use.CACHE, -nbytes, "cache")
+            self._add(Tier.CPU, victim.kind, Use.CACHE, -self._slices[victim].nbytes, "cache")
         if admission.entered:
             self._add(Tier.CPU, record.key.kind, Use.CACHE, record.nbytes, "cache")
         return admission.cached
 
     def reset_traffic(self) -> None:
         self.nvme_read = self.nvme_written = self.memory_copied = self.evictions = 0
-        self.by_slice = {}
+        self.by_slice, self.by_phase = {}, {}
+
+    def mark(self, phase: str) -> None:
+        """Count what follows in `phase` (`micro_step`'s marks)."""
+        self.phase = phase
+
+    def copied(self, nbytes: int) -> None:
+        """Count host memory traffic the store does not see (the gradients' landing, without a GPU)."""
+        self._count(copied=nbytes)
+
+    def stepped(self, numel: int) -> None:
+        """Count elements the optimizer stepped in the phase under way."""
+        self.by_phase.setdefault(self.phase, Traffic()).stepped += numel
+
+    def _count(self, *, read: int = 0, written: int = 0, copied: int = 0, key: SliceKey | None = None) -> None:
+        """Add traffic to the totals, to the phase under way and, for NVMe bytes, to the slice's."""
+        self.nvme_read += read
+        self.nvme_written += written
+        self.memory_copied += copied
+        phase = self.by_phase.setdefault(self.phase, Traffic())
+        phase.read, phase.written, phase.copied = phase.read + read, phase.written + written, phase.copied + copied
+        if key is not None:
+            counts = self.by_slice.setdefault(key, [0, 0])
+            counts[0], counts[1] = counts[0] + read, counts[1] + written
 
     def _add(self, tier: Tier, kind: Kind, use: Use, delta: int, label: str) -> None:
         self._ledger.add(tier, kind, use, delta)
@@ -321,7 +354,7 @@ class CountingStore:
         """Counts device<->cpu copies. A device<->NVMe move on a GPU passes through the staging
         pool, which keeps what it made."""
         if {a, b} == {Tier.DEVICE, Tier.CPU}:
-            self.memory_copied += nbytes
+            self._count(copied=nbytes)
         if not self._cuda or {a, b} != {Tier.DEVICE, Tier.NVME}:
             return
         size, count = self._swapper.buffer_size, self._swapper.buffer_count

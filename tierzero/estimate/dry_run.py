@@ -9,12 +9,16 @@ byte moves; whatever order the engine takes, the estimate follows, because there
 no second copy of it. It does so twice: the NVMe traffic comes from a replay whose
 writes land as soon as the engine asks (a disk that keeps up, as the engine's choices
 assume), the memory peaks from one whose writes land only when waited for (the most
-the engine can hold).
+the engine can hold). The traffic is also counted by the part of the step it is issued
+in (`micro_step`'s marks: forward, backward, step), with the elements the optimizer
+steps in each, so that the prediction overlaps the disk only with the work beside it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,7 +26,7 @@ from torch import nn
 from tierzero.config import Config
 from tierzero.dist import DistContext
 from tierzero.engine import Engine
-from tierzero.estimate.counting import CountingStore
+from tierzero.estimate.counting import CountingStore, Traffic
 from tierzero.mesh import build_mesh
 from tierzero.micro_step import micro_step
 from tierzero.models import build_model, count_parameters
@@ -66,6 +70,8 @@ class DryRun:
     """Optimizer steps the dry run took: two, or more while the NVMe cache was still settling."""
     comm: dict[str, dict[str, dict[str, int]]]
     """Bytes rank 0 sends in a later step: group -> collective -> inside its node ("intra") and across ("inter")."""
+    phases: dict[str, Traffic]
+    """What a later step moved and stepped in each of its parts ("forward", "backward", "step"), in order."""
 
 
 _MAX_STEPS = 8
@@ -103,6 +109,7 @@ def dry_run(
         nvme_written_setup=fast.written_setup,
         steps=fast.steps,
         comm=fast.comm,
+        phases=fast.phases,
     )
 
 
@@ -120,6 +127,21 @@ class _Replay:
     written_setup: int = 0
     steps: int = 0
     comm: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    phases: dict[str, Traffic] = field(default_factory=dict)
+
+
+class _CountedOptimizer:
+    """The engine's optimizer, counting the elements each step hands it in the store's phase."""
+
+    def __init__(self, optimizer: Any, store: CountingStore) -> None:
+        self._optimizer, self._store = optimizer, store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+    def step(self, *, param: torch.Tensor, **kwargs: Any) -> None:
+        self._store.stepped(param.numel())
+        self._optimizer.step(param=param, **kwargs)
 
 
 def _replay(cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_asked: bool) -> tuple[_Replay, Engine]:
@@ -137,10 +159,11 @@ def _replay(cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_
     ctx = DistContext(rank=0, world_size=world_size, local_rank=0, device=torch.device("meta"), created_group=False)
     run = _Replay(store=store, model=model, parameters=count_parameters(model))
     engine = Engine(model, cfg, ctx=ctx, store=store, mesh=mesh, homes=homes)
+    engine.stage.optimizer = _CountedOptimizer(engine.stage.optimizer, store)
     try:
         run.written_setup = store.nvme_written
         store.reset_traffic()
-        _step(engine, cfg)
+        _step(engine, cfg, mark=store.mark)
         run.read_first, run.written_first = store.nvme_read, store.nvme_written
         run.steps = 1
         # A step each: the second window holds the rest of the first step (run in the second
@@ -150,13 +173,15 @@ def _replay(cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_
         while run.steps == 1 or (store.evictions and run.steps < _MAX_STEPS):
             store.reset_traffic()
             engine.reset_comm_report()
-            _step(engine, cfg)
+            _step(engine, cfg, mark=store.mark)
             run.steps += 1
-        run.read, run.written, run.copied = store.nvme_read, store.nvme_written, store.memory_copied
         if not torch.cuda.is_available():
-            # Host memory traffic besides the compute's: each micro-step writes its gradients into
-            # this rank's GRAD slices (stages/grad_landing.py), one pass over them.
-            run.copied += store.kind_bytes().get(Kind.GRAD, 0) * cfg.gradient_accumulation_steps
+            # Host memory traffic besides the compute's: each micro-step's backward writes its
+            # gradients into this rank's GRAD slices (stages/grad_landing.py), one pass over them.
+            store.mark("backward")
+            store.copied(store.kind_bytes().get(Kind.GRAD, 0) * cfg.gradient_accumulation_steps)
+        run.read, run.written, run.copied = store.nvme_read, store.nvme_written, store.memory_copied
+        run.phases = {phase: store.by_phase.get(phase, Traffic()) for phase in _PHASES}
         run.by_slice = {key: (read, written) for key, (read, written) in store.by_slice.items()}
         run.comm = engine.comm_report(per_group=True)
     finally:
@@ -164,10 +189,15 @@ def _replay(cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_
     return run, engine
 
 
-def _step(engine: Engine, cfg: Config) -> None:
-    """One optimizer step: a micro-step per accumulated micro-batch, of token ids on the meta device."""
+_PHASES = ("forward", "backward", "step")
+"""`micro_step`'s marks, in the order a step runs them."""
+
+
+def _step(engine: Engine, cfg: Config, *, mark: Callable[[str], None]) -> None:
+    """One optimizer step: a micro-step per accumulated micro-batch, of token ids on the meta device;
+    `mark` hears each part of it begin."""
     train = cfg.train
     is_hf = cfg.model.is_transformers
     for _ in range(cfg.gradient_accumulation_steps):
         x, y = (torch.empty(train.micro_batch_size, train.seq_len, dtype=torch.long, device="meta") for _ in range(2))
-        micro_step(engine, x, y, is_hf=is_hf)
+        micro_step(engine, x, y, is_hf=is_hf, mark=mark)

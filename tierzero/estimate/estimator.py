@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tierzero.config import load_config
+from tierzero.estimate.counting import Traffic
 from tierzero.estimate.dry_run import dry_run
 from tierzero.placement.budgets import free_space as _free_space
 from tierzero.precision import dtype_of
@@ -116,6 +117,8 @@ class Estimate:
     """Rough bytes of saved activations (built-in models only), host or device."""
     plan: SlicePlan | None = None
     """Each unit's slices and their homes, as the engine registers them."""
+    phases: dict[str, Traffic] = field(default_factory=dict)
+    """What a later step moved and stepped in each of its parts ("forward", "backward", "step")."""
     problems: list[str] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)
 
@@ -207,6 +210,7 @@ def estimate(
         flops=flops or assumed_flops(cfg.precision.param_dtype),
         activations=_activation_bytes(cfg, run.model),
         plan=run.plan,
+        phases=run.phases,
     )
     _check_fit(result, cfg)
     if suggest and not result.fits:

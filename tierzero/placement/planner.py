@@ -155,6 +155,7 @@ class PlacementPlan:
             "compute_s": self.prediction.compute_s,
             "optimizer_s": self.prediction.optimizer_s,
             "copy_s": self.prediction.copy_s,
+            "parts_s": self.prediction.part_seconds(),
             "nvme_read": self.estimate.nvme_read,
             "nvme_written": self.estimate.nvme_written,
             "nvme_home": self.estimate.tiers[Tier.NVME].home_total,
@@ -191,6 +192,7 @@ class PlacementPlan:
             f"  nvme per step: read {format_size(e.nvme_read)}, write {format_size(e.nvme_written)}{disk}",
             f"  predicted step {p.step_s:.2f} s, most of it {p.bound}: I/O {p.io_s:.2f} s, compute "
             f"{p.compute_s:.2f} s ({e.flops.source}), optimizer {p.optimizer_s:.2f} s, copies {p.copy_s:.2f} s ({how})",
+            f"  by part, each its disk beside the rest: {p.by_part()}",
             f"  why: the shortest predicted step of {len(self.considered)} placements that fit or were tried:",
         ]
         if self.overrides:

@@ -11,11 +11,21 @@ part bounds the step; without one, compute, optimizer and copies take the same c
 up, and run slower for as long as the disk works beside them (the block timed in pairs of
 windows, alone and beside a disk stream: 1.00-1.18x on the 2-core VM).
 
+The disk overlaps only the work of the same part of the step: the replay counts each byte in
+the part that issues it (forward, backward or the step after it) and each element the
+optimizer steps where it is stepped, and gives the forward a third of the FLOPs and the
+backward two; what the step part issues without stepping (the next forward's prefetches)
+counts in that forward. Each part takes the longer of its disk and its rest, and the step
+their sum: a placement whose disk works only in backward, beside two thirds of the compute,
+is predicted as such, not as if the forward's compute hid it too.
+
 On the 2B preset (docs/BENCHMARKS.md, sessions 8 to 10) the planned placement's step measured
 8.3-9.7 s. Predicted from one Linear's three products it was 6.8-7.6 s (-15% to -25%); from
 a block timed once alone and once beside the disk, 7.5-11.3 s, as the machine drifted between
 the two timings; from the paired windows, -24% to +17% of the measured step in six pairs, four
 within 15% (the misses timed the block while the machine ran at another speed than its steps).
+Under a 12 GiB cgroup, with 7-8 s of disk in backward beside 8.2 s of work in the whole step,
+the step took 10.7-12.2 s against 8.58 s predicted as one part (session 10).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import torch
 from torch import nn
 
 from tierzero.config import Config
+from tierzero.estimate.counting import Traffic
 from tierzero.estimate.estimator import Bandwidth, Estimate, measure_flops
 from tierzero.models import BUILT_IN, spec_from_config
 from tierzero.optim import make_optimizer
@@ -35,7 +46,37 @@ from tierzero.placement.disk import streaming
 from tierzero.precision import dtype_of
 from tierzero.slices import Tier
 
-__all__ = ["Prediction", "measure_block_flops", "measure_compute", "measure_copy_rate", "measure_step_rate", "predict"]
+__all__ = ["Part", "Prediction", "measure_block_flops", "measure_compute", "measure_copy_rate", "measure_step_rate", "predict"]
+
+
+#: The share of the step's 6 x parameters x tokens FLOPs each part of it computes: forward 2, backward 4.
+COMPUTE_SHARE = {"forward": 1 / 3, "backward": 2 / 3, "step": 0.0}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Part:
+    """One part of the step (`micro_step`'s forward, backward or step) and what it does."""
+
+    name: str
+    io_s: float
+    compute_s: float
+    optimizer_s: float
+    copy_s: float
+
+    def seconds(self, *, cuda: bool, slowdown: float) -> float:
+        """The part's time: its disk beside the rest (see the module note)."""
+        if cuda:
+            return max(self.io_s, self.compute_s, self.optimizer_s, self.copy_s)
+        rest = self.compute_s + self.optimizer_s + self.copy_s
+        if rest > 0:
+            rest *= 1.0 + (slowdown - 1.0) * min(1.0, self.io_s / rest)
+        return max(self.io_s, rest)
+
+    def bound(self, *, cuda: bool) -> str:
+        rest = max(self.compute_s, self.optimizer_s, self.copy_s) if cuda else (
+            self.compute_s + self.optimizer_s + self.copy_s
+        )
+        return "disk" if self.io_s > rest else "compute"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,29 +96,65 @@ class Prediction:
     """Without a GPU the compute, the optimizer and the copies add up: they take the same cores."""
     slowdown: float = 1.0
     """How much slower the rest ran beside a disk stream, measured; it slows the part the disk overlaps."""
+    parts: tuple[Part, ...] = ()
+    """The step's parts, each timed on its own: their times add up to `step_s`."""
 
     @property
     def bound(self) -> str:
         parts = {"disk": self.io_s, "compute": self.compute_s, "optimizer": self.optimizer_s, "copies": self.copy_s}
         return max(parts, key=parts.__getitem__)
 
+    def part_seconds(self) -> dict[str, float]:
+        """Each part's predicted time, by name."""
+        return {p.name: p.seconds(cuda=not self.serial, slowdown=self.slowdown) for p in self.parts}
+
+    def by_part(self) -> str:
+        """Each part's predicted time and what bounds it: "forward 2.07 s (compute), ..."."""
+        seconds = self.part_seconds()
+        return ", ".join(f"{p.name} {seconds[p.name]:.2f} s ({p.bound(cuda=not self.serial)})" for p in self.parts)
+
 
 def predict(result: Estimate, *, copy_rate: float, step_rate: float, cuda: bool, slowdown: float = 1.0) -> Prediction:
-    """The step time `result`'s bytes, FLOPs and elements set (see the module note). Without a GPU,
-    the rest runs `slowdown` times slower for as long as the disk works beside it."""
+    """The step time `result`'s bytes, FLOPs and elements set (see the module note): the sum of its
+    parts', each the disk beside the rest. Without a GPU, the rest runs `slowdown` times slower for
+    as long as the disk works beside it."""
     assert result.plan is not None
-    io, compute = result.io_floor_s, result.compute_floor_s
-    optimizer = result.plan.stepped_elements() / step_rate
-    copies = result.memory_copied / copy_rate
     if cuda:
-        step, slowdown = max(io, compute, optimizer, copies), 1.0
-    else:
-        rest = compute + optimizer + copies
-        if rest > 0:
-            rest *= 1.0 + (slowdown - 1.0) * min(1.0, io / rest)
-        step = max(io, rest)
-    parts = {"io_s": io, "compute_s": compute, "optimizer_s": optimizer, "copy_s": copies}
-    return Prediction(step_s=step, **parts, serial=not cuda, slowdown=slowdown)
+        slowdown = 1.0
+    optimizer = result.plan.stepped_elements() / step_rate
+    parts = _parts(result, optimizer_s=optimizer, copy_rate=copy_rate)
+    step = sum(part.seconds(cuda=cuda, slowdown=slowdown) for part in parts)
+    copies = result.memory_copied / copy_rate
+    totals = {"io_s": result.io_floor_s, "compute_s": result.compute_floor_s, "optimizer_s": optimizer, "copy_s": copies}
+    return Prediction(step_s=step, **totals, serial=not cuda, slowdown=slowdown, parts=parts)
+
+
+def _parts(result: Estimate, *, optimizer_s: float, copy_rate: float) -> tuple[Part, ...]:
+    """The replay's traffic by part of the step, in seconds. The optimizer's time is split as its
+    elements were stepped (all in the step's own part where none were counted). A step part that
+    steps nothing only issues the next forward's prefetches, which the disk serves while that
+    forward runs: its traffic joins the forward's."""
+    phases = {name: result.phases.get(name, Traffic()) for name in COMPUTE_SHARE}
+    stepped = sum(traffic.stepped for traffic in phases.values())
+    if phases["step"].stepped == 0 and stepped:
+        ahead, forward = phases["step"], phases["forward"]
+        phases["forward"] = Traffic(
+            read=forward.read + ahead.read, written=forward.written + ahead.written,
+            copied=forward.copied + ahead.copied, stepped=forward.stepped,
+        )  # fmt: skip
+        phases["step"] = Traffic()
+    disk, parts = result.disk, []
+    for name, traffic in phases.items():
+        if stepped:
+            optimizer = optimizer_s * traffic.stepped / stepped
+        else:
+            optimizer = optimizer_s if name == "step" else 0.0
+        io = 0.0 if disk is None else traffic.read / disk.read + traffic.written / disk.write
+        parts.append(Part(
+            name=name, io_s=io, compute_s=result.compute_floor_s * COMPUTE_SHARE[name], optimizer_s=optimizer,
+            copy_s=traffic.copied / copy_rate,
+        ))  # fmt: skip
+    return tuple(parts)
 
 
 def measure_copy_rate(nbytes: int | None = None, *, copies: int = 5) -> float:
