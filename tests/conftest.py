@@ -11,6 +11,14 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _session_disk_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The same for what module fixtures run before `_disk_cache` (ranks spawned once for a module's tests)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TIERZERO_CACHE_DIR", str(tmp_path_factory.mktemp("session-cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _disk_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Disk rates remembered by a test (tierzero/placement/disk.py) go to a scratch directory, not ~/.cache."""

@@ -22,6 +22,16 @@ def test_rates_are_remembered_per_directory(tmp_path: Path) -> None:
     assert disk.remembered(b) is None
 
 
+def test_a_directory_that_is_gone_loses_its_entry_at_the_next_write(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    disk.remember(a, read_gbs=2.5, write_gbs=4.0, how="probe")
+    a.rmdir()
+    disk.remember(b, read_gbs=3.0, write_gbs=5.0, how="probe")
+    assert set(json.loads(disk.cache_file().read_text())) == {str(b.resolve())}
+
+
 def test_an_unknown_disk_is_probed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Path] = []
 

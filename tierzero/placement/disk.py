@@ -7,7 +7,8 @@ NVMe tier the engine uses) and remembers that. `streaming(path)` keeps the disk 
 step's swaps do, for what must be measured beside them, and pauses on demand for what must be
 measured alone in between. The cache is one JSON file,
 `$TIERZERO_CACHE_DIR/disks.json` (default `~/.cache/tierzero`), keyed by the directory's
-real path; a file that cannot be read is ignored and rewritten, never trusted.
+real path; a file that cannot be read is ignored and rewritten, never trusted, and a
+directory that is gone loses its entry at the next write.
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def remembered(path: str | os.PathLike[str]) -> DiskRates | None:
 
 
 def remember(path: str | os.PathLike[str], *, read_gbs: float, write_gbs: float, how: str) -> None:
-    """Store `path`'s rates (GB/s) with what measured them and when; the file is replaced whole."""
-    cache = _read_cache()
+    """Store `path`'s rates (GB/s) with what measured them and when; the file is replaced whole,
+    without the entries of directories that no longer exist (a run's scratch swap directory)."""
+    cache = {key: entry for key, entry in _read_cache().items() if os.path.isdir(key)}
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cache[_key(path)] = {
         "read_GBps": read_gbs,
