@@ -47,7 +47,9 @@ from tierzero.placement.disk import streaming
 from tierzero.precision import dtype_of
 from tierzero.slices import Tier
 
-__all__ = ["Part", "Prediction", "measure_block_flops", "measure_compute", "measure_copy_rate", "measure_step_rate", "predict"]
+__all__ = [
+    "Part", "Prediction", "measure_block_flops", "measure_compute", "measure_copy_rate", "measure_step_rate", "predict",
+]
 
 
 #: The share of the step's 6 x parameters x tokens FLOPs each part of it computes: forward 2, backward 4.
@@ -125,9 +127,10 @@ def predict(result: Estimate, *, copy_rate: float, step_rate: float, cuda: bool,
     optimizer = result.plan.stepped_elements() / step_rate
     parts = _parts(result, optimizer_s=optimizer, copy_rate=copy_rate)
     step = sum(part.seconds(cuda=cuda, slowdown=slowdown) for part in parts)
-    copies = result.memory_copied / copy_rate
-    totals = {"io_s": result.io_floor_s, "compute_s": result.compute_floor_s, "optimizer_s": optimizer, "copy_s": copies}
-    return Prediction(step_s=step, **totals, serial=not cuda, slowdown=slowdown, parts=parts)
+    return Prediction(
+        step_s=step, io_s=result.io_floor_s, compute_s=result.compute_floor_s, optimizer_s=optimizer,
+        copy_s=result.memory_copied / copy_rate, serial=not cuda, slowdown=slowdown, parts=parts,
+    )  # fmt: skip
 
 
 def _parts(result: Estimate, *, optimizer_s: float, copy_rate: float) -> tuple[Part, ...]:
