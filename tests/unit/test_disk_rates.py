@@ -76,6 +76,8 @@ def test_a_stream_keeps_the_disk_busy_until_its_block_ends(tmp_path: Path) -> No
         assert stream.rate() > 0  # GB/s written and read back so far
         assert any(t.name == "tierzero-disk-stream" for t in threading.enumerate())
     assert not any(t.name == "tierzero-disk-stream" for t in threading.enumerate())
+    read, write = stream.rates()  # each way over its own time; together, the rate
+    assert read > 0 and write > 0 and stream.rate() == pytest.approx(2 / (1 / read + 1 / write))
     with pytest.raises(ValueError, match="under one 4096-byte block each"):
         with disk.streaming(tmp_path, nbytes=4096):
             pass
@@ -122,8 +124,8 @@ def test_the_slowdown_is_the_mean_of_the_paired_windows(tmp_path: Path, monkeypa
             yield
             Stream.running = True
 
-        def rate(self) -> float:
-            return 3.5
+        def rates(self) -> tuple[float, float]:
+            return 3.5, 7.0
 
     @contextmanager
     def streaming(path: object):  # type: ignore[no-untyped-def]
@@ -144,7 +146,7 @@ def test_the_slowdown_is_the_mean_of_the_paired_windows(tmp_path: Path, monkeypa
     raw = {"model": model, "train": {"micro_batch_size": 2, "seq_len": 32}, "tiers": {"nvme": {"path": str(tmp_path)}}}
     flops, slowdown = prediction.measure_compute(load_config(raw), seconds=0.0, rounds=7)
     assert slowdown == pytest.approx((6 * 1.25 + 4.0) / 7)
-    assert flops.source.endswith("; 1.64x slower beside the disk at 3.5 GB/s")
+    assert flops.source.endswith("; 1.64x slower beside the disk, which read 3.5 GB/s, wrote 7.0")
     block = 6.0 * (4 * 64 * 64 + 4 * 64 + 2 * 64 * 256 + 256 + 64 + 4 * 64) * 2 * 32
     assert flops.read == block / 1.0  # the median of the seven passes alone
 
@@ -159,7 +161,7 @@ def test_the_compute_is_measured_alone_and_beside_the_disk(tmp_path: Path) -> No
     raw = {"model": model, "train": {"micro_batch_size": 2, "seq_len": 32}, "tiers": {"nvme": {"path": str(swap)}}}
     flops, slowdown = measure_compute(load_config(raw))
     assert flops.read > 1e6 and slowdown >= 1.0
-    assert f"{slowdown:.2f}x slower beside the disk at" in flops.source
+    assert f"{slowdown:.2f}x slower beside the disk, which read " in flops.source
     assert "one gpt block's forward and backward at 2x32 tokens" in flops.source
     alone = measure_compute(load_config({**raw, "tiers": {}}))  # no NVMe path: nothing to stream to
     assert alone[1] == 1.0 and "beside the disk" not in alone[0].source

@@ -129,7 +129,7 @@ class DiskStream:
         self._each_way = sum(buf.numel() for buf in buffers)
         self._changed = threading.Condition()
         self._wanted, self._stopping, self._idle = True, False, False
-        self._moved, self._busy_s = 0, 0.0
+        self._passes, self._busy_s = 0, {"write": 0.0, "read": 0.0}
         self.failed: Exception | None = None
         self._thread = threading.Thread(target=self._stream, name="tierzero-disk-stream", daemon=True)
         self._thread.start()
@@ -137,7 +137,16 @@ class DiskStream:
     def rate(self) -> float:
         """GB/s written and read back while it streamed (0.0 before its first pass ends)."""
         with self._changed:
-            return self._moved / self._busy_s / 1e9 if self._busy_s else 0.0
+            busy = sum(self._busy_s.values())
+            return 2 * self._passes * self._each_way / busy / 1e9 if busy else 0.0
+
+    def rates(self) -> tuple[float, float]:
+        """(read, write) GB/s while it streamed, each over its own time: the disk as a step finds it
+        beside whatever else runs ((0.0, 0.0) before its first pass ends)."""
+        with self._changed:
+            moved = self._passes * self._each_way / 1e9
+            read, write = self._busy_s["read"], self._busy_s["write"]
+            return (moved / read if read else 0.0, moved / write if write else 0.0)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -155,12 +164,15 @@ class DiskStream:
     def _stream(self) -> None:
         try:
             while True:  # one pass at least, however short the block
-                began = time.perf_counter()
-                for submit, regions, buffers in self._moves:
+                took = {}
+                for way, (submit, regions, buffers) in zip(("write", "read"), self._moves):
+                    began = time.perf_counter()
                     timed_moves(submit, regions, buffers)
+                    took[way] = time.perf_counter() - began
                 with self._changed:
-                    self._moved += 2 * self._each_way
-                    self._busy_s += time.perf_counter() - began
+                    self._passes += 1
+                    for way, seconds in took.items():
+                        self._busy_s[way] += seconds
                     self._idle = True
                     self._changed.notify_all()
                     self._changed.wait_for(lambda: self._wanted or self._stopping)

@@ -249,9 +249,10 @@ def measure_compute(cfg: Config, *, seconds: float = 2.0, rounds: int = 12) -> t
             busy = block.passes(window, at_least=1)
             alone += quiet
             ratios.append(statistics.median(busy) / statistics.median(quiet))
-        gbs = stream.rate()
+        read, write = stream.rates()
     quiet_rate, slowdown = block.rate(alone), max(1.0, statistics.mean(ratios))
-    source = f"{quiet_rate.source}; {slowdown:.2f}x slower beside the disk at {gbs:.1f} GB/s"
+    beside = f"{slowdown:.2f}x slower beside the disk, which read {read:.1f} GB/s, wrote {write:.1f}"
+    source = f"{quiet_rate.source}; {beside}"
     return Bandwidth(read=quiet_rate.read, write=quiet_rate.write, source=source), slowdown
 
 
