@@ -73,11 +73,10 @@ def test_a_stream_keeps_the_disk_busy_until_its_block_ends(tmp_path: Path) -> No
 
     with disk.streaming(tmp_path, nbytes=4 << 20) as stream:
         time.sleep(0.3)
-        assert stream.rate() > 0  # GB/s written and read back so far
+        read, write = stream.rates()  # GB/s read and written so far, each over its own time
+        assert read > 0 and write > 0
         assert any(t.name == "tierzero-disk-stream" for t in threading.enumerate())
     assert not any(t.name == "tierzero-disk-stream" for t in threading.enumerate())
-    read, write = stream.rates()  # each way over its own time; together, the rate
-    assert read > 0 and write > 0 and stream.rate() == pytest.approx(2 / (1 / read + 1 / write))
     with pytest.raises(ValueError, match="under one 4096-byte block each"):
         with disk.streaming(tmp_path, nbytes=4096):
             pass

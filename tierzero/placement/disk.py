@@ -134,12 +134,6 @@ class DiskStream:
         self._thread = threading.Thread(target=self._stream, name="tierzero-disk-stream", daemon=True)
         self._thread.start()
 
-    def rate(self) -> float:
-        """GB/s written and read back while it streamed (0.0 before its first pass ends)."""
-        with self._changed:
-            busy = sum(self._busy_s.values())
-            return 2 * self._passes * self._each_way / busy / 1e9 if busy else 0.0
-
     def rates(self) -> tuple[float, float]:
         """(read, write) GB/s while it streamed, each over its own time: the disk as a step finds it
         beside whatever else runs ((0.0, 0.0) before its first pass ends)."""
