@@ -68,18 +68,18 @@ class Part:
 
     def seconds(self, *, cuda: bool, slowdown: float) -> float:
         """The part's time: its disk beside the rest (see the module note)."""
-        if cuda:
-            return max(self.io_s, self.compute_s, self.optimizer_s, self.copy_s)
-        rest = self.compute_s + self.optimizer_s + self.copy_s
-        if rest > 0:
+        rest = self._rest(cuda=cuda)
+        if not cuda and rest > 0:
             rest *= 1.0 + (slowdown - 1.0) * min(1.0, self.io_s / rest)
         return max(self.io_s, rest)
 
     def bound(self, *, cuda: bool) -> str:
-        rest = max(self.compute_s, self.optimizer_s, self.copy_s) if cuda else (
-            self.compute_s + self.optimizer_s + self.copy_s
-        )
-        return "disk" if self.io_s > rest else "compute"
+        return "disk" if self.io_s > self._rest(cuda=cuda) else "compute"
+
+    def _rest(self, *, cuda: bool) -> float:
+        """What runs beside the disk: overlapped with a GPU, one after the other on the host's cores."""
+        work = (self.compute_s, self.optimizer_s, self.copy_s)
+        return max(work) if cuda else sum(work)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
