@@ -8,7 +8,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["micro_step"]
+__all__ = ["PARTS", "micro_step"]
+
+PARTS = ("forward", "backward", "step")
+"""The parts of a micro-step `micro_step`'s `mark` hears begin, in order."""
 
 
 def micro_step(
@@ -17,8 +20,8 @@ def micro_step(
     """Forward, loss, backward and `engine.step()` on one micro-batch; the detached loss.
 
     `tierzero estimate` runs the same function on the meta device, so what it predicts
-    is what this loop does; `mark` hears each part begin ("forward", "backward", "step"),
-    which the estimate counts traffic by.
+    is what this loop does; `mark` hears each of its `PARTS` begin, which the estimate
+    counts traffic by.
     """
     mark = mark or _unmarked
     mark("forward")

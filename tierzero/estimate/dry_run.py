@@ -28,7 +28,7 @@ from tierzero.dist import DistContext
 from tierzero.engine import Engine
 from tierzero.estimate.counting import CountingStore, Traffic
 from tierzero.mesh import build_mesh
-from tierzero.micro_step import micro_step
+from tierzero.micro_step import PARTS, micro_step
 from tierzero.models import build_model, count_parameters
 from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.plan import Homes, SlicePlan
@@ -181,16 +181,12 @@ def _replay(cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_
             store.mark("backward")
             store.copied(store.kind_bytes().get(Kind.GRAD, 0) * cfg.gradient_accumulation_steps)
         run.read, run.written, run.copied = store.nvme_read, store.nvme_written, store.memory_copied
-        run.phases = {phase: store.by_phase.get(phase, Traffic()) for phase in _PHASES}
+        run.phases = {phase: store.by_phase.get(phase, Traffic()) for phase in PARTS}
         run.by_slice = {key: (read, written) for key, (read, written) in store.by_slice.items()}
         run.comm = engine.comm_report(per_group=True)
     finally:
         engine.close()
     return run, engine
-
-
-_PHASES = ("forward", "backward", "step")
-"""`micro_step`'s marks, in the order a step runs them."""
 
 
 def _step(engine: Engine, cfg: Config, *, mark: Callable[[str], None]) -> None:

@@ -41,6 +41,7 @@ from torch import nn
 from tierzero.config import Config
 from tierzero.estimate.counting import Traffic
 from tierzero.estimate.estimator import Bandwidth, Estimate, measure_flops
+from tierzero.micro_step import PARTS
 from tierzero.models import BUILT_IN, spec_from_config
 from tierzero.optim import make_optimizer
 from tierzero.placement.disk import streaming
@@ -52,7 +53,7 @@ __all__ = [
 ]
 
 
-#: The share of the step's 6 x parameters x tokens FLOPs each part of it computes: forward 2, backward 4.
+#: The share of the step's 6 x parameters x tokens FLOPs each of its `PARTS` computes: forward 2, backward 4.
 COMPUTE_SHARE = {"forward": 1 / 3, "backward": 2 / 3, "step": 0.0}
 
 
@@ -138,7 +139,7 @@ def _parts(result: Estimate, *, optimizer_s: float, copy_rate: float) -> tuple[P
     elements were stepped (all in the step's own part where none were counted). A step part that
     steps nothing only issues the next forward's prefetches, which the disk serves while that
     forward runs: its traffic joins the forward's."""
-    phases = {name: result.phases.get(name, Traffic()) for name in COMPUTE_SHARE}
+    phases = {name: result.phases.get(name, Traffic()) for name in PARTS}
     stepped = sum(traffic.stepped for traffic in phases.values())
     if phases["step"].stepped == 0 and stepped:
         ahead, forward = phases["step"], phases["forward"]
