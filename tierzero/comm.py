@@ -44,7 +44,7 @@ gloo and NCCL. Older torch has only the older names.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -228,7 +228,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, *, comm: CommGroup, as
 def all_gather_many(
     outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], *, comm: CommGroup, async_op: bool = False
 ) -> Pending:
-    """`all_gather` of each (output, shard) pair, as one exchange per peer on gloo.
+    """`all_gather` of each (output, shard) pair, as one exchange per peer and dtype on gloo.
 
     Several small buffers cost one message's latency instead of one each; the shards
     are packed into one send and the received pieces unpacked on `wait()`.
@@ -239,6 +239,10 @@ def all_gather_many(
                 f"all_gather output holds {output.numel()} elements, expected "
                 f"{comm.world_size} x {shard.numel()}: size the output as world_size x shard"
             )
+    if len(groups := _dtype_groups(shards)) > 1:
+        return _joined(
+            all_gather_many([outputs[i] for i in g], [shards[i] for i in g], comm=comm, async_op=async_op) for g in groups
+        )
     if _done_locally(comm, Collective.ALL_GATHER, outputs, shards, counted=outputs):
         return Pending()
     if not is_direct(comm):
@@ -277,8 +281,13 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, *, comm: CommGroup,
 def reduce_scatter_many(
     outputs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor], *, comm: CommGroup, async_op: bool = False
 ) -> Pending:
-    """`reduce_scatter` of each (output, full) pair, as one exchange per peer on gloo."""
+    """`reduce_scatter` of each (output, full) pair, as one exchange per peer and dtype on gloo."""
     check_scatter(outputs, fulls, comm=comm)
+    if len(groups := _dtype_groups(fulls)) > 1:
+        return _joined(
+            reduce_scatter_many([outputs[i] for i in g], [fulls[i] for i in g], comm=comm, async_op=async_op)
+            for g in groups
+        )
     if _done_locally(comm, Collective.REDUCE_SCATTER, outputs, fulls, counted=fulls):
         return Pending()
     if not is_direct(comm):
@@ -292,6 +301,26 @@ def reduce_scatter_many(
             add_in_order(scattered.terms(i), out=output)
 
     return settle(Pending(scattered.works, finish, keep=scattered.sends), async_op=async_op)
+
+
+def _dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of `tensors` by dtype, dtypes in first-seen order (the same on every rank): one
+    packed exchange moves one dtype (units of `precision.autocast` mix bf16 and fp32)."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
+
+
+def _joined(parts: Iterable[Pending]) -> Pending:
+    """One handle over several collectives started already."""
+    started = list(parts)
+
+    def finish() -> None:
+        for pending in started:
+            pending.wait()
+
+    return Pending(finish=finish)
 
 
 def check_scatter(outputs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor], *, comm: CommGroup) -> None:

@@ -8,7 +8,16 @@ import pytest
 import torch
 from harness import run_ranks
 
-from tierzero.comm import Collective, CommCounter, CommGroup, all_gather, all_reduce, reduce_scatter
+from tierzero.comm import (
+    Collective,
+    CommCounter,
+    CommGroup,
+    all_gather,
+    all_gather_many,
+    all_reduce,
+    reduce_scatter,
+    reduce_scatter_many,
+)
 
 
 def _job(rank: int, world_size: int, _: Any) -> dict[str, Any]:
@@ -86,8 +95,6 @@ def test_collectives_in_flight_together_keep_their_pieces_apart(world_size: int)
 
 def _many_job(rank: int, world_size: int, _: Any) -> dict[str, Any]:
     """Buffers of different sizes reduced and gathered in one exchange, against one call each."""
-    from tierzero.comm import all_gather_many, reduce_scatter_many
-
     comm = CommGroup.from_default_group(counter=CommCounter())
     fulls = [torch.randn(n * world_size, generator=torch.Generator().manual_seed(rank * 10 + n)) for n in (1, 4, 7)]
     together = [torch.empty(n) for n in (1, 4, 7)]
@@ -122,3 +129,28 @@ def test_many_buffers_in_one_exchange(world_size: int) -> None:
             assert torch.equal(gathered, torch.cat([torch.full((n,), float(r * 100 + n)) for r in range(world_size)]))
         assert out["one_exchange"] == 1
         assert out["calls"] == 4  # counted per buffer: three in one exchange, then one
+
+
+def _mixed_dtypes_job(rank: int, world_size: int, _: Any) -> dict[str, Any]:
+    comm = CommGroup.from_default_group(counter=CommCounter())
+    dtypes = (torch.bfloat16, torch.float32, torch.bfloat16)  # autocast's units: bf16, their fp32 norms, bf16
+    fulls = [torch.arange(n * world_size, dtype=torch.float32).to(d) * (rank + 1) + 0.25 for n, d in zip((2, 3, 4), dtypes)]
+    parts = [torch.empty(n, dtype=d) for n, d in zip((2, 3, 4), dtypes)]
+    reduce_scatter_many(parts, fulls, comm=comm, async_op=True).wait()
+    shards = [torch.full((n,), rank + 1.5, dtype=d) for n, d in zip((2, 3, 4), dtypes)]
+    gathered = [torch.empty(n * world_size, dtype=d) for n, d in zip((2, 3, 4), dtypes)]
+    all_gather_many(gathered, shards, comm=comm, async_op=True).wait()
+    return {"parts": parts, "gathered": gathered}
+
+
+def test_many_buffers_of_two_dtypes_keep_each_its_own() -> None:
+    """One exchange moves one dtype: the bf16 buffers go together, the fp32 one apart."""
+    world_size = 2
+    results = run_ranks(_mixed_dtypes_job, world_size=world_size)
+    dtypes = (torch.bfloat16, torch.float32, torch.bfloat16)
+    for rank, out in enumerate(results):
+        for n, d, part in zip((2, 3, 4), dtypes, out["parts"]):
+            terms = [torch.arange(n * world_size, dtype=torch.float32).to(d) * (r + 1) + 0.25 for r in range(world_size)]
+            assert part.dtype == d and torch.equal(part, (terms[0] + terms[1])[rank * n : (rank + 1) * n])
+        for n, d, gathered in zip((2, 3, 4), dtypes, out["gathered"]):
+            assert torch.equal(gathered, torch.cat([torch.full((n,), r + 1.5, dtype=d) for r in range(world_size)]))
