@@ -33,7 +33,7 @@ from torch.distributed._composable import checkpoint
 
 from tierzero.slices import Kind, Tier
 from tierzero.store.protocol import SliceStore
-from tierzero.units import FROZEN_SUFFIX, ROOT, Unit
+from tierzero.units import ROOT, Unit, module_name
 
 __all__ = ["SavedActivations", "checkpoint_units", "recomputing"]
 
@@ -53,13 +53,12 @@ def checkpoint_units(units: Sequence[Unit], every: int) -> list[str]:
         return []
     blocks: list[Unit] = []
     for unit in units:
-        name = unit.name.removesuffix(FROZEN_SUFFIX)
-        if name != ROOT and all(unit.module is not b.module for b in blocks):
+        if module_name(unit) != ROOT and all(unit.module is not b.module for b in blocks):
             blocks.append(unit)
     chosen = blocks[::every]
     for unit in chosen:
         checkpoint(unit.module)
-    return [unit.name.removesuffix(FROZEN_SUFFIX) for unit in chosen]
+    return [module_name(unit) for unit in chosen]
 
 
 @dataclass(eq=False, slots=True, weakref_slot=True)

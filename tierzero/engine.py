@@ -27,7 +27,7 @@ from tierzero.materialize import flat_fp32, has_meta, materialize_rest, material
 from tierzero.mesh import Mesh, build_mesh, launcher_topology
 from tierzero.offload.host_heap import keep_freed_memory
 from tierzero.optim import make_optimizer
-from tierzero.precision import dtype_of, make_loss_scaler
+from tierzero.precision import autocast, dtype_of, make_loss_scaler, reads_fp32_under_autocast
 from tierzero.prefetch import Prefetcher
 from tierzero.pretrained import PretrainedWeights
 from tierzero.schedule import Schedule
@@ -101,7 +101,7 @@ class Engine:
         rules = GroupRules.from_config(cfg.optimizer)
         self.units = plan_units(
             model, world_size=self.comm.world_size, unit_classes=list(cfg.zero.unit_classes), group_of=rules.group_of,
-            quant_block=cfg.zero.quant_block,
+            quant_block=cfg.zero.quant_block, keep_fp32=reads_fp32_under_autocast if cfg.precision.autocast else None,
         )  # fmt: skip
         stage_class = STAGES[cfg.zero.stage]
         optimizer = make_optimizer(cfg.optimizer, rules.groups)
@@ -219,7 +219,7 @@ class Engine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._require_open("a forward")
-        with self.stage.forward_context():
+        with self.stage.forward_context(), autocast(self._ctx.device, self.cfg.precision):
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:

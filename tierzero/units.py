@@ -20,6 +20,11 @@ of their own: each wrapped module's (and the root's) frozen parameters form the 
 `<name>:frozen`, which keeps only its parameters (no gradient, no optimizer state), is
 gathered with its module's trained unit and released after its backward. Frozen units come
 after all trained ones, so a model's trained units are numbered the same with or without them.
+
+Under `precision.autocast` the parameters autocast would read in fp32 (all but the weights
+and biases of the layers whose op it lowers: `nn.Linear`, convolutions) stay fp32 in units
+of their own, `<name>:fp32` (`<name>:fp32:frozen` for frozen ones), gathered with their
+module's other units ([Note: autocast's fp32 parameters] in tierzero/precision.py).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from tierzero.slices import IO_ALIGNMENT, align_up
 ROOT = "root"
 #: Appended to a module's unit name to name the unit of its frozen parameters.
 FROZEN_SUFFIX = ":frozen"
+#: Appended to a module's unit name to name the unit of its parameters kept in fp32 (`precision.autocast`).
+FP32_SUFFIX = ":fp32"
 #: Elements per alignment step: a 2-byte slice of this many elements is one I/O block.
 DEFAULT_ALIGN_NUMEL = IO_ALIGNMENT // 2
 
@@ -86,6 +93,9 @@ class Unit:
     world_size: int
     trainable: bool = True
     """False for a unit of frozen parameters: it has no gradient and no optimizer state."""
+    dtype: torch.dtype | None = None
+    """The dtype its parameters are gathered and computed in: None for the engine's
+    `precision.param_dtype`; fp32 for the parameters autocast reads in fp32."""
     state: UnitState = UnitState.SHARDED
     gathered: torch.Tensor | None = field(default=None, repr=False)
     """The full parameter buffer while GATHERED (stage 3) or from forward to step (stages 1, 2)."""
@@ -118,9 +128,14 @@ class Unit:
         return out
 
 
+def module_name(unit: Unit) -> str:
+    """The name of the wrapped module (or ROOT) whose parameters the unit holds, without suffixes."""
+    return unit.name.partition(":")[0]
+
+
 def is_root(unit: Unit) -> bool:
-    """The root unit or its frozen companion: gathered all through forward and backward (stage 3)."""
-    return unit.name.removesuffix(FROZEN_SUFFIX) == ROOT
+    """The root unit or one of its companions: gathered all through forward and backward (stage 3)."""
+    return module_name(unit) == ROOT
 
 
 def plan_units(
@@ -131,12 +146,16 @@ def plan_units(
     align_numel: int = DEFAULT_ALIGN_NUMEL,
     quant_block: int = 1,
     group_of: Callable[[Binding], int] | None = None,
+    keep_fp32: Callable[[list[Binding]], bool] | None = None,
 ) -> list[Unit]:
-    """The model's units: wrapped blocks in module order, the root, then the frozen units in the same order.
+    """The model's units: wrapped blocks in module order, the root, then the fp32 units and the
+    frozen units, each in the same order.
 
     Every shard is a multiple of `align_numel` and of `quant_block` (qwZ / qgZ's block; 1: none).
     `group_of(binding)` gives each trained parameter its optimizer group (default 0), from
-    its first binding. Raises ValueError when `unit_classes` names a class the model does not contain.
+    its first binding. `keep_fp32(bindings)` picks the parameters kept in fp32 units
+    (`precision.autocast`: `reads_fp32_under_autocast`). Raises ValueError when `unit_classes`
+    names a class the model does not contain.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -146,25 +165,28 @@ def plan_units(
     bindings = _bindings_by_param(model)
 
     owners = [*wrapped, ROOT]
-    trained: dict[str, list[tuple[nn.Parameter, list[Binding]]]] = {name: [] for name in owners}
-    frozen: dict[str, list[tuple[nn.Parameter, list[Binding]]]] = {name: [] for name in owners}
+    # (trained, kept in fp32) -> owner -> its parameters
+    parts: dict[tuple[bool, bool], dict[str, list[tuple[nn.Parameter, list[Binding]]]]] = {
+        (trained, fp32): {name: [] for name in owners} for trained in (True, False) for fp32 in (False, True)
+    }
     for param, binds in bindings:
         found = {unit_of_module[b.name.rpartition(".")[0]] for b in binds}
         owner = found.pop() if len(found) == 1 else ROOT
-        (trained if param.requires_grad else frozen)[owner].append((param, binds))
+        fp32 = keep_fp32 is not None and keep_fp32(binds)
+        parts[param.requires_grad, fp32][owner].append((param, binds))
 
     modules = {**wrapped, ROOT: model}
     units = []
-    for name, params in trained.items():
-        if params:
-            groups = [0 if group_of is None else group_of(binds[0]) for _, binds in params]
-            units.append(_make_unit(name, modules[name], params, groups, world_size=world_size, align_numel=align_numel))
-    for name, params in frozen.items():
-        if params:
+    for (trained, fp32), by_owner in parts.items():
+        suffix = (FP32_SUFFIX if fp32 else "") + ("" if trained else FROZEN_SUFFIX)
+        for name, params in by_owner.items():
+            if not params:
+                continue
+            groups = [0 if group_of is None or not trained else group_of(binds[0]) for _, binds in params]
             units.append(
                 _make_unit(
-                    name + FROZEN_SUFFIX, modules[name], params, [0] * len(params),
-                    world_size=world_size, align_numel=align_numel, trainable=False,
+                    name + suffix, modules[name], params, groups, world_size=world_size, align_numel=align_numel,
+                    trainable=trained, dtype=torch.float32 if fp32 else None,
                 )
             )  # fmt: skip
     return units
@@ -229,6 +251,7 @@ def _make_unit(
     world_size: int,
     align_numel: int,
     trainable: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> Unit:
     slots, offset = [], 0
     for (param, binds), group in zip(params, groups, strict=True):
@@ -247,4 +270,5 @@ def _make_unit(
         padded_numel=padded,
         world_size=world_size,
         trainable=trainable,
+        dtype=dtype,
     )

@@ -185,6 +185,10 @@ BAD_CONFIGS = [
     ({"precision": {"param_dtype": "fp8"}}, "precision.param_dtype: expected one of fp32, bf16, fp16, got 'fp8'"),
     ({"precision": {"min_scale": 131072}},
      "precision.min_scale 131072 is above precision.initial_scale 65536: lower min_scale or raise initial_scale"),
+    ({"precision": {"autocast": True}},
+     "precision.autocast needs a lower compute dtype than fp32: set precision.param_dtype to bf16 (or fp16), "
+     "or drop precision.autocast"),
+    ({"precision": {"param_dtype": "bf16", "autocast": "yes"}}, "precision.autocast: expected true or false, got 'yes'"),
     ({"optimizer": {"type": "lamb"}}, "optimizer.type: expected one of adamw, adam, sgd, got 'lamb'"),
     ({"optimizer": {"betas": [0.9]}}, "optimizer.betas: expected two numbers in [0, 1) such as [0.9, 0.999], got [0.9]"),
     ({"optimizer": {"betas": [0.9, 1.0]}}, "optimizer.betas: expected two numbers in [0, 1) such as [0.9, 0.999], got [0.9, 1.0]"),

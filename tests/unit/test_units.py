@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from tierzero.units import DEFAULT_ALIGN_NUMEL, ROOT, UnitState, plan_units
+from tierzero.precision import reads_fp32_under_autocast
+from tierzero.units import DEFAULT_ALIGN_NUMEL, ROOT, UnitState, is_root, module_name, plan_units
 
 
 class Block(nn.Module):
@@ -131,3 +132,22 @@ def test_frozen_parameters_form_units_of_their_own_after_the_trained_ones() -> N
     assert not by_name["root:frozen"].trainable and by_name["root"].trainable
     assert by_name["blocks.1:frozen"].module is by_name["blocks.1"].module
     assert by_name["blocks.1:frozen"].padded_numel % (2 * DEFAULT_ALIGN_NUMEL) == 0
+
+
+def test_autocast_keeps_what_it_reads_in_fp32_in_units_of_their_own() -> None:
+    """Linear weights and biases stay in the compute dtype; the embedding (tied to a Linear
+    head), a norm and a frozen norm go to `:fp32` units, numbered after the trained ones."""
+    model = TinyLM(width=8, layers=2)
+    for block in model.blocks:
+        block.norm = nn.LayerNorm(8)  # type: ignore[assignment]
+    model.blocks[1].norm.bias.requires_grad_(False)
+    units = plan_units(model, world_size=1, align_numel=4, keep_fp32=reads_fp32_under_autocast)
+    names = {u.name: ([s.name for s in u.slots], u.dtype, u.trainable) for u in units}
+    assert list(names) == ["blocks.0", "blocks.1", ROOT, "blocks.0:fp32", "blocks.1:fp32", "root:fp32", "blocks.1:fp32:frozen"]
+    assert names["blocks.0"] == (["blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.0.out.weight"], None, True)
+    assert names["blocks.0:fp32"] == (["blocks.0.norm.weight", "blocks.0.norm.bias"], torch.float32, True)
+    assert names["blocks.1:fp32:frozen"] == (["blocks.1.norm.bias"], torch.float32, False)
+    assert names["root:fp32"] == (["embed.weight"], torch.float32, True)  # also lm_head.weight
+    assert names[ROOT] == (["heads.0.weight", "heads.0.bias"], None, True)
+    assert {u.module for u in units if u.name.startswith("blocks.1")} == {model.blocks[1]}
+    assert all(module_name(u) == ROOT for u in units if is_root(u)) and sum(map(is_root, units)) == 2

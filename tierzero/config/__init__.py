@@ -1,7 +1,7 @@
 """The typed config.
 
 The sections (sections.py; the model's in model.py, the optimizer's and scheduler's in
-optim.py, the data's in data.py) under one root with its cross-section
+optim.py, the data's in data.py, the precision's in precision.py) under one root with its cross-section
 rules (schema.py), built from files, dicts and DeepSpeed configs by `load_config`
 (loading.py, deepspeed.py), the files read within bounds (reading.py); field checks
 (checks.py) and the tree machinery (tree.py) beneath them; docs/config.md rendered by
@@ -15,6 +15,7 @@ from tierzero.config.loading import load_config
 from tierzero.config.markdown import config_markdown
 from tierzero.config.model import ModelConfig
 from tierzero.config.optim import OptimizerConfig, SchedulerConfig
+from tierzero.config.precision import PrecisionConfig
 from tierzero.config.schema import Config
 from tierzero.config.sections import (
     ActivationsConfig,
@@ -24,7 +25,6 @@ from tierzero.config.sections import (
     DistConfig,
     NvmeTierConfig,
     OffloadConfig,
-    PrecisionConfig,
     PrefetchConfig,
     SwapperConfig,
     TiersConfig,

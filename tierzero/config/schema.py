@@ -14,12 +14,12 @@ from tierzero.config.data import DataConfig
 from tierzero.config.errors import ConfigError
 from tierzero.config.model import ModelConfig
 from tierzero.config.optim import OptimizerConfig, SchedulerConfig
+from tierzero.config.precision import PrecisionConfig
 from tierzero.config.sections import (
     ActivationsConfig,
     CheckpointConfig,
     DistConfig,
     OffloadConfig,
-    PrecisionConfig,
     PrefetchConfig,
     SwapperConfig,
     TiersConfig,

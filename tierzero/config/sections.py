@@ -12,17 +12,14 @@ import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from tierzero.config.checks import (
     AUTO,
     BOOL,
     DIRECTORY,
-    FLOAT32_MAX,
-    LOSS_SCALE,
     NAMES,
     TIER_OR_AUTO,
-    Check,
     GiB,
     MiB,
     TiB,
@@ -37,9 +34,6 @@ from tierzero.config.tree import Section, section, setting
 from tierzero.sizes import format_size
 from tierzero.slices import IO_ALIGNMENT, Tier
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-"""Bytes per element of each `precision.param_dtype`."""
-
 STAGE = dataclasses.replace(
     int_check(1, 3), refusal="{key} is {got}, this engine runs stages 1, 2 and 3: set {key} to 1, 2 or 3"
 )
@@ -49,14 +43,6 @@ MAX_CAPACITY = 1 << 50
 """The limit of a tier capacity: 1 PiB."""
 MAX_HOST_BUFFERS = 64 * GiB
 """The limit of host memory in a pool of equal buffers (NVMe bounce blocks, swapper staging)."""
-
-
-OPTIONAL_DTYPE = Check(
-    f"one of {', '.join(DTYPE_BYTES)} (or null)",
-    " \\| ".join(DTYPE_BYTES) + " \\| null",
-    lambda value: None if value is None else choice_check(tuple(DTYPE_BYTES)).convert(value),
-)
-"""`precision.reduce_dtype`: a compute dtype, or null for the param_dtype."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -157,47 +143,6 @@ class ZeroConfig(Section):
                 f"({self.shard_group_size}): hybrid sharding already gathers inside its groups; set one of them to 0",
                 key="zero.hpz_partition_size",
             )
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class PrecisionConfig(Section):
-    """Compute dtype and fp16 loss scaling. Master weights and optimizer states are always fp32."""
-
-    SECTION: ClassVar[str] = "precision"
-    param_dtype: str = setting("fp32", choice_check(tuple(DTYPE_BYTES)))
-    """dtype of parameters and gradients in forward and backward."""
-    reduce_dtype: str | None = setting(None, OPTIONAL_DTYPE)
-    """dtype gradients are reduced across ranks, accumulated and kept in until the step (null: the
-    param_dtype). fp32 with bf16 parameters reduces bf16 gradients without bf16 rounding in the
-    sums, as FSDP's MixedPrecisionPolicy(reduce_dtype=torch.float32) does; the GRAD slices then
-    take 4 bytes a parameter."""
-    loss_scale: str | float = setting("dynamic", LOSS_SCALE)
-    """fp16 only: 'dynamic' (halve on overflow, grow after scale_window clean steps) or a fixed
-    positive scale."""
-    initial_scale: float = setting(2.0**16, float_check(lo=0.0, lo_open=True, limit=FLOAT32_MAX))
-    """Starting dynamic loss scale."""
-    scale_window: int = setting(1000, int_check(1))
-    """Steps without overflow before the dynamic scale doubles."""
-    min_scale: float = setting(1.0, float_check(lo=0.0, lo_open=True, limit=FLOAT32_MAX))
-    """The dynamic scale never drops below this."""
-
-    def _validate(self) -> None:
-        if self.min_scale > self.initial_scale:
-            raise ConfigError(
-                f"precision.min_scale {self.min_scale:g} is above precision.initial_scale "
-                f"{self.initial_scale:g}: lower min_scale or raise initial_scale",
-                key="precision.min_scale",
-            )
-
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.param_dtype]
-
-    @property
-    def torch_dtype(self) -> Any:
-        import torch
-
-        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.param_dtype]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -67,7 +67,6 @@ class Stage(GradLanding, ABC):
         """Books (or offloads) what autograd saves in forward; None: nothing counted (tierzero/activations.py)."""
         self.last_micro_step = True
         """Set by the engine before each backward: this micro-step ends an accumulation window."""
-        self.mixed = param_dtype != torch.float32
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self.last_step_report: PipelineReport | None = None
         """What the last optimizer step's pipeline did (resident groups, seconds waiting on reads)."""
@@ -164,6 +163,14 @@ class Stage(GradLanding, ABC):
         """Whether the step leaves the unit's used GRAD slice home unzeroed (`Unit.grads_stale`): an
         NVMe home, which the reduce reaches through `slice` only (stages 2 and 3)."""
         return self.shards_grads and self.plan.home(unit, Kind.GRAD) is Tier.NVME
+
+    def dtype_of(self, unit: Unit) -> torch.dtype:
+        """The dtype the unit's parameters are gathered and computed in (`Unit.dtype`)."""
+        return unit.dtype or self.param_dtype
+
+    def mixed(self, unit: Unit) -> bool:
+        """Whether the unit computes below fp32, from an fp32 MASTER slice of its own."""
+        return self.dtype_of(unit) != torch.float32
 
     def scratch(self, unit: Unit, numel: int, dtype: torch.dtype, *, kind: Kind = Kind.GATHERED) -> torch.Tensor:
         """Device memory for the unit's full parameters (GATHERED) or gradients in flight (GRAD)."""
@@ -308,7 +315,7 @@ class Stage(GradLanding, ABC):
         The slice is MASTER in mixed precision; in fp32 the PARAM slice is its own master
         (the owned range of the full PARAM buffer in stages 1 and 2).
         """
-        kind = Kind.MASTER if self.mixed else Kind.PARAM
+        kind = Kind.MASTER if self.mixed(unit) else Kind.PARAM
         with self.slice(unit, kind, write=write) as fetched:
             master = fetched
             if kind is Kind.PARAM and not self.shards_params:

@@ -86,9 +86,12 @@ class GradBuckets:
     def add(self, unit: Unit, grads: list[torch.Tensor], *, final: bool) -> None:
         """Flatten `grads` into scratch and queue the unit's reduce-scatter."""
         stage = self._stage
-        full = stage.scratch(unit, unit.padded_numel, stage.plan.grad_dtype, kind=Kind.GRAD)
+        dtype = stage.plan.dtype(unit.name, Kind.GRAD)
+        if self._unsent and self._unsent[0].full.dtype != dtype:
+            self._send()  # one collective moves one dtype
+        full = stage.scratch(unit, unit.padded_numel, dtype, kind=Kind.GRAD)
         unit.flatten(grads, out=full)
-        part = stage.scratch(unit, unit.shard_numel, stage.plan.grad_dtype, kind=Kind.GRAD)
+        part = stage.scratch(unit, unit.shard_numel, dtype, kind=Kind.GRAD)
         self._unsent.append(_GradReduce(unit=unit, full=full, part=part, final=final))
         if sum(job.full.nbytes for job in self._unsent) >= self._bucket_bytes:
             self._send()

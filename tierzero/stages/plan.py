@@ -94,11 +94,13 @@ class SlicePlan:
     """Each unit's slices on this rank, by unit name, in unit order."""
 
     specs: dict[str, tuple[SliceSpec, ...]]
-    grad_dtype: torch.dtype
-    """The dtype gradients are reduced and kept in (`precision.reduce_dtype`)."""
 
     def of(self, unit: Unit) -> tuple[SliceSpec, ...]:
         return self.specs[unit.name]
+
+    def dtype(self, unit: str, kind: Kind) -> torch.dtype:
+        """The dtype of `unit`'s slice of `kind` (each unit has its own: see `plan_slices`)."""
+        return next(spec.dtype for spec in self.specs[unit] if spec.kind is kind)
 
     def home(self, unit: str, kind: Kind) -> Tier | None:
         """Where `unit`'s slice of `kind` lives; None when the unit keeps none (a frozen unit's grads)."""
@@ -151,25 +153,27 @@ def plan_slices(
     states, each sharded, each at its kind's home. A frozen unit keeps its PARAM slice only:
     in the compute dtype, with no fp32 copy, since nothing steps it. With `secondary_parts`
     (hpZ), every unit also keeps a SECONDARY slice, 1/secondary_parts of its parameters in
-    the compute dtype, at the parameters' home."""
+    the compute dtype, at the parameters' home. A unit with a dtype of its own (`Unit.dtype`:
+    fp32 under `precision.autocast`) computes in it and keeps its gradients in fp32 too."""
     grad_dtype = grad_dtype or param_dtype
-    mixed = param_dtype != torch.float32
     specs = {}
     for unit in units:
+        dtype = unit.dtype or param_dtype
+        mixed = dtype != torch.float32
         shard = unit.shard_numel
         home = partial(homes.of, unit.name)
         params = shard if shards_params else unit.padded_numel
-        unit_specs = [SliceSpec(Kind.PARAM, params, param_dtype, home(Kind.PARAM))]
+        unit_specs = [SliceSpec(Kind.PARAM, params, dtype, home(Kind.PARAM))]
         if secondary_parts:
             part = unit.padded_numel // secondary_parts
-            unit_specs.append(SliceSpec(Kind.SECONDARY, part, param_dtype, home(Kind.SECONDARY)))
+            unit_specs.append(SliceSpec(Kind.SECONDARY, part, dtype, home(Kind.SECONDARY)))
         if not unit.trainable:
             specs[unit.name] = tuple(unit_specs)
             continue
         grads = shard if shards_grads else unit.padded_numel
-        unit_specs.append(SliceSpec(Kind.GRAD, grads, grad_dtype, home(Kind.GRAD)))
+        unit_specs.append(SliceSpec(Kind.GRAD, grads, grad_dtype if unit.dtype is None else dtype, home(Kind.GRAD)))
         if mixed:
             unit_specs.append(SliceSpec(Kind.MASTER, shard, torch.float32, home(Kind.MASTER)))
         unit_specs += [SliceSpec(kind, shard, torch.float32, home(kind)) for kind in state_kinds]
         specs[unit.name] = tuple(unit_specs)
-    return SlicePlan(specs=specs, grad_dtype=grad_dtype)
+    return SlicePlan(specs=specs)

@@ -74,7 +74,7 @@ class ReplicatedParamsStage(Stage):
 
     @contextmanager
     def _master(self, unit: Unit, *, write: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self.mixed:
+        if self.mixed(unit):
             with super()._master(unit, write=write) as pair:
                 yield pair
             return
@@ -87,12 +87,12 @@ class ReplicatedParamsStage(Stage):
         """Queue the all-gather of the updated slice into the full compute-dtype parameters."""
         self.unshard(unit)
         assert unit.gathered is not None
-        if self.comm.world_size == 1 and not self.mixed:
+        if self.comm.world_size == 1 and not self.mixed(unit):
             # The full buffer is the fp32 parameters: the stepped slice is, or goes back into, it.
             if master.data_ptr() != unit.gathered.data_ptr():
                 unit.gathered.copy_(master)
             return []
-        self._unpublished.append((unit, master.to(device=self.device, dtype=self.param_dtype, copy=True)))
+        self._unpublished.append((unit, master.to(device=self.device, dtype=self.dtype_of(unit), copy=True)))
         if sum(u.gathered.nbytes for u, _ in self._unpublished if u.gathered is not None) >= self.bucket_bytes:
             self._send_gathers()
         return []

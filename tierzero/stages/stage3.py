@@ -139,7 +139,7 @@ class Stage3(StepInTime, Stage):
             gathered, self._gathering[unit.name] = shard, C.Pending()
             self._lent[unit.name] = False
         else:
-            gathered, block = self.scratch(unit, unit.padded_numel, self.param_dtype), self.weight_block
+            gathered, block = self.scratch(unit, unit.padded_numel, self.dtype_of(unit)), self.weight_block
             if block is not None and comm is self.comm:
                 pending = all_gather_quantized(gathered, shard, comm=comm, block_size=block, async_op=self.overlap)
             else:
@@ -173,7 +173,7 @@ class Stage3(StepInTime, Stage):
         a forward's unit is freed before backward (but a persistent one), a backward's before its
         gradient goes to its step (`post_backward`), unless its gathered copy moves down to it."""
         whole = comm.world_size == 1 and self.weight_block is None and shard.numel() == unit.padded_numel
-        if not whole or shard.dtype != self.param_dtype:
+        if not whole or shard.dtype != self.dtype_of(unit):
             return False
         if self._phase is Phase.FORWARD:
             return not (torch.is_grad_enabled() and self._persists(unit))
@@ -241,8 +241,8 @@ class Stage3(StepInTime, Stage):
                 return
             # In the order their hooks ran first, so that the prefetcher sees the order it learned.
             group = [u for u in self._order if u.module is target.module]
-            nbytes = sum(u.padded_numel for u in group) * self.param_dtype.itemsize
-            if ahead and sum(u.padded_numel for u in ahead) * self.param_dtype.itemsize + nbytes > self.gather_budget:
+            nbytes = sum(u.padded_numel * self.dtype_of(u).itemsize for u in group)
+            if ahead and sum(u.padded_numel * self.dtype_of(u).itemsize for u in ahead) + nbytes > self.gather_budget:
                 return
             for member in group:
                 self.start_gather(member)
@@ -316,7 +316,7 @@ class Stage3(StepInTime, Stage):
     def _moves_down(self, unit: Unit) -> bool:
         """fp32, PARAM on NVMe, a host step: the unit's step in backward may take its gathered copy."""
         host_step = self.homes.optimizer is not Tier.DEVICE
-        return not self.mixed and host_step and self.plan.home(unit.name, Kind.PARAM) is Tier.NVME
+        return not self.mixed(unit) and host_step and self.plan.home(unit.name, Kind.PARAM) is Tier.NVME
 
     def _hand_down(self, key: SliceKey, job: Any, unit: Unit, given: dict[Kind, Any]) -> bool:
         """Move the gather's PARAM copy down to the step tier for the unit's step (`_moves_down`)."""
@@ -404,15 +404,15 @@ class Stage3(StepInTime, Stage):
         return grads
 
     def publish(self, unit: Unit, master: torch.Tensor) -> list[PendingWrite]:
-        if not self.mixed:
+        if not self.mixed(unit):
             return []  # the PARAM slice is its own master: the step pipeline writes it home
         # Straight to the home tier in the compute dtype, without reading the old slice first.
         key = SliceKey(unit.name, Kind.PARAM)
         if self.device.type == "cuda" and master.device.type == "cpu":
             # Pinned (torch's caching host allocator), so that its copy up does not block.
-            value = torch.empty(master.numel(), dtype=self.param_dtype, pin_memory=True).copy_(master)
+            value = torch.empty(master.numel(), dtype=self.dtype_of(unit), pin_memory=True).copy_(master)
         else:
-            value = master.to(self.param_dtype)
+            value = master.to(self.dtype_of(unit))
         written = PendingWrite(self.store.write_back(key, value), value)
         if self._wants_new_param(unit.name):
             assert self.param_prefetch is not None

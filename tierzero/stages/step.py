@@ -77,7 +77,7 @@ def slice_group(stage: Steppable, unit: Unit) -> SliceGroup:
     """The slices the unit's step fetches, and where to: states to the step tier, grads as cheaply as possible."""
     tier = step_tier(stage.homes.optimizer)
     fetches: list[tuple[Kind, Tier]] = [(Kind.GRAD, _grad_tier(stage, unit.name))]
-    if stage.mixed:
+    if stage.mixed(unit):
         fetches.append((Kind.MASTER, tier))
     elif stage.shards_params:
         fetches.append((Kind.PARAM, tier))  # fp32 stage 3: the PARAM slice is its own master

@@ -1,0 +1,115 @@
+"""precision.autocast: the steps of plain PyTorch under torch.autocast(bf16), bit for bit.
+
+Plain PyTorch keeps fp32 parameters and an fp32 AdamW; the engine keeps the linear layers'
+weights in bf16 and the embeddings and norms in fp32 units ([Note: autocast's fp32
+parameters] in tierzero/precision.py). At two ranks the reference sums the two halves'
+gradients in rank order, as the engine's reduce-scatter does, and halves the sum; there
+the engine's sharded AdamW rounds a few elements one ulp apart from torch's (so does fp32
+without autocast), so the stages must agree bit for bit and the reference to rounding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from harness import run_ranks
+
+from tierzero.bench.contenders import LR, PLACEMENTS, EngineTraining, engine_config, gpt, token_batch
+
+STEPS = 4
+BATCH, SEQ = 4, 16
+#: (stage, placement) at one rank: the issue's placement at stage 3, the others in memory.
+ONE_RANK = [(3, "params-optimizer-nvme"), (3, "device"), (2, "cpu"), (1, "device")]
+
+
+def _config(stage: int, placement: str, nvme_path: Path | str, **precision: Any) -> dict[str, Any]:
+    cfg = engine_config(stage=stage, placement=PLACEMENTS[placement], nvme_path=nvme_path, dtype="bf16")
+    cfg["precision"].update(autocast=True, **precision)
+    return cfg
+
+
+def _plain(world_size: int) -> dict[str, torch.Tensor]:
+    """fp32 parameters and AdamW, each rank's half of the batch under autocast, gradients summed in rank order."""
+    model = gpt("tiny")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
+    for step in range(STEPS):
+        tokens, targets = token_batch(step, batch=BATCH, seq=SEQ)
+        summed: list[torch.Tensor] | None = None
+        for part_tokens, part_targets in zip(tokens.chunk(world_size), targets.chunk(world_size), strict=True):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(part_tokens, part_targets)
+            loss.backward()
+            grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+            summed = grads if summed is None else [a + b for a, b in zip(summed, grads, strict=True)]
+            model.zero_grad(set_to_none=True)
+        assert summed is not None
+        for p, g in zip(model.parameters(), summed, strict=True):
+            p.grad = g / world_size
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _train(cfg: dict[str, Any], *, rank: int, world_size: int) -> tuple[dict[str, torch.Tensor] | None, Any]:
+    run = EngineTraining("tiny", cfg)
+    try:
+        for step in range(STEPS):
+            tokens, targets = token_batch(step, batch=BATCH, seq=SEQ)
+            run.step(tokens.chunk(world_size)[rank], targets.chunk(world_size)[rank])
+        units = [(u.name, u.dtype) for u in run.engine.units]
+        kinds = {unit.name: {spec.kind.value: spec.dtype for spec in run.engine.plan.of(unit)} for unit in run.engine.units}
+        return run.engine.full_state_dict(), (units, kinds)
+    finally:
+        run.close()
+
+
+def _differing(state: dict[str, torch.Tensor] | None, reference: dict[str, torch.Tensor]) -> list[str]:
+    assert state is not None
+    return [name for name, p in reference.items() if not torch.equal(state[name], p)]
+
+
+@pytest.mark.parametrize(("stage", "placement"), ONE_RANK, ids=[f"stage{s}-{p}" for s, p in ONE_RANK])
+def test_one_rank_steps_as_plain_autocast(tmp_path: Path, stage: int, placement: str) -> None:
+    state, (units, kinds) = _train(_config(stage, placement, tmp_path), rank=0, world_size=1)
+    assert _differing(state, _plain(1)) == []
+    # The embeddings (with the LM head tied to them) and the norms stay fp32, their own master.
+    assert dict(units)["root:fp32"] == torch.float32 and dict(units)["blocks.0"] is None
+    assert kinds["blocks.0"] == {"param": torch.bfloat16, "grad": torch.bfloat16, "master": torch.float32,
+                                 "exp_avg": torch.float32, "exp_avg_sq": torch.float32}  # fmt: skip
+    assert kinds["blocks.0:fp32"] == {"param": torch.float32, "grad": torch.float32,
+                                      "exp_avg": torch.float32, "exp_avg_sq": torch.float32}  # fmt: skip
+
+
+def test_bf16_alone_is_not_autocast(tmp_path: Path) -> None:
+    """Without precision.autocast the embeddings and norms compute in bf16: other bits."""
+    cfg = _config(3, "device", tmp_path)
+    cfg["precision"]["autocast"] = False
+    state, (units, _) = _train(cfg, rank=0, world_size=1)
+    assert all(dtype is None for _, dtype in units)
+    assert len(_differing(state, _plain(1))) > 0
+
+
+def _two_ranks(rank: int, world_size: int, nvme_root: str) -> list[dict[str, torch.Tensor] | None]:
+    out = []
+    for stage, placement in ((1, "device"), (2, "cpu"), (3, "params-optimizer-nvme")):
+        nvme_path = Path(nvme_root) / f"{stage}-{rank}"
+        nvme_path.mkdir()
+        cfg = _config(stage, placement, nvme_path, reduce_dtype="fp32")
+        out.append(_train(cfg, rank=rank, world_size=world_size)[0])
+    return out
+
+
+def test_two_ranks_step_as_plain_autocast_with_fp32_reduction(tmp_path: Path) -> None:
+    """Each bucket's collective moves bf16 and fp32 units apart (comm.py splits them by dtype)."""
+    states = run_ranks(_two_ranks, world_size=2, payload=str(tmp_path))[0]
+    first = states[0]
+    assert first is not None
+    for stage, state in zip((2, 3), states[1:], strict=True):
+        assert _differing(state, first) == [], stage
+    reference = _plain(2)
+    # bf16 without autocast lands about 1e-2 away; one ulp here and there is 1e-7.
+    gaps = {name: float((first[name] - p).norm() / p.norm()) for name, p in reference.items()}
+    assert max(gaps.values()) < 1e-6, gaps

@@ -1,0 +1,79 @@
+"""The `precision` section: the compute dtype, autocast, the reduce dtype and fp16 loss scaling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from tierzero.config.checks import (
+    BOOL,
+    FLOAT32_MAX,
+    LOSS_SCALE,
+    Check,
+    choice_check,
+    float_check,
+    int_check,
+)
+from tierzero.config.errors import ConfigError
+from tierzero.config.tree import Section, setting
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per element of each `precision.param_dtype`."""
+
+OPTIONAL_DTYPE = Check(
+    f"one of {', '.join(DTYPE_BYTES)} (or null)",
+    " \\| ".join(DTYPE_BYTES) + " \\| null",
+    lambda value: None if value is None else choice_check(tuple(DTYPE_BYTES)).convert(value),
+)
+"""`precision.reduce_dtype`: a compute dtype, or null for the param_dtype."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PrecisionConfig(Section):
+    """Compute dtype and fp16 loss scaling. Master weights and optimizer states are always fp32."""
+
+    SECTION: ClassVar[str] = "precision"
+    param_dtype: str = setting("fp32", choice_check(tuple(DTYPE_BYTES)))
+    """dtype of parameters and gradients in forward and backward."""
+    reduce_dtype: str | None = setting(None, OPTIONAL_DTYPE)
+    """dtype gradients are reduced across ranks, accumulated and kept in until the step (null: the
+    param_dtype). fp32 with bf16 parameters reduces bf16 gradients without bf16 rounding in the
+    sums, as FSDP's MixedPrecisionPolicy(reduce_dtype=torch.float32) does; the GRAD slices then
+    take 4 bytes a parameter."""
+    autocast: bool = setting(False, BOOL)
+    """Run the forward under torch.autocast to param_dtype and keep in fp32 every parameter
+    autocast reads in fp32 (embeddings, norms): the numerics of plain PyTorch under autocast,
+    bitwise with reduce_dtype fp32, with bf16 bytes for the linear layers' weights only."""
+    loss_scale: str | float = setting("dynamic", LOSS_SCALE)
+    """fp16 only: 'dynamic' (halve on overflow, grow after scale_window clean steps) or a fixed
+    positive scale."""
+    initial_scale: float = setting(2.0**16, float_check(lo=0.0, lo_open=True, limit=FLOAT32_MAX))
+    """Starting dynamic loss scale."""
+    scale_window: int = setting(1000, int_check(1))
+    """Steps without overflow before the dynamic scale doubles."""
+    min_scale: float = setting(1.0, float_check(lo=0.0, lo_open=True, limit=FLOAT32_MAX))
+    """The dynamic scale never drops below this."""
+
+    def _validate(self) -> None:
+        if self.autocast and self.param_dtype == "fp32":
+            raise ConfigError(
+                "precision.autocast needs a lower compute dtype than fp32: set precision.param_dtype to bf16 "
+                "(or fp16), or drop precision.autocast",
+                key="precision.autocast",
+            )
+        if self.min_scale > self.initial_scale:
+            raise ConfigError(
+                f"precision.min_scale {self.min_scale:g} is above precision.initial_scale "
+                f"{self.initial_scale:g}: lower min_scale or raise initial_scale",
+                key="precision.min_scale",
+            )
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.param_dtype]
