@@ -103,12 +103,14 @@ def engine_config(
     clip: float = 0.0,
     dtype: str = "fp32",
     weight_decay: float = 0.0,
+    autocast: bool = False,
 ) -> dict[str, Any]:
-    """tierzero's side of the comparison: AdamW as the plain contender's, every parameter decayed alike."""
+    """tierzero's side of the comparison: AdamW as the plain contender's, every parameter decayed alike;
+    `autocast`: `precision.autocast`, the numerics of the plain contender under autocast."""
     optimizer = {"type": "adamw", "lr": LR, "weight_decay": weight_decay, "no_decay": [], "no_decay_modules": []}
     return {
         "zero": {"stage": stage},
-        "precision": {"param_dtype": dtype},
+        "precision": {"param_dtype": dtype, "autocast": autocast},
         "gradient_clipping": clip,
         "optimizer": optimizer,
         "offload": placement.for_stage(stage).offload(),

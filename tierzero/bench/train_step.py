@@ -47,7 +47,8 @@ class TrainStepResult:
     preset: str
     clip: float
     dtype: str
-    """fp32, or bf16: tierzero's bf16 parameters with fp32 masters beside plain PyTorch under autocast."""
+    """fp32, or bf16: tierzero under `precision.autocast` (bf16 linear weights, fp32 masters, embeddings
+    and norms) beside plain PyTorch under autocast."""
     max_param_difference: float
     """After the last step, the largest per-tensor norm-relative difference between the two's parameters."""
     seq: int
@@ -103,7 +104,7 @@ class TrainStepResult:
         if self.autocast_difference is not None:
             ours, exact = self.autocast_difference
             lines.append(
-                f"  after {AUTOCAST_STEPS} steps, largest per-tensor difference to autocast: tierzero bf16 {ours:.2e} "
+                f"  after {AUTOCAST_STEPS} steps, largest per-tensor difference to autocast: tierzero {ours:.2e} "
                 f"(target <= 2e-3), plain fp32 PyTorch {exact:.2e}"
             )
         if self.io is not None:
@@ -127,7 +128,8 @@ def _plain(preset: str, clip: float, dtype: str = "fp32") -> PlainTraining:
 
 
 def _config(nvme_path: str, clip: float, dtype: str = "fp32") -> dict[str, Any]:
-    return engine_config(stage=3, placement=_PLACEMENT, nvme_path=nvme_path, clip=clip, dtype=dtype)
+    autocast = dtype == "bf16"
+    return engine_config(stage=3, placement=_PLACEMENT, nvme_path=nvme_path, clip=clip, dtype=dtype, autocast=autocast)
 
 
 def _tierzero(preset: str, nvme_path: str, clip: float, dtype: str = "fp32") -> EngineTraining:
