@@ -46,6 +46,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tierzero.config import PrefetchConfig
+from tierzero.units import module_of
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +266,7 @@ class Prefetcher:
         self._require_step(True, "keep_resident")
         if unit == self._held:
             self._held = None
-        if not (self._mode is Mode.FOLLOWING and self._observed and self._observed[-1].unit == unit):
+        if not (self._mode is Mode.FOLLOWING and self._just_ran(unit)):
             return False
         upcoming = [event.unit for event in self._order[self._pos :]]
         if unit not in upcoming:
@@ -279,6 +280,12 @@ class Prefetcher:
                 return False
         self._kept[unit] = self.unit_bytes[unit]
         return True
+
+    def _just_ran(self, unit: str) -> bool:
+        """Whether `unit` ran last, or only its module's other units since (stage 3 gathers them together)."""
+        units = [event.unit for event in self._observed]
+        last = len(units) - 1 - units[::-1].index(unit) if unit in units else None
+        return last is not None and all(module_of(u) == module_of(unit) for u in units[last:])
 
     @property
     def kept_bytes(self) -> int:

@@ -271,6 +271,24 @@ def test_a_unit_released_is_fetched_again_for_its_next_occurrence() -> None:
     assert pf.plan()[0] == FetchRequest("b", 100)
 
 
+def test_a_unit_is_kept_when_only_its_modules_other_units_ran_since() -> None:
+    # Stage 3 gathers a module's units together: "b" and its fp32 companion "b:fp32" are both
+    # recorded before either's gather ends and asks to keep it; "c" between them is another module.
+    order = [("a", F), ("b", F), ("b:fp32", F), ("c", F), ("b", B), ("b:fp32", B), ("a", B)]
+    pf = make(sizes={"a": 100, "b": 100, "b:fp32": 10, "c": 100})
+    SimEngine(pf).run_step(order)
+    pf.begin_step()
+    pf.record("a", F)
+    pf.record("b", F)
+    pf.consumed("a", ready=False)
+    assert not pf.keep_resident("a")  # b, another module's, ran since: not asked right after a's gather
+    pf.record("b:fp32", F)
+    pf.consumed("b", ready=False)
+    assert pf.keep_resident("b")  # only its companion ran since
+    pf.consumed("b:fp32", ready=False)
+    assert pf.keep_resident("b:fp32")
+
+
 def test_a_unit_that_runs_twice_in_a_row_is_kept() -> None:
     # Too tight a budget to keep the forward's units for their backward: only head, which
     # runs again at once, is kept.
