@@ -195,3 +195,24 @@ def test_the_step_takes_gradients_where_no_copy_blocks_the_host() -> None:
     assert tier(Tier.DEVICE, Tier.CPU, "cuda", sharded=False) is Tier.DEVICE  # stage 1: the owned range only
     assert tier(Tier.DEVICE, Tier.DEVICE, "cuda") is Tier.DEVICE
     assert tier(Tier.CPU, Tier.DEVICE, "cuda") is Tier.DEVICE  # a step on the GPU takes host grads up
+
+
+@pytest.mark.parametrize(("sizes", "prepared"), [(None, 3), ({"big0": 100, "big1": 100, "big2": 100, "s0": 1, "s1": 1}, 4)])
+def test_small_groups_take_a_small_part_of_the_bound(sizes: dict[str, int] | None, prepared: int) -> None:
+    """Counted, three groups fill the bound whatever their size; weighed in bytes, two small ones
+    fit beside two large ones and the third large one does not (3 x 100 bytes at most)."""
+    from tierzero.offload.step_pipeline import SliceGroup, StepPipeline
+    from tierzero.transfer import Transfer
+
+    class Store:
+        def fetch(self, key: Any, *, to: Tier) -> Transfer[torch.Tensor]:
+            return Transfer.ready(torch.zeros(4))
+
+        def at_home(self, key: Any) -> bool:
+            return True
+
+    pipeline = StepPipeline(Store(), lambda group, fetched: [], sizes=sizes)  # type: ignore[arg-type]
+    for unit in ("big0", "big1", "s0", "s1", "big2"):
+        pipeline.prepare(SliceGroup(unit=unit, fetches=((Kind.EXP_AVG, Tier.CPU),)))
+    assert pipeline.report.prepared == prepared
+    assert [group.unit for group, _ in pipeline.hand_over()] == ["big0", "big1", "s0", "s1"][:prepared]

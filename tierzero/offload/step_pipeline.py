@@ -15,7 +15,11 @@ computes, has group j+1 being read and group j-1 being written back:
                start reading group j+1
                wait for group j's reads, compute j, start writing j back, release j
 
-so at most three groups are resident at once (`MAX_RESIDENT_GROUPS`). A caller that
+so at most three groups are resident at once (`MAX_RESIDENT_GROUPS`). Given each group's
+bytes (`sizes`), the bound is the bytes of the three largest groups instead of a count:
+small groups (`precision.autocast`'s fp32 norms, a few KiB each) then fit beside the large
+ones rather than each taking a large one's place, and memory never holds more than
+three of the largest groups would. A caller that
 knows which group comes next before it is ready (stage 3, when a unit's backward
 starts) may `prepare` it: all its reads but the gradient's start then, if the bound
 allows, and `push` adds the gradient; reads prepared by one pipeline can be pushed by
@@ -37,7 +41,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +52,8 @@ from tierzero.transfer import Transfer
 
 __all__ = ["MAX_RESIDENT_GROUPS", "PendingWrite", "PipelineReport", "Prepared", "SliceGroup", "StepPipeline", "step_tier"]
 
-#: Groups whose slices are in host memory at once: one read ahead, one computing, one writing.
+#: Groups whose slices are in host memory at once: one read ahead, one computing, one writing
+#: (with `sizes`, as many bytes as the largest three groups hold).
 MAX_RESIDENT_GROUPS = 3
 
 
@@ -81,6 +86,8 @@ class _Writing:
     """A group written back and released: done once every write, every move of a copy handed off,
     and the frees they hold back have run."""
 
+    weight: int = 1
+    """What the group counts against the pipeline's bound (`StepPipeline._weight`)."""
     done: list[threading.Event] = field(default_factory=list)
     sources: list[torch.Tensor] = field(default_factory=list)
     transfers: list[Transfer[None]] = field(default_factory=list)
@@ -108,7 +115,7 @@ class PipelineReport:
     groups: int = 0
     """Groups pushed."""
     peak_resident_groups: int = 0
-    """Most groups fetched or still writing at once: at most MAX_RESIDENT_GROUPS."""
+    """Most groups fetched or still writing at once: at most MAX_RESIDENT_GROUPS of equal size."""
     read_wait_s: float = 0.0
     """Seconds the compute waited for reads."""
     prepared: int = 0
@@ -148,6 +155,7 @@ class StepPipeline:
         prepared: Sequence[Prepared] = (),
         hand_off: Callable[[SliceKey], Transfer[torch.Tensor] | None] | None = None,
         keep_home: Callable[[SliceKey], bool] | None = None,
+        sizes: Mapping[str, int] | None = None,
     ) -> None:
         """`written(group)` is told once the group's write-backs are queued: a read of its slices
         submitted after that sees the new bytes, as the swapper orders a key's operations.
@@ -156,10 +164,12 @@ class StepPipeline:
         `hand_off(key)` is offered each fetched slice of a stepped group once its write-back is
         queued: the move of the copy it took over (`SliceStore.adopt`), which is then not released
         and holds the group until it lands; None when it took nothing.
-        `keep_home(key)`: the slice's home stays as it is, and its copy is released unwritten."""
+        `keep_home(key)`: the slice's home stays as it is, and its copy is released unwritten.
+        `sizes`: each unit's group bytes; the bound is then the `max_resident` largest groups' bytes."""
         self._store, self._compute, self._written = store, compute, written
         self._hand_off, self._keep_home = hand_off, keep_home
-        self._max_resident = max_resident
+        self._sizes = dict(sizes or {})
+        self._bound = sum(sorted(self._sizes.values(), reverse=True)[:max_resident]) if self._sizes else max_resident
         self._writing: deque[_Writing] = deque()
         self._waiting: Prepared | None = None
         self._prepared: list[Prepared] = list(prepared)
@@ -170,12 +180,24 @@ class StepPipeline:
         let the oldest write-backs land first where that makes room, as `push` would."""
         if any(held == group for held, _ in self._prepared):
             return False
-        while self._writing and (self._writing[0].landed() or (wait and not self._fits())):
+        while self._writing and (self._writing[0].landed() or (wait and not self._fits(group))):
             self._writing.popleft().wait()  # at once for a landed one (and raises a failed write)
-        return self._fits()
+        return self._fits(group)
 
-    def _fits(self) -> bool:
-        return len(self._writing) + (self._waiting is not None) + len(self._prepared) + 1 <= self._max_resident
+    def _weight(self, group: SliceGroup) -> int:
+        """What a group counts against the bound: its bytes given `sizes` (the largest group's for
+        a unit it lacks), else one."""
+        if not self._sizes:
+            return 1
+        return self._sizes.get(group.unit, max(self._sizes.values()))
+
+    def _resident(self) -> int:
+        held = [self._waiting[0]] if self._waiting is not None else []
+        held += [group for group, _ in self._prepared]
+        return sum(job.weight for job in self._writing) + sum(map(self._weight, held))
+
+    def _fits(self, group: SliceGroup) -> bool:
+        return self._resident() + self._weight(group) <= self._bound
 
     def prepare(self, group: SliceGroup, *, given: dict[Kind, Transfer[torch.Tensor]] | None = None) -> None:
         """Start reading `group`'s slices but its gradient (which backward is still producing)
@@ -209,7 +231,7 @@ class StepPipeline:
         if prepared is not None:
             self._prepared = [(held, reads) for held, reads in self._prepared if held != group]
         else:
-            self._make_room()
+            self._make_room(group)
             prepared = {}
         have = prepared | given
         rest = tuple((kind, tier) for kind, tier in group.fetches if kind not in have)
@@ -230,9 +252,9 @@ class StepPipeline:
         while len(self._writing) > keep:
             self._writing.popleft().wait()
 
-    def _make_room(self) -> None:
-        """Drain write-backs until one more group fits in the bound."""
-        while self._writing and not self._fits():
+    def _make_room(self, group: SliceGroup) -> None:
+        """Drain write-backs until `group` fits in the bound."""
+        while self._writing and not self._fits(group):
             self._writing.popleft().wait()
 
     def flush(self, *, drain: bool = True) -> PipelineReport:
@@ -291,7 +313,7 @@ class StepPipeline:
 
     def _write_back(self, group: SliceGroup, writes: list[PendingWrite]) -> _Writing:
         store = self._store
-        job = _Writing(sources=[w.source for w in writes])
+        job = _Writing(weight=self._weight(group), sources=[w.source for w in writes])
         transfers = [w.transfer for w in writes]
         moves: list[Transfer[torch.Tensor]] = []
         for key in group.keys():

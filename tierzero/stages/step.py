@@ -26,7 +26,7 @@ from tierzero.offload.step_pipeline import (
     step_tier,
 )
 from tierzero.optim import FlatOptimizer, SliceLayout
-from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.slices import Kind, SliceKey, Tier, align_up
 from tierzero.stages.plan import Homes, SlicePlan
 from tierzero.store.protocol import SliceStore
 from tierzero.transfer import Transfer
@@ -60,9 +60,10 @@ class Steppable(Protocol):
     homes: Homes
     plan: SlicePlan
     device: torch.device
-    mixed: bool
     shards_params: bool
     shards_grads: bool
+
+    def mixed(self, unit: Unit) -> bool: ...
 
     def grad_slice(self, grads: torch.Tensor, unit: Unit) -> torch.Tensor: ...
 
@@ -83,6 +84,17 @@ def slice_group(stage: Steppable, unit: Unit) -> SliceGroup:
         fetches.append((Kind.PARAM, tier))  # fp32 stage 3: the PARAM slice is its own master
     fetches += [(kind, tier) for kind in stage.optimizer.state_kinds]
     return SliceGroup(unit=unit.name, fetches=tuple(fetches))
+
+
+def group_sizes(stage: Steppable) -> dict[str, int]:
+    """Each trained unit's step group in bytes, as the store allocates its copies: the pipeline's
+    bound (`StepPipeline`'s `sizes`), so that a small unit's group takes a small part of it."""
+    sizes = {}
+    for unit in stage.units:
+        if unit.trainable:
+            kinds = {kind for kind, _ in slice_group(stage, unit).fetches}
+            sizes[unit.name] = sum(align_up(spec.nbytes) for spec in stage.plan.of(unit) if spec.kind in kinds)
+    return sizes
 
 
 def _grad_tier(stage: Steppable, unit: str) -> Tier:
@@ -192,7 +204,7 @@ class StepAhead:
         def compute(group: SliceGroup, fetched: dict[Kind, torch.Tensor]) -> list[PendingWrite]:
             raise AssertionError(f"{group.unit}: a StepAhead only reads; its step's pipeline computes")
 
-        self._pipeline = StepPipeline(stage.store, compute, max_resident=max_resident)
+        self._pipeline = StepPipeline(stage.store, compute, max_resident=max_resident, sizes=group_sizes(stage))
 
     def expect(self, unit: Unit) -> None:
         """`unit`'s backward has started and is its last this step: read its states if it steps first."""
@@ -304,7 +316,7 @@ def _pipeline(
     told = None if written is None else (lambda group: written(group.unit))
     return StepPipeline(
         stage.store, compute, written=told, prepared=prepared, hand_off=hand_off, max_resident=max_resident,
-        keep_home=lambda key: key.kind is Kind.GRAD and stage.leaves_grads_stale(key.unit),
+        keep_home=lambda key: key.kind is Kind.GRAD and stage.leaves_grads_stale(key.unit), sizes=group_sizes(stage),
     )  # fmt: skip
 
 
