@@ -24,7 +24,9 @@ after all trained ones, so a model's trained units are numbered the same with or
 Under `precision.autocast` the parameters autocast would read in fp32 (all but the weights
 and biases of the layers whose op it lowers: `nn.Linear`, convolutions) stay fp32 in units
 of their own, `<name>:fp32` (`<name>:fp32:frozen` for frozen ones), gathered with their
-module's other units ([Note: autocast's fp32 parameters] in tierzero/precision.py).
+module's other units; a module's that come to less than `SMALL_FP32_BYTES` (a block's
+norms) join `root:fp32`, gathered all step ([Note: autocast's fp32 parameters] in
+tierzero/precision.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ ROOT = "root"
 FROZEN_SUFFIX = ":frozen"
 #: Appended to a module's unit name to name the unit of its parameters kept in fp32 (`precision.autocast`).
 FP32_SUFFIX = ":fp32"
+#: A module's fp32 parameters below this many bytes join the root's fp32 unit rather than forming their own.
+SMALL_FP32_BYTES = 1 << 20
 #: Elements per alignment step: a 2-byte slice of this many elements is one I/O block.
 DEFAULT_ALIGN_NUMEL = IO_ALIGNMENT // 2
 
@@ -130,7 +134,12 @@ class Unit:
 
 def module_name(unit: Unit) -> str:
     """The name of the wrapped module (or ROOT) whose parameters the unit holds, without suffixes."""
-    return unit.name.partition(":")[0]
+    return module_of(unit.name)
+
+
+def module_of(unit_name: str) -> str:
+    """`module_name` from a unit's name: units of one module (its frozen and fp32 companions) share it."""
+    return unit_name.partition(":")[0]
 
 
 def is_root(unit: Unit) -> bool:
@@ -174,6 +183,8 @@ def plan_units(
         owner = found.pop() if len(found) == 1 else ROOT
         fp32 = keep_fp32 is not None and keep_fp32(binds)
         parts[param.requires_grad, fp32][owner].append((param, binds))
+    for trained in (True, False):
+        _merge_small(parts[trained, True])
 
     modules = {**wrapped, ROOT: model}
     units = []
@@ -190,6 +201,18 @@ def plan_units(
                 )
             )  # fmt: skip
     return units
+
+
+def _merge_small(by_owner: dict[str, list[tuple[nn.Parameter, list[Binding]]]]) -> None:
+    """Move each module's fp32 parameters that fall short of `SMALL_FP32_BYTES` into the root's
+    fp32 unit, after its own, module by module: a block's norms are a few KiB, which cost more as slices of
+    their own (a gather, a read and a write each, every step) than kept gathered all step."""
+    small = {name for name, params in by_owner.items() if 0 < sum(p.numel() for p, _ in params) * 4 < SMALL_FP32_BYTES}
+    small.discard(ROOT)
+    if small:
+        by_owner[ROOT] = by_owner[ROOT] + [entry for name in by_owner if name in small for entry in by_owner[name]]
+        for name in small:
+            by_owner[name] = []
 
 
 def _wrapped_modules(model: nn.Module, unit_classes: list[str] | tuple[str, ...]) -> dict[str, nn.Module]:

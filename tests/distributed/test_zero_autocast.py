@@ -15,14 +15,25 @@ from typing import Any
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import Case, decay_groups, run_ranks
 
+import tierzero
+import tierzero.units as units_module
 from tierzero.bench.contenders import LR, PLACEMENTS, EngineTraining, engine_config, gpt, token_batch
 
 STEPS = 4
 BATCH, SEQ = 4, 16
 #: (stage, placement) at one rank: the issue's placement at stage 3, the others in memory.
 ONE_RANK = [(3, "params-optimizer-nvme"), (3, "device"), (2, "cpu"), (1, "device")]
+
+
+@pytest.fixture(params=["merged", "companions"])
+def fp32_units(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The tiny GPT's norms join root:fp32 (merged, the default: a few KiB a block), or, with
+    no size below which they merge, form a `blocks.<i>:fp32` unit beside each block."""
+    if request.param == "companions":
+        monkeypatch.setattr(units_module, "SMALL_FP32_BYTES", 0)
+    return str(request.param)
 
 
 def _config(stage: int, placement: str, nvme_path: Path | str, **precision: Any) -> dict[str, Any]:
@@ -72,15 +83,16 @@ def _differing(state: dict[str, torch.Tensor] | None, reference: dict[str, torch
 
 
 @pytest.mark.parametrize(("stage", "placement"), ONE_RANK, ids=[f"stage{s}-{p}" for s, p in ONE_RANK])
-def test_one_rank_steps_as_plain_autocast(tmp_path: Path, stage: int, placement: str) -> None:
+def test_one_rank_steps_as_plain_autocast(tmp_path: Path, stage: int, placement: str, fp32_units: str) -> None:
     state, (units, kinds) = _train(_config(stage, placement, tmp_path), rank=0, world_size=1)
     assert _differing(state, _plain(1)) == []
     # The embeddings (with the LM head tied to them) and the norms stay fp32, their own master.
-    assert dict(units)["root:fp32"] == torch.float32 and dict(units)["blocks.0"] is None
+    fp32 = [name for name, dtype in units if dtype is not None]
+    assert fp32 == (["root:fp32"] if fp32_units == "merged" else ["blocks.0:fp32", "blocks.1:fp32", "root:fp32"])
     assert kinds["blocks.0"] == {"param": torch.bfloat16, "grad": torch.bfloat16, "master": torch.float32,
                                  "exp_avg": torch.float32, "exp_avg_sq": torch.float32}  # fmt: skip
-    assert kinds["blocks.0:fp32"] == {"param": torch.float32, "grad": torch.float32,
-                                      "exp_avg": torch.float32, "exp_avg_sq": torch.float32}  # fmt: skip
+    assert kinds[fp32[0]] == {"param": torch.float32, "grad": torch.float32,
+                              "exp_avg": torch.float32, "exp_avg_sq": torch.float32}  # fmt: skip
 
 
 def test_bf16_alone_is_not_autocast(tmp_path: Path) -> None:
@@ -102,7 +114,7 @@ def _two_ranks(rank: int, world_size: int, nvme_root: str) -> list[dict[str, tor
     return out
 
 
-def test_two_ranks_step_as_plain_autocast_with_fp32_reduction(tmp_path: Path) -> None:
+def test_two_ranks_step_as_plain_autocast_with_fp32_reduction(tmp_path: Path, fp32_units: str) -> None:
     """Each bucket's collective moves bf16 and fp32 units apart (comm.py splits them by dtype)."""
     states = run_ranks(_two_ranks, world_size=2, payload=str(tmp_path))[0]
     first = states[0]
@@ -113,3 +125,31 @@ def test_two_ranks_step_as_plain_autocast_with_fp32_reduction(tmp_path: Path) ->
     # bf16 without autocast lands about 1e-2 away; one ulp here and there is 1e-7.
     gaps = {name: float((first[name] - p).norm() / p.norm()) for name, p in reference.items()}
     assert max(gaps.values()) < 1e-6, gaps
+
+
+@pytest.mark.parametrize("model_name", ["gpt2", "llama"])
+def test_transformers_models_step_as_plain_autocast(tmp_path: Path, model_name: str) -> None:
+    """GPT-2's Conv1D layers (an addmm autocast lowers) move in bf16, its tied embeddings and
+    norms stay fp32; Llama's RMSNorm weights too. The engine's default groups leave biases and
+    norms undecayed: so does the reference."""
+    case = Case(stage=3, optimizer="adamw", steps=STEPS, clip=0.0, accumulation=1, global_batch=4, model_name=model_name)
+    model = case.model()
+    opt = torch.optim.AdamW(decay_groups(model, 0.01), lr=3e-3, fused=True)
+    for step in range(case.steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = case.loss(model, *case.batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    config = case.config()
+    config["precision"] = {"param_dtype": "bf16", "autocast": True}
+    config |= {"offload": {"params": "nvme", "optimizer": "nvme"}, "tiers": {"nvme": {"path": str(tmp_path)}}}
+    engine = tierzero.initialize(case.model(), config)
+    with engine:
+        for step in range(case.steps):
+            engine.backward(case.loss(engine, *case.batch(step)))
+            engine.step()
+        lowered = sum(u.numel for u in engine.units if u.dtype is None)
+        state = engine.full_state_dict()
+    assert lowered > 0.5 * sum(p.numel() for p in model.parameters())  # most of the model moves in bf16
+    assert _differing(state, {name: p.detach() for name, p in model.named_parameters()}) == []

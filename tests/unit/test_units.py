@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+import tierzero.units as units_module
 from tierzero.precision import reads_fp32_under_autocast
 from tierzero.units import DEFAULT_ALIGN_NUMEL, ROOT, UnitState, is_root, module_name, plan_units
 
@@ -134,13 +135,19 @@ def test_frozen_parameters_form_units_of_their_own_after_the_trained_ones() -> N
     assert by_name["blocks.1:frozen"].padded_numel % (2 * DEFAULT_ALIGN_NUMEL) == 0
 
 
-def test_autocast_keeps_what_it_reads_in_fp32_in_units_of_their_own() -> None:
-    """Linear weights and biases stay in the compute dtype; the embedding (tied to a Linear
-    head), a norm and a frozen norm go to `:fp32` units, numbered after the trained ones."""
+def _autocast_model() -> TinyLM:
     model = TinyLM(width=8, layers=2)
     for block in model.blocks:
         block.norm = nn.LayerNorm(8)  # type: ignore[assignment]
     model.blocks[1].norm.bias.requires_grad_(False)
+    return model
+
+
+def test_autocast_keeps_what_it_reads_in_fp32_in_units_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linear weights and biases stay in the compute dtype; the embedding (tied to a Linear
+    head), a norm and a frozen norm go to `:fp32` units, numbered after the trained ones."""
+    monkeypatch.setattr(units_module, "SMALL_FP32_BYTES", 0)
+    model = _autocast_model()
     units = plan_units(model, world_size=1, align_numel=4, keep_fp32=reads_fp32_under_autocast)
     names = {u.name: ([s.name for s in u.slots], u.dtype, u.trainable) for u in units}
     assert list(names) == ["blocks.0", "blocks.1", ROOT, "blocks.0:fp32", "blocks.1:fp32", "root:fp32", "blocks.1:fp32:frozen"]
@@ -151,3 +158,13 @@ def test_autocast_keeps_what_it_reads_in_fp32_in_units_of_their_own() -> None:
     assert names[ROOT] == (["heads.0.weight", "heads.0.bias"], None, True)
     assert {u.module for u in units if u.name.startswith("blocks.1")} == {model.blocks[1]}
     assert all(module_name(u) == ROOT for u in units if is_root(u)) and sum(map(is_root, units)) == 2
+
+
+def test_small_fp32_parameters_join_the_roots_after_its_own() -> None:
+    """A block's norms (a few bytes here, below SMALL_FP32_BYTES) are kept gathered with the root's."""
+    model = _autocast_model()
+    units = plan_units(model, world_size=1, align_numel=4, keep_fp32=reads_fp32_under_autocast)
+    names = {u.name: [s.name for s in u.slots] for u in units}
+    assert list(names) == ["blocks.0", "blocks.1", ROOT, "root:fp32", "root:fp32:frozen"]
+    assert names["root:fp32"] == ["embed.weight", "blocks.0.norm.weight", "blocks.0.norm.bias", "blocks.1.norm.weight"]
+    assert names["root:fp32:frozen"] == ["blocks.1.norm.bias"]
