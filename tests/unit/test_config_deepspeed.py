@@ -334,3 +334,24 @@ def test_communication_data_type_is_the_reduce_dtype(tmp_path) -> None:
     path.write_text(json.dumps({**config, "communication_data_type": "int4"}))
     with pytest.raises(ConfigError, match=r"^communication_data_type \(precision\.reduce_dtype in tierzero\): expected one of"):
         load_config(path)
+
+
+def test_torch_autocast_is_precision_autocast() -> None:
+    base = {"zero_optimization": {"stage": 3}}
+    cfg, warned = _load(base | {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
+    assert (cfg.precision.autocast, cfg.precision.param_dtype) == (True, "bf16") and warned == Counter()
+    cfg, warned = _load(
+        base | {"torch_autocast": {"enabled": True, "dtype": "float16", "lower_precision_safe_modules": ["torch.nn.Linear"]}}
+    )
+    assert (cfg.precision.autocast, cfg.precision.param_dtype) == (True, "fp16")
+    assert warned == _ignored("torch_autocast.lower_precision_safe_modules")
+    cfg, _ = _load(base | {"torch_autocast": {"enabled": False, "dtype": "bfloat16"}})
+    assert (cfg.precision.autocast, cfg.precision.param_dtype) == (False, "fp32")
+    assert _error(base | {"torch_autocast": {"enabled": True}}) == (
+        "DeepSpeed torch_autocast.dtype: expected bfloat16 or float16, got null; tierzero keeps the lowered "
+        "layers' weights in it, so it must be named"
+    )
+    assert _error(base | {"torch_autocast": {"enabled": True, "dtype": "bf16"}, "bf16": {"enabled": True}}) == (
+        "DeepSpeed torch_autocast.enabled and bf16.enabled are both true: torch_autocast keeps fp32 parameters and "
+        "lowers each op, bf16 lowers every parameter; enable one of them"
+    )

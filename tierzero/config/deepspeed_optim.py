@@ -28,10 +28,15 @@ _SCHEDULERS = {"warmuplr": "constant", "warmupdecaylr": "linear", "warmupcosinel
 """DeepSpeed's scheduler types, lower-cased -> the scheduler.type of the same shape."""
 _WARMUP_DECAY_MAX_LR = 1e-3
 """WarmupDecayLR's warmup_max_lr when left out (WarmupLR's is the optimizer's lr)."""
+_AUTOCAST_DTYPES = {
+    "bfloat16": "bf16", "bf16": "bf16", "torch.bfloat16": "bf16",
+    "float16": "fp16", "fp16": "fp16", "half": "fp16", "torch.float16": "fp16",
+}  # fmt: skip
+"""DeepSpeed's names for torch_autocast.dtype -> tierzero's compute dtype."""
 
 
 def translate_precision(top: Reader, out: Translation) -> int:
-    """fp16 / bf16 (or bfloat16) and communication_data_type; returns the compute dtype's bytes."""
+    """fp16 / bf16 (or bfloat16), torch_autocast and communication_data_type; returns the compute dtype's bytes."""
     fp16 = Reader.of(top.data, "fp16")
     bf16_name = "bfloat16" if "bfloat16" in top.data and "bf16" not in top.data else "bf16"
     bf16 = Reader.of(top.data, bf16_name)
@@ -41,7 +46,13 @@ def translate_precision(top: Reader, out: Translation) -> int:
     if use_fp16 and use_bf16:
         raise ConfigError(f"DeepSpeed fp16.enabled and {bf16_name}.enabled are both true: enable at most one")
     dtype = "fp16" if use_fp16 else "bf16" if use_bf16 else "fp32"
-    out.set("precision.param_dtype", dtype, origin="fp16.enabled" if use_fp16 else f"{bf16_name}.enabled")
+    autocast = _autocast_dtype(top, other="fp16" if use_fp16 else bf16_name if use_bf16 else None)
+    if autocast is None:
+        out.set("precision.param_dtype", dtype, origin="fp16.enabled" if use_fp16 else f"{bf16_name}.enabled")
+    else:
+        dtype = autocast
+        out.set("precision.param_dtype", dtype, origin="torch_autocast.dtype")
+        out.set("precision.autocast", True, origin="torch_autocast.enabled")
     loss_scale = fp16.pop("loss_scale")
     if loss_scale is not None:
         out.set("precision.loss_scale", "dynamic" if loss_scale == 0 else loss_scale, origin="fp16.loss_scale")
@@ -62,6 +73,32 @@ def translate_precision(top: Reader, out: Translation) -> int:
     fp16.finish()
     bf16.finish()
     return 2 if dtype != "fp32" else 4
+
+
+def _autocast_dtype(top: Reader, *, other: str | None) -> str | None:
+    """The torch_autocast section's compute dtype when it is enabled, else None. Its
+    lower_precision_safe_modules are left to the warning for keys without an equivalent:
+    tierzero lowers what autocast's own op lists lower (tierzero.precision)."""
+    section = Reader.of(top.data, "torch_autocast")
+    top.data.pop("torch_autocast", None)
+    enabled, name = _enabled(section), section.pop("dtype")
+    section.finish()
+    if not enabled:
+        return None
+    if other is not None:
+        raise ConfigError(
+            f"DeepSpeed torch_autocast.enabled and {other}.enabled are both true: torch_autocast keeps fp32 "
+            f"parameters and lowers each op, {other} lowers every parameter; enable one of them",
+            key="torch_autocast.enabled",
+        )
+    dtype = _AUTOCAST_DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise ConfigError(
+            f"DeepSpeed torch_autocast.dtype: expected bfloat16 or float16, got {show(name)}; tierzero keeps the "
+            "lowered layers' weights in it, so it must be named",
+            key="torch_autocast.dtype",
+        )
+    return dtype
 
 
 def _enabled(section: Reader) -> bool:
