@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from harness import Case, decay_groups, run_ranks
 
 import tierzero
@@ -127,12 +128,8 @@ def test_two_ranks_step_as_plain_autocast_with_fp32_reduction(tmp_path: Path, fp
     assert max(gaps.values()) < 1e-6, gaps
 
 
-@pytest.mark.parametrize("model_name", ["gpt2", "llama"])
-def test_transformers_models_step_as_plain_autocast(tmp_path: Path, model_name: str) -> None:
-    """GPT-2's Conv1D layers (an addmm autocast lowers) move in bf16, its tied embeddings and
-    norms stay fp32; Llama's RMSNorm weights too. The engine's default groups leave biases and
-    norms undecayed: so does the reference."""
-    case = Case(stage=3, optimizer="adamw", steps=STEPS, clip=0.0, accumulation=1, global_batch=4, model_name=model_name)
+def _plain_case(case: Case) -> nn.Module:
+    """`case`'s model trained by plain PyTorch under autocast, fused AdamW on the engine's default groups."""
     model = case.model()
     opt = torch.optim.AdamW(decay_groups(model, 0.01), lr=3e-3, fused=True)
     for step in range(case.steps):
@@ -141,15 +138,69 @@ def test_transformers_models_step_as_plain_autocast(tmp_path: Path, model_name: 
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return model
+
+
+def _autocast_engine(case: Case, nvme_path: Path) -> Any:
     config = case.config()
     config["precision"] = {"param_dtype": "bf16", "autocast": True}
-    config |= {"offload": {"params": "nvme", "optimizer": "nvme"}, "tiers": {"nvme": {"path": str(tmp_path)}}}
-    engine = tierzero.initialize(case.model(), config)
-    with engine:
-        for step in range(case.steps):
-            engine.backward(case.loss(engine, *case.batch(step)))
-            engine.step()
+    config |= {"offload": {"params": "nvme", "optimizer": "nvme"}, "tiers": {"nvme": {"path": str(nvme_path)}}}
+    return tierzero.initialize(case.model(), config)
+
+
+def _steps(engine: Any, case: Case, steps: range) -> None:
+    for step in steps:
+        engine.backward(case.loss(engine, *case.batch(step)))
+        engine.step()
+
+
+def _case(model_name: str, *, lora: bool = False) -> Case:
+    return Case(stage=3, optimizer="adamw", steps=STEPS, clip=0.0, accumulation=1, global_batch=4, model_name=model_name, lora=lora)
+
+
+@pytest.mark.parametrize("model_name", ["gpt2", "llama"])
+def test_transformers_models_step_as_plain_autocast(tmp_path: Path, model_name: str) -> None:
+    """GPT-2's Conv1D layers (an addmm autocast lowers) move in bf16, its tied embeddings and
+    norms stay fp32; Llama's RMSNorm weights too. The engine's default groups leave biases and
+    norms undecayed: so does the reference."""
+    case = _case(model_name)
+    model = _plain_case(case)
+    with _autocast_engine(case, tmp_path) as engine:
+        _steps(engine, case, range(case.steps))
         lowered = sum(u.numel for u in engine.units if u.dtype is None)
         state = engine.full_state_dict()
     assert lowered > 0.5 * sum(p.numel() for p in model.parameters())  # most of the model moves in bf16
     assert _differing(state, {name: p.detach() for name, p in model.named_parameters()}) == []
+
+
+def test_lora_adapters_step_as_plain_autocast(tmp_path: Path) -> None:
+    """A frozen base keeps its lowered weights in bf16 only (what autocast computes with) and its
+    norms in fp32: the adapters train bit for bit as plain autocast's."""
+    case = _case("gpt2", lora=True)
+    model = _plain_case(case)
+    with _autocast_engine(case, tmp_path) as engine:
+        assert {u.name for u in engine.units if u.dtype is not None} == {"root:fp32:frozen"}
+        _steps(engine, case, range(case.steps))
+        state = engine.full_state_dict()
+    trained = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    assert len(trained) == 4 and _differing(state, trained) == []
+    frozen = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
+    assert state is not None
+    for name, p in frozen.items():
+        kept = any(part in name for part in ("wte", "wpe", "ln_"))  # embeddings and norms: fp32
+        assert torch.equal(state[name], p if kept else p.bfloat16().float()), name
+
+
+def test_a_resumed_run_continues_bit_for_bit(tmp_path: Path) -> None:
+    case = _case("gpt2")
+    with _autocast_engine(case, tmp_path) as engine:
+        _steps(engine, case, range(case.steps))
+        straight = engine.full_state_dict()
+    with _autocast_engine(case, tmp_path) as engine:
+        _steps(engine, case, range(2))
+        engine.save_checkpoint(tmp_path / "ckpt")
+    with _autocast_engine(case, tmp_path) as engine:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        _steps(engine, case, range(2, case.steps))
+        resumed = engine.full_state_dict()
+    assert straight is not None and _differing(resumed, straight) == []
