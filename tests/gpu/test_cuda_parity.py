@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierzero.bench.contenders import Placement, placement_matrix, run_parity
+from tierzero.bench.contenders import PLACEMENTS, Placement, placement_matrix, run_parity
 from tierzero.slices import Tier
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -41,3 +41,12 @@ def test_engine_on_the_gpu_matches_plain_pytorch(case: tuple[int, Placement], tm
     for tier in set(placement.homes()) - {Tier.DEVICE}:
         assert tiers[tier.value]["current"] > 0, f"nothing lives on {tier.value}: {tiers}"
     assert list(tmp_path.iterdir()) == []  # close() removed the swap files
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_autocast_on_the_gpu_matches_plain_autocast(stage: int, tmp_path: Path) -> None:
+    """`precision.autocast` beside plain PyTorch under torch.autocast(bf16), its state on NVMe at stage 3."""
+    placement = PLACEMENTS["params-optimizer-nvme" if stage == 3 else "device"]
+    result = run_parity(stage=stage, placement=placement, nvme_path=tmp_path, device="cuda", steps=4, dtype="bf16")
+    assert result.max_loss_difference <= LOSS_TOLERANCE, (result.plain_losses, result.engine_losses)
+    assert result.max_param_difference <= PARAM_TOLERANCE

@@ -47,6 +47,13 @@ def test_parity_run_on_the_cpu_matches_plain_pytorch(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_autocast_parity_run_on_the_cpu_is_bitwise(tmp_path: Path) -> None:
+    """What tests/gpu asks of the GPU within cuBLAS's tolerance holds on the CPU bit for bit."""
+    placement = PLACEMENTS["params-optimizer-nvme"]
+    result = run_parity(stage=3, placement=placement, nvme_path=tmp_path, device="cpu", steps=2, dtype="bf16")
+    assert result.engine_losses == result.plain_losses and result.max_param_difference == 0.0
+
+
 def test_memcpy_traffic_sums_host_device_copies_of_a_trace() -> None:
     events = [
         {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "dur": 100.0, "args": {"bytes": 4096}},

@@ -238,10 +238,15 @@ def run_parity(
     preset: str = "tiny",
     seq: int = 32,
     batch: int = 2,
+    dtype: str = "fp32",
 ) -> ParityResult:
-    """Train both contenders `steps` steps on the same batches, with weight decay; their losses and final parameters."""
-    plain = PlainTraining(preset, device=device, weight_decay=PARITY_WEIGHT_DECAY)
-    config = engine_config(stage=stage, placement=placement, nvme_path=nvme_path, weight_decay=PARITY_WEIGHT_DECAY)
+    """Train both contenders `steps` steps on the same batches, with weight decay; their losses and final
+    parameters. bf16: plain PyTorch under autocast beside the engine's `precision.autocast`."""
+    plain = PlainTraining(preset, device=device, weight_decay=PARITY_WEIGHT_DECAY, dtype=dtype)
+    config = engine_config(
+        stage=stage, placement=placement, nvme_path=nvme_path, weight_decay=PARITY_WEIGHT_DECAY, dtype=dtype,
+        autocast=dtype != "fp32",
+    )  # fmt: skip
     tz = EngineTraining(preset, config)
     plain_losses, engine_losses = [], []
     try:
