@@ -73,8 +73,10 @@ def _lowered(module: nn.Module) -> bool:
 
 
 def autocast(device: torch.device, precision_cfg: Any) -> AbstractContextManager[Any]:
-    """`torch.autocast` to the compute dtype on the device's type under `precision.autocast`; else nothing."""
-    if not precision_cfg.autocast:
+    """`torch.autocast` to the compute dtype on the device's type under `precision.autocast`; else nothing.
+    Nothing on the meta device either, which autocast does not know: the estimator's dry run
+    counts the units' slices, whose dtypes the units fix, and meta ops take mixed dtypes."""
+    if not precision_cfg.autocast or device.type == "meta":
         return nullcontext()
     return torch.autocast(device.type, dtype=dtype_of(precision_cfg.param_dtype))
 

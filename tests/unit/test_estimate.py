@@ -110,6 +110,19 @@ def test_estimate_matches_measured_run(
     )
     raw["gradient_clipping"] = clipping
     raw["tiers"]["nvme"]["cache"] = cache
+    _check_estimate(raw, monkeypatch, cache=cache)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_estimate_matches_an_autocast_run(stage: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 linear layers beside fp32 embeddings and norms: the dry run casts as autocast does (MetaAutocast)."""
+    offload = ("nvme", "nvme", "nvme") if stage == 3 else ("device", "device", "cpu")
+    raw = _raw(tmp_path, stage=stage, params=offload[0], grads=offload[1], optimizer=offload[2], dtype="bf16")
+    raw["precision"]["autocast"] = True
+    _check_estimate(raw, monkeypatch, cache=0)
+
+
+def _check_estimate(raw: dict[str, Any], monkeypatch: pytest.MonkeyPatch, *, cache: int) -> None:
     predicted = estimate(load_config(raw))
     summary, report = _train(raw, monkeypatch)
 
