@@ -51,9 +51,10 @@ def dtype_of(name: str) -> torch.dtype:
         ) from None
 
 
-#: Layers whose parameters autocast reads only through an op it lowers (matmul, convolution).
+#: Layers whose parameters autocast reads only through an op it lowers on both CPU and CUDA
+#: (linear, convolutions; not `nn.Bilinear`, whose trilinear op it leaves in fp32).
 LOWERED_LAYERS: tuple[type[nn.Module], ...] = (
-    nn.Linear, nn.Bilinear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
 )  # fmt: skip
 
 

@@ -8,13 +8,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 from overflow_checks import found_inf, found_inf_flag, unscale_
+from torch import nn
 
 from tierzero.precision import (
+    LOWERED_LAYERS,
     DynamicLossScaler,
     StaticLossScaler,
     dtype_of,
     make_loss_scaler,
+    reads_fp32_under_autocast,
 )
+from tierzero.units import Binding
 
 
 def test_dtype_of() -> None:
@@ -159,3 +163,26 @@ def test_unscale_reports_overflow() -> None:
     assert torch.equal(tensors[0], torch.full((10,), 0.25))
     with pytest.raises(ValueError, match=r"loss scale must be a finite number > 0, got 0"):
         unscale_(tensors, 0)
+
+
+def test_the_layers_kept_in_bf16_are_those_autocast_lowers() -> None:
+    """Each lowered layer's output under CPU autocast is bf16 (its weights were rounded to it);
+    a bilinear layer's stays fp32, so its parameters are kept in fp32."""
+    torch.manual_seed(0)
+    layers = {
+        nn.Linear(4, 3): (torch.randn(2, 4),),
+        nn.Conv1d(2, 2, 3): (torch.randn(1, 2, 5),),
+        nn.Conv2d(2, 2, 3): (torch.randn(1, 2, 5, 5),),
+        nn.Conv3d(2, 2, 3): (torch.randn(1, 2, 5, 5, 5),),
+        nn.ConvTranspose1d(2, 2, 3): (torch.randn(1, 2, 5),),
+        nn.ConvTranspose2d(2, 2, 3): (torch.randn(1, 2, 5, 5),),
+        nn.ConvTranspose3d(2, 2, 3): (torch.randn(1, 2, 5, 5, 5),),
+        nn.Bilinear(4, 4, 3): (torch.randn(2, 4), torch.randn(2, 4)),
+        nn.LayerNorm(4): (torch.randn(2, 4),),
+    }
+    assert {type(layer) for layer in layers} >= set(LOWERED_LAYERS)
+    for layer, inputs in layers.items():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lowered = layer(*inputs).dtype == torch.bfloat16
+        bindings = [Binding(module=layer, attr=name, name=name) for name, _ in layer.named_parameters()]
+        assert reads_fp32_under_autocast(bindings) is not lowered, type(layer).__name__
