@@ -241,7 +241,8 @@ def all_gather_many(
             )
     if len(groups := _dtype_groups(shards)) > 1:
         return _joined(
-            all_gather_many([outputs[i] for i in g], [shards[i] for i in g], comm=comm, async_op=async_op) for g in groups
+            all_gather_many([outputs[i] for i in g], [shards[i] for i in g], comm=comm, async_op=async_op)
+            for g in groups
         )
     if _done_locally(comm, Collective.ALL_GATHER, outputs, shards, counted=outputs):
         return Pending()

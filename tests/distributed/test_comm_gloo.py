@@ -134,7 +134,7 @@ def test_many_buffers_in_one_exchange(world_size: int) -> None:
 def _mixed_dtypes_job(rank: int, world_size: int, _: Any) -> dict[str, Any]:
     comm = CommGroup.from_default_group(counter=CommCounter())
     dtypes = (torch.bfloat16, torch.float32, torch.bfloat16)  # autocast's units: bf16, their fp32 norms, bf16
-    fulls = [torch.arange(n * world_size, dtype=torch.float32).to(d) * (rank + 1) + 0.25 for n, d in zip((2, 3, 4), dtypes)]
+    fulls = [torch.arange(n * world_size).float().to(d) * (rank + 1) + 0.25 for n, d in zip((2, 3, 4), dtypes)]
     parts = [torch.empty(n, dtype=d) for n, d in zip((2, 3, 4), dtypes)]
     reduce_scatter_many(parts, fulls, comm=comm, async_op=True).wait()
     shards = [torch.full((n,), rank + 1.5, dtype=d) for n, d in zip((2, 3, 4), dtypes)]
@@ -150,7 +150,7 @@ def test_many_buffers_of_two_dtypes_keep_each_its_own() -> None:
     dtypes = (torch.bfloat16, torch.float32, torch.bfloat16)
     for rank, out in enumerate(results):
         for n, d, part in zip((2, 3, 4), dtypes, out["parts"]):
-            terms = [torch.arange(n * world_size, dtype=torch.float32).to(d) * (r + 1) + 0.25 for r in range(world_size)]
+            terms = [torch.arange(n * world_size).float().to(d) * (r + 1) + 0.25 for r in range(world_size)]
             assert part.dtype == d and torch.equal(part, (terms[0] + terms[1])[rank * n : (rank + 1) * n])
         for n, d, gathered in zip((2, 3, 4), dtypes, out["gathered"]):
             assert torch.equal(gathered, torch.cat([torch.full((n,), r + 1.5, dtype=d) for r in range(world_size)]))

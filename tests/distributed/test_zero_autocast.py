@@ -72,7 +72,8 @@ def _train(cfg: dict[str, Any], *, rank: int, world_size: int) -> tuple[dict[str
             tokens, targets = token_batch(step, batch=BATCH, seq=SEQ)
             run.step(tokens.chunk(world_size)[rank], targets.chunk(world_size)[rank])
         units = [(u.name, u.dtype) for u in run.engine.units]
-        kinds = {unit.name: {spec.kind.value: spec.dtype for spec in run.engine.plan.of(unit)} for unit in run.engine.units}
+        plan = run.engine.plan
+        kinds = {unit.name: {spec.kind.value: spec.dtype for spec in plan.of(unit)} for unit in run.engine.units}
         return run.engine.full_state_dict(), (units, kinds)
     finally:
         run.close()
@@ -155,7 +156,10 @@ def _steps(engine: Any, case: Case, steps: range) -> None:
 
 
 def _case(model_name: str, *, lora: bool = False) -> Case:
-    return Case(stage=3, optimizer="adamw", steps=STEPS, clip=0.0, accumulation=1, global_batch=4, model_name=model_name, lora=lora)
+    return Case(
+        stage=3, optimizer="adamw", steps=STEPS, clip=0.0, accumulation=1, global_batch=4,
+        model_name=model_name, lora=lora,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("model_name", ["gpt2", "llama"])

@@ -188,7 +188,8 @@ BAD_CONFIGS = [
     ({"precision": {"autocast": True}},
      "precision.autocast needs a lower compute dtype than fp32: set precision.param_dtype to bf16 (or fp16), "
      "or drop precision.autocast"),
-    ({"precision": {"param_dtype": "bf16", "autocast": "yes"}}, "precision.autocast: expected true or false, got 'yes'"),
+    ({"precision": {"param_dtype": "bf16", "autocast": "yes"}},
+     "precision.autocast: expected true or false, got 'yes'"),
     ({"optimizer": {"type": "lamb"}}, "optimizer.type: expected one of adamw, adam, sgd, got 'lamb'"),
     ({"optimizer": {"betas": [0.9]}}, "optimizer.betas: expected two numbers in [0, 1) such as [0.9, 0.999], got [0.9]"),
     ({"optimizer": {"betas": [0.9, 1.0]}}, "optimizer.betas: expected two numbers in [0, 1) such as [0.9, 0.999], got [0.9, 1.0]"),

@@ -340,9 +340,8 @@ def test_torch_autocast_is_precision_autocast() -> None:
     base = {"zero_optimization": {"stage": 3}}
     cfg, warned = _load(base | {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
     assert (cfg.precision.autocast, cfg.precision.param_dtype) == (True, "bf16") and warned == Counter()
-    cfg, warned = _load(
-        base | {"torch_autocast": {"enabled": True, "dtype": "float16", "lower_precision_safe_modules": ["torch.nn.Linear"]}}
-    )
+    safe = {"lower_precision_safe_modules": ["torch.nn.Linear"]}
+    cfg, warned = _load(base | {"torch_autocast": {"enabled": True, "dtype": "float16", **safe}})
     assert (cfg.precision.autocast, cfg.precision.param_dtype) == (True, "fp16")
     assert warned == _ignored("torch_autocast.lower_precision_safe_modules")
     cfg, _ = _load(base | {"torch_autocast": {"enabled": False, "dtype": "bfloat16"}})

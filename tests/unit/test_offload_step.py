@@ -197,7 +197,10 @@ def test_the_step_takes_gradients_where_no_copy_blocks_the_host() -> None:
     assert tier(Tier.CPU, Tier.DEVICE, "cuda") is Tier.DEVICE  # a step on the GPU takes host grads up
 
 
-@pytest.mark.parametrize(("sizes", "prepared"), [(None, 3), ({"big0": 100, "big1": 100, "big2": 100, "s0": 1, "s1": 1}, 4)])
+SIZES = {"big0": 100, "big1": 100, "big2": 100, "s0": 1, "s1": 1}
+
+
+@pytest.mark.parametrize(("sizes", "prepared"), [(None, 3), (SIZES, 4)])
 def test_small_groups_take_a_small_part_of_the_bound(sizes: dict[str, int] | None, prepared: int) -> None:
     """Counted, three groups fill the bound whatever their size; weighed in bytes, two small ones
     fit beside two large ones and the third large one does not (3 x 100 bytes at most)."""

@@ -150,7 +150,9 @@ def test_autocast_keeps_what_it_reads_in_fp32_in_units_of_their_own(monkeypatch:
     model = _autocast_model()
     units = plan_units(model, world_size=1, align_numel=4, keep_fp32=reads_fp32_under_autocast)
     names = {u.name: ([s.name for s in u.slots], u.dtype, u.trainable) for u in units}
-    assert list(names) == ["blocks.0", "blocks.1", ROOT, "blocks.0:fp32", "blocks.1:fp32", "root:fp32", "blocks.1:fp32:frozen"]
+    assert list(names) == [
+        "blocks.0", "blocks.1", ROOT, "blocks.0:fp32", "blocks.1:fp32", "root:fp32", "blocks.1:fp32:frozen"
+    ]  # fmt: skip
     assert names["blocks.0"] == (["blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.0.out.weight"], None, True)
     assert names["blocks.0:fp32"] == (["blocks.0.norm.weight", "blocks.0.norm.bias"], torch.float32, True)
     assert names["blocks.1:fp32:frozen"] == (["blocks.1.norm.bias"], torch.float32, False)

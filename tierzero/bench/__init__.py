@@ -127,7 +127,10 @@ def add_bench_commands(subparsers: Any) -> None:
         "step by step, where one's trailing writes may land while the other computes)",
     )
     train.add_argument("--json", help="--device cuda: also write the result here")
-    train.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: tierzero's precision.autocast beside plain autocast")
+    train.add_argument(
+        "--dtype", choices=("fp32", "bf16"), default="fp32",
+        help="bf16: tierzero's precision.autocast beside plain autocast",
+    )  # fmt: skip
     train.add_argument(
         "--clip", type=float, default=0.0, help="gradient clipping of both (tierzero's gradient_clipping, torch's clip_grad_norm_)"
     )

@@ -84,7 +84,8 @@ _MAPPING_ROWS = (
     ("scheduler.params.total_num_steps", "scheduler.total_steps", "WarmupDecayLR, WarmupCosineLR: required; \"auto\": null (train.steps)"),
     ("fp16.enabled / bf16.enabled", "precision.param_dtype", "\"auto\": off"),
     ("torch_autocast.enabled / dtype", "precision.autocast / precision.param_dtype",
-     "bfloat16 -> bf16, float16 -> fp16, required; not beside fp16 or bf16 enabled; lower_precision_safe_modules is ignored"),
+     "bfloat16 -> bf16, float16 -> fp16, required; not beside fp16 or bf16 enabled; "
+     "lower_precision_safe_modules is ignored"),
     ("fp16.loss_scale", "precision.loss_scale", "0 -> dynamic"),
     ("fp16.initial_scale_power", "precision.initial_scale", "2 ** power"),
     ("fp16.loss_scale_window / min_loss_scale", "precision.scale_window / min_scale", ""),
