@@ -33,7 +33,7 @@ from torch.distributed._composable import checkpoint
 
 from tierzero.slices import Kind, Tier
 from tierzero.store.protocol import SliceStore
-from tierzero.units import ROOT, Unit, module_name
+from tierzero.units import ROOT, Unit, module_of
 
 __all__ = ["SavedActivations", "checkpoint_units", "recomputing"]
 
@@ -53,12 +53,12 @@ def checkpoint_units(units: Sequence[Unit], every: int) -> list[str]:
         return []
     blocks: list[Unit] = []
     for unit in units:
-        if module_name(unit) != ROOT and all(unit.module is not b.module for b in blocks):
+        if module_of(unit.name) != ROOT and all(unit.module is not b.module for b in blocks):
             blocks.append(unit)
     chosen = blocks[::every]
     for unit in chosen:
         checkpoint(unit.module)
-    return [module_name(unit) for unit in chosen]
+    return [module_of(unit.name) for unit in chosen]
 
 
 @dataclass(eq=False, slots=True, weakref_slot=True)

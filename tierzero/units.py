@@ -132,19 +132,15 @@ class Unit:
         return out
 
 
-def module_name(unit: Unit) -> str:
-    """The name of the wrapped module (or ROOT) whose parameters the unit holds, without suffixes."""
-    return module_of(unit.name)
-
-
 def module_of(unit_name: str) -> str:
-    """`module_name` from a unit's name: units of one module (its frozen and fp32 companions) share it."""
+    """The wrapped module (or ROOT) a unit's parameters belong to, from its name without suffixes:
+    units of one module (its frozen and fp32 companions) share it."""
     return unit_name.partition(":")[0]
 
 
 def is_root(unit: Unit) -> bool:
     """The root unit or one of its companions: gathered all through forward and backward (stage 3)."""
-    return module_name(unit) == ROOT
+    return module_of(unit.name) == ROOT
 
 
 def plan_units(

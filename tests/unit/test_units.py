@@ -8,7 +8,7 @@ from torch import nn
 
 import tierzero.units as units_module
 from tierzero.precision import reads_fp32_under_autocast
-from tierzero.units import DEFAULT_ALIGN_NUMEL, ROOT, UnitState, is_root, module_name, plan_units
+from tierzero.units import DEFAULT_ALIGN_NUMEL, ROOT, UnitState, is_root, module_of, plan_units
 
 
 class Block(nn.Module):
@@ -159,7 +159,7 @@ def test_autocast_keeps_what_it_reads_in_fp32_in_units_of_their_own(monkeypatch:
     assert names["root:fp32"] == (["embed.weight"], torch.float32, True)  # also lm_head.weight
     assert names[ROOT] == (["heads.0.weight", "heads.0.bias"], None, True)
     assert {u.module for u in units if u.name.startswith("blocks.1")} == {model.blocks[1]}
-    assert all(module_name(u) == ROOT for u in units if is_root(u)) and sum(map(is_root, units)) == 2
+    assert all(module_of(u.name) == ROOT for u in units if is_root(u)) and sum(map(is_root, units)) == 2
 
 
 def test_small_fp32_parameters_join_the_roots_after_its_own() -> None:
