@@ -169,6 +169,7 @@ class StepPipeline:
         self._store, self._compute, self._written = store, compute, written
         self._hand_off, self._keep_home = hand_off, keep_home
         self._sizes = dict(sizes or {})
+        self._largest = max(self._sizes.values(), default=1)
         self._bound = sum(sorted(self._sizes.values(), reverse=True)[:max_resident]) if self._sizes else max_resident
         self._writing: deque[_Writing] = deque()
         self._waiting: Prepared | None = None
@@ -187,9 +188,7 @@ class StepPipeline:
     def _weight(self, group: SliceGroup) -> int:
         """What a group counts against the bound: its bytes given `sizes` (the largest group's for
         a unit it lacks), else one."""
-        if not self._sizes:
-            return 1
-        return self._sizes.get(group.unit, max(self._sizes.values()))
+        return self._sizes.get(group.unit, self._largest)
 
     def _resident(self) -> int:
         held = [self._waiting[0]] if self._waiting is not None else []
