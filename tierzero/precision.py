@@ -19,9 +19,10 @@ from the fp32 master); every other parameter, and one tied to such a layer and t
 else, stays fp32 and is its own master, in units of its own (tierzero/units.py): its
 module's `:fp32` unit, or, below a MiB a module (a block's norms), the root's, gathered all
 step, which spares each block a slice's gather, read and write per step. The gradients are
-the bits autocast produces (a bf16 gradient widened to fp32 is exact), so with fp32
-reduction (`precision.reduce_dtype: fp32`, or one rank) the steps are bitwise those of plain
-PyTorch under autocast with an fp32 optimizer. The bytes moved are bf16's for the lowered
+the bits autocast produces (a bf16 gradient widened to fp32 is exact), so at one rank the
+steps are bitwise those of plain PyTorch under autocast with an fp32 optimizer; across ranks,
+with fp32 reduction (`precision.reduce_dtype: fp32`), the sums are plain ZeRO's and the
+sharded optimizer rounds a few elements one ulp apart from torch's, as it does in fp32. The bytes moved are bf16's for the lowered
 weights and fp32's for the rest; in a transformer the rest is the embeddings and the norms.
 """
 

@@ -42,8 +42,9 @@ class PrecisionConfig(Section):
     take 4 bytes a parameter."""
     autocast: bool = setting(False, BOOL)
     """Run the forward under torch.autocast to param_dtype and keep in fp32 every parameter
-    autocast reads in fp32 (embeddings, norms): the numerics of plain PyTorch under autocast,
-    bitwise with reduce_dtype fp32, with bf16 bytes for the linear layers' weights only."""
+    autocast reads in fp32 (embeddings, norms): the numerics of plain PyTorch under autocast
+    (bitwise at one rank; across ranks with reduce_dtype fp32, up to the last bit of a few
+    elements of the sharded optimizer, as in fp32), with bf16 bytes for the linear layers' weights only."""
     loss_scale: str | float = setting("dynamic", LOSS_SCALE)
     """fp16 only: 'dynamic' (halve on overflow, grow after scale_window clean steps) or a fixed
     positive scale."""
