@@ -23,6 +23,7 @@ from tierzero.activations import SavedActivations, checkpoint_units
 from tierzero.checkpoint import RootLock, claim_root, load_checkpoint, probe_root, save_checkpoint
 from tierzero.config import Config
 from tierzero.groups import GroupRules
+from tierzero.kernels import use_linear_kernel
 from tierzero.materialize import flat_fp32, has_meta, materialize_rest, materialize_unit, unit_on_meta
 from tierzero.mesh import Mesh, build_mesh, launcher_topology
 from tierzero.offload.host_heap import keep_freed_memory
@@ -184,6 +185,7 @@ class Engine:
             self._hooks.append(unit.module.register_forward_pre_hook(self._pre_hook(unit), with_kwargs=True))
             self._hooks.append(unit.module.register_forward_hook(self._post_hook(unit)))
         checkpoint_units(self.units, int(self.cfg.activations.checkpoint))  # inside the unit hooks
+        use_linear_kernel(self.module, self.cfg.precision.linear_kernel)
         if self._meta and self._ctx.device.type != "meta":
             materialize_rest(self.module, seed=int(self.cfg.train.seed) + len(self.units))
         if self._weights is not None:

@@ -1,0 +1,127 @@
+"""precision.linear_kernel: oneDNN's fp32 CPU linear, its gradients, where it applies, and the
+engine's steps with it against plain PyTorch with the same kernel, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tierzero.bench.contenders import LR, PLACEMENTS, EngineTraining, engine_config, gpt, token_batch
+from tierzero.kernels import OneDnnLinear, onednn_available, use_linear_kernel
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN")
+
+
+def _float64_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("shape", [(7, 300), (2, 7, 300), (3, 2, 5, 300)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_forward_and_gradients_match_the_float64_linear(shape: tuple[int, ...], bias: bool) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(*shape, requires_grad=True)
+    w = torch.randn(200, 300, requires_grad=True)
+    b = torch.randn(200, requires_grad=True) if bias else None
+    y = OneDnnLinear.apply(x, w, b)
+    upstream = torch.randn_like(y)
+    y.backward(upstream)
+
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    b64 = None if b is None else b.detach().double().requires_grad_()
+    y64 = F.linear(x64, w64, b64)
+    y64.backward(upstream.double())
+    # fp32 sums of 300 (or 70) products of unit normals: a few ulps of their magnitude.
+    for got, want in [(y, y64), (x.grad, x64.grad), (w.grad, w64.grad)] + ([(b.grad, b64.grad)] if bias else []):
+        assert got is not None and want is not None and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-4)
+
+
+def test_non_contiguous_inputs_and_a_weight_inside_a_flat_buffer() -> None:
+    """The engine binds weights as views into a unit's flat buffer (offset, not at its start)."""
+    torch.manual_seed(1)
+    flat = torch.randn(3 + 40 * 60 + 40)
+    w, b = flat[3 : 3 + 2400].view(40, 60), flat[3 + 2400 :]
+    x = torch.randn(5, 120)[:, ::2]
+    assert not x.is_contiguous()
+    torch.testing.assert_close(OneDnnLinear.apply(x, w, b).double(), _float64_reference(x, w, b), rtol=0, atol=1e-4)
+
+
+def test_only_plain_linear_layers_change_and_torch_changes_nothing() -> None:
+    class Adapter(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), Adapter(8, 8), nn.Linear(8, 4))
+    assert use_linear_kernel(model, "torch") == 0
+    assert all("forward" not in vars(m) for m in model.modules())
+    assert use_linear_kernel(model, "onednn") == 2
+    assert "forward" in vars(model[0]) and "forward" not in vars(model[2]) and "forward" in vars(model[3])
+    with pytest.raises(ValueError, match="unknown linear kernel 'mkl'"):
+        use_linear_kernel(model, "mkl")
+
+
+def test_the_dispatch_takes_onednn_for_fp32_cpu_and_f_linear_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    real = OneDnnLinear.apply
+    monkeypatch.setattr(OneDnnLinear, "apply", lambda *a: calls.append("onednn") or real(*a))
+    layer = nn.Linear(16, 8)
+    use_linear_kernel(layer, "onednn")
+    x = torch.randn(4, 16)
+    layer(x)
+    assert calls == ["onednn"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lowered = layer(x)
+    assert calls == ["onednn"] and lowered.dtype == torch.bfloat16  # autocast's own F.linear
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(lowered, F.linear(x, layer.weight, layer.bias))
+    layer.to(torch.float64)
+    assert torch.equal(layer(x.double()), F.linear(x.double(), layer.weight, layer.bias))
+    assert calls == ["onednn"]
+
+
+def test_a_deep_copy_computes_with_its_own_weights() -> None:
+    layer = nn.Linear(6, 3)
+    use_linear_kernel(layer, "onednn")
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.weight.zero_()
+        twin.bias.fill_(1.0)
+    assert torch.equal(twin(torch.randn(2, 6)), torch.ones(2, 3))
+
+
+def _plain_steps(steps: int, kernel: str) -> dict[str, torch.Tensor]:
+    model = gpt("tiny")
+    use_linear_kernel(model, kernel)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
+    for step in range(steps):
+        tokens, targets = token_batch(step, batch=4, seq=16)
+        _, loss = model(tokens, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("stage", "placement"), [(3, "params-optimizer-nvme"), (1, "device")])
+def test_the_engine_steps_as_plain_pytorch_with_the_same_kernel(stage: int, placement: str, tmp_path: Path) -> None:
+    cfg = engine_config(stage=stage, placement=PLACEMENTS[placement], nvme_path=tmp_path)
+    cfg["precision"]["linear_kernel"] = "onednn"
+    run = EngineTraining("tiny", cfg)
+    try:
+        for step in range(3):
+            tokens, targets = token_batch(step, batch=4, seq=16)
+            run.step(tokens, targets)
+        got = run.engine.full_state_dict()
+    finally:
+        run.close()
+    want = _plain_steps(3, "onednn")
+    assert got is not None and want.keys() <= got.keys()
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    # and the kernel mattered: PyTorch's own lands elsewhere in the last bits
+    assert not all(torch.equal(p, want[name]) for name, p in _plain_steps(3, "torch").items())
