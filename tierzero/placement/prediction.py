@@ -41,6 +41,7 @@ from torch import nn
 from tierzero.config import Config
 from tierzero.estimate.counting import Traffic
 from tierzero.estimate.estimator import Bandwidth, Estimate, measure_flops
+from tierzero.kernels import use_linear_kernel
 from tierzero.micro_step import PARTS
 from tierzero.models import BUILT_IN, spec_from_config
 from tierzero.optim import make_optimizer
@@ -269,12 +270,14 @@ class _TimedBlock:
             shape = (cfg.train.micro_batch_size, cfg.train.seq_len, spec.d_model)
             self.x = torch.randn(*shape, dtype=dtype, requires_grad=True)
             self.extra = BUILT_IN[model.type].block_inputs(spec, cfg.train.seq_len)
+        use_linear_kernel(self.block, cfg.precision.linear_kernel)  # the engine's kernels
         for p in self.block.parameters():
             p.grad = torch.zeros_like(p)
         self.device = device
         self.flops = 6.0 * sum(p.numel() for p in self.block.parameters()) * shape[0] * shape[1]
         what = f"one {model.type} block's forward and backward at {shape[0]}x{shape[1]} tokens"
-        self.what = f"{cfg.precision.param_dtype} {what}, {device.type}"
+        kernel = "" if cfg.precision.linear_kernel == "torch" else f", {cfg.precision.linear_kernel} linear"
+        self.what = f"{cfg.precision.param_dtype} {what}, {device.type}{kernel}"
         self.passes(0.0, at_least=1)  # warm-up: first touch of the pages, kernel choice
 
     @classmethod
