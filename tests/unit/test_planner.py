@@ -22,7 +22,7 @@ from tierzero.models import build_model
 from tierzero.placement import MachineBudgets, TierBudget
 from tierzero.placement.planner import PlacementError, RankBudgets, plan_placement
 from tierzero.placement.prediction import predict
-from tierzero.slices import Tier
+from tierzero.slices import Kind, Tier
 from tierzero.stages.plan import Homes
 
 DISK = Bandwidth(read=2.0e9, write=3.0e9, source="test")
@@ -96,15 +96,18 @@ def test_a_unit_home_differs_from_its_kind_only_off_the_device() -> None:
         Homes(grads=Tier.DEVICE, units={("h.0", "grads"): Tier.CPU})
 
 
-def _replayed(*, forward: Traffic, backward: Traffic, step: Traffic | None = None) -> Any:
+def _replayed(*, forward: Traffic, backward: Traffic, step: Traffic | None = None, units: int = 0) -> Any:
     """An estimate's fields `predict` reads: 3 s of compute (1 s forward, 2 s backward), 2,000
-    elements stepped, a disk of 1,000 bytes/s both ways, the traffic by part as given."""
+    elements stepped, a disk of 1,000 bytes/s both ways, the traffic by part as given; `units`
+    units "u0", "u1"... of 1,000 parameters each."""
     from types import SimpleNamespace
 
     phases = {"forward": forward, "backward": backward, "step": step or Traffic()}
     read, written = (sum(getattr(t, what) for t in phases.values()) for what in ("read", "written"))
+    specs = {f"u{i}": [SimpleNamespace(kind=Kind.PARAM, numel=1_000)] for i in range(units)}
     return SimpleNamespace(
-        plan=SimpleNamespace(stepped_elements=lambda: 2_000), compute_floor_s=3.0, io_floor_s=(read + written) / 1_000,
+        plan=SimpleNamespace(stepped_elements=lambda: 2_000, specs=specs), compute_floor_s=3.0,
+        io_floor_s=(read + written) / 1_000,
         memory_copied=sum(t.copied for t in phases.values()), disk=Bandwidth(read=1_000.0, write=1_000.0, source=""),
         phases=phases,
     )  # fmt: skip
@@ -122,6 +125,18 @@ def test_each_part_of_the_step_is_its_disk_beside_the_rest_which_adds_up_without
     assert predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=True).step_s == 5.0
     result = _replayed(forward=Traffic(read=4_000), backward=Traffic(copied=500, stepped=2_000))
     assert predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=False).step_s == 7.5
+
+
+def test_a_units_disk_hides_only_behind_its_own_share_of_the_rest() -> None:
+    """Backward's 3.5 s of rest is two units' work, 1.75 s each. The step pipeline reads a unit's
+    states while that unit computes, so 2 s of disk for u0 alone take max(2, 1.75) and u1's work
+    follows: 3.75 s, where the whole part's disk beside its rest would say 3.5. The same 2 s
+    split over both units hide behind their work: 3.5 s."""
+    kw = {"copy_rate": 1_000.0, "step_rate": 2_000.0, "cuda": False}
+    one = Traffic(read=2_000, copied=500, stepped=2_000, by_unit={"u0": [2_000, 0]})
+    assert predict(_replayed(forward=Traffic(), backward=one, units=2), **kw).step_s == pytest.approx(1.0 + 3.75)
+    both = Traffic(read=2_000, copied=500, stepped=2_000, by_unit={"u0": [1_000, 0], "u1": [1_000, 0]})
+    assert predict(_replayed(forward=Traffic(), backward=both, units=2), **kw).step_s == pytest.approx(1.0 + 3.5)
 
 
 def test_the_optimizer_counts_in_the_step_part_when_no_element_was_counted() -> None:
@@ -169,7 +184,7 @@ def test_the_replay_counts_each_byte_in_the_part_of_the_step_that_issues_it(
     """Each unit is stepped where its stage steps it: stage 3 without clipping inside backward,
     writing every NVMe byte there; with clipping in the next forward's order (the first units
     when the step is asked for); stage 1 in the step, which reads and writes all the states
-    there. The parts add up to the step's totals."""
+    there. The parts add up to the step's totals, and each part's units to the part's."""
     offload = {"optimizer": "nvme"} if stage == 1 else {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}
     cfg = load_config(_raw(tmp_path, offload=offload, stage=stage, clipping=clipping))
     result = estimate(cfg, disk=DISK, flops=FLOPS, suggest=False)
@@ -180,6 +195,10 @@ def test_the_replay_counts_each_byte_in_the_part_of_the_step_that_issues_it(
     assert sum(t.read for t in phases.values()) == result.nvme_read
     assert sum(t.written for t in phases.values()) == result.nvme_written
     assert sum(t.copied for t in phases.values()) == result.memory_copied
+    for traffic in phases.values():  # each NVMe byte also by the unit whose slice moved
+        by_unit = [sum(column) for column in zip(*traffic.by_unit.values())] or [0, 0]
+        assert by_unit == [traffic.read, traffic.written]
+        assert set(traffic.by_unit) <= set(plan.specs)
     if stepped_in == ("backward",):
         assert phases["backward"].written == result.nvme_written > 0
     if stage == 1:

@@ -54,6 +54,19 @@ class Traffic:
     written: int = 0
     copied: int = 0
     stepped: int = 0
+    by_unit: dict[str, list[int]] = field(default_factory=dict)
+    """NVMe bytes [read, written] by the unit whose slice moved."""
+
+    def merged(self, other: Traffic) -> Traffic:
+        """Both parts' traffic as one's."""
+        by_unit = {unit: list(counts) for unit, counts in self.by_unit.items()}
+        for unit, (read, written) in other.by_unit.items():
+            counts = by_unit.setdefault(unit, [0, 0])
+            counts[0], counts[1] = counts[0] + read, counts[1] + written
+        return Traffic(
+            read=self.read + other.read, written=self.written + other.written, copied=self.copied + other.copied,
+            stepped=self.stepped + other.stepped, by_unit=by_unit,
+        )  # fmt: skip
 
 
 class _LandsWhenWaited(Future):
@@ -342,8 +355,8 @@ class CountingStore:
         phase = self.by_phase.setdefault(self.phase, Traffic())
         phase.read, phase.written, phase.copied = phase.read + read, phase.written + written, phase.copied + copied
         if key is not None:
-            counts = self.by_slice.setdefault(key, [0, 0])
-            counts[0], counts[1] = counts[0] + read, counts[1] + written
+            for counts in (self.by_slice.setdefault(key, [0, 0]), phase.by_unit.setdefault(key.unit, [0, 0])):
+                counts[0], counts[1] = counts[0] + read, counts[1] + written
 
     def _add(self, tier: Tier, kind: Kind, use: Use, delta: int, label: str) -> None:
         self._ledger.add(tier, kind, use, delta)

@@ -19,6 +19,13 @@ counts in that forward. Each part takes the longer of its disk and its rest, and
 their sum: a placement whose disk works only in backward, beside two thirds of the compute,
 is predicted as such, not as if the forward's compute hid it too.
 
+Within a part, a unit's bytes hide only behind its own share of the rest (by parameters):
+the pipelines read a unit a group or two ahead, so a unit whose states stay in memory
+computes while the disk has nothing of its own to do. A part is then the sum over its units
+of the longer of each one's disk and its work, plus the work of the units the disk does
+not touch. On the 2B auto plan with the oneDNN linear (70 units' states on NVMe, 35 cached)
+the whole-part rule predicted 7.77 s against 9.38-9.60 s measured (-18%); per unit, 9.87 s.
+
 On the 2B preset (docs/BENCHMARKS.md, sessions 8 to 10) the planned placement's step measured
 8.3-9.7 s. Predicted from one Linear's three products it was 6.8-7.6 s (-15% to -25%); from
 a block timed once alone and once beside the disk, 7.5-11.3 s, as the machine drifted between
@@ -47,7 +54,7 @@ from tierzero.models import BUILT_IN, spec_from_config
 from tierzero.optim import make_optimizer
 from tierzero.placement.disk import streaming
 from tierzero.precision import dtype_of
-from tierzero.slices import Tier
+from tierzero.slices import Kind, Tier
 
 __all__ = [
     "Part", "Prediction", "measure_block_flops", "measure_compute", "measure_copy_rate", "measure_step_rate", "predict",
@@ -67,13 +74,18 @@ class Part:
     compute_s: float
     optimizer_s: float
     copy_s: float
+    units: tuple[tuple[float, float], ...] = ()
+    """(the disk's seconds for the unit's slices in this part, the unit's share of the parameters)
+    for each unit whose slices the disk moves in this part."""
 
     def seconds(self, *, cuda: bool, slowdown: float) -> float:
-        """The part's time: its disk beside the rest (see the module note)."""
+        """The part's time: each unit's disk beside its share of the rest (see the module note)."""
         rest = self._rest(cuda=cuda)
         if not cuda and rest > 0:
             rest *= 1.0 + (slowdown - 1.0) * min(1.0, self.io_s / rest)
-        return max(self.io_s, rest)
+        paired = sum(max(io, rest * share) for io, share in self.units)
+        alone = max(0.0, rest * (1.0 - sum(share for _, share in self.units)))
+        return max(self.io_s, rest, paired + alone)
 
     def bound(self, *, cuda: bool) -> str:
         return "disk" if self.io_s > self._rest(cuda=cuda) else "compute"
@@ -143,22 +155,24 @@ def _parts(result: Estimate, *, optimizer_s: float, copy_rate: float) -> tuple[P
     phases = {name: result.phases.get(name, Traffic()) for name in PARTS}
     stepped = sum(traffic.stepped for traffic in phases.values())
     if phases["step"].stepped == 0 and stepped:
-        ahead, forward = phases["step"], phases["forward"]
-        phases["forward"] = Traffic(
-            read=forward.read + ahead.read, written=forward.written + ahead.written,
-            copied=forward.copied + ahead.copied, stepped=forward.stepped,
-        )  # fmt: skip
+        phases["forward"] = phases["forward"].merged(phases["step"])
         phases["step"] = Traffic()
     disk, parts = result.disk, []
+    params = {unit: next((s.numel for s in specs if s.kind is Kind.PARAM), 0) for unit, specs in result.plan.specs.items()}
+    total = sum(params.values()) or 1
     for name, traffic in phases.items():
         if stepped:
             optimizer = optimizer_s * traffic.stepped / stepped
         else:
             optimizer = optimizer_s if name == "step" else 0.0
         io = 0.0 if disk is None else traffic.read / disk.read + traffic.written / disk.write
+        units = () if disk is None else tuple(
+            (read / disk.read + written / disk.write, params.get(unit, 0) / total)
+            for unit, (read, written) in sorted(traffic.by_unit.items())
+        )  # fmt: skip
         parts.append(Part(
             name=name, io_s=io, compute_s=result.compute_floor_s * COMPUTE_SHARE[name], optimizer_s=optimizer,
-            copy_s=traffic.copied / copy_rate,
+            copy_s=traffic.copied / copy_rate, units=units,
         ))  # fmt: skip
     return tuple(parts)
 
