@@ -110,13 +110,10 @@ class Engine:
         self.placement: Any = None
         """The planner's `PlacementPlan` when it chose `homes` (set by `tierzero.initialize`), else None."""
         self.plan = stage_class.plan_slices(
-            self.units,
-            param_dtype=self._param_dtype,
+            self.units, param_dtype=self._param_dtype, state_kinds=optimizer.state_kinds, homes=homes,
             grad_dtype=dtype_of(cfg.precision.reduce_dtype or cfg.precision.param_dtype),
-            state_kinds=optimizer.state_kinds,
-            homes=homes,
             secondary_parts=self.mesh.secondary_parts,
-        )
+        )  # fmt: skip
         self.store = store if store is not None else self._make_store()
         self._hooks: list[Any] = []
         self._closed = False
