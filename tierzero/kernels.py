@@ -3,8 +3,8 @@
 [Note: the oneDNN linear]
 PyTorch computes an fp32 `nn.Linear` on the CPU with MKL's sgemm. At the few tokens of
 an offloaded fine-tuning step (64 on the oversized preset) that call packs the whole
-weight on every use, and on an AMD host MKL picks its generic kernels: 100-130 GFLOP/s
-on this machine's two cores, against 170-190 for the JIT kernels of oneDNN, which
+weight on every use, and on an AMD host MKL picks its generic kernels: 100-131 GFLOP/s
+on this machine's two cores, against 173-184 for the JIT kernels of oneDNN, which
 PyTorch ships for its compiled CPU linear (`torch.ops.mkldnn._linear_pointwise`).
 `precision.linear_kernel: onednn` runs each `nn.Linear`'s forward and its input
 gradient there; the weight gradient stays MKL's `mm`, which is as fast at these
@@ -54,7 +54,6 @@ class OneDnnLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
         return _onednn(x, weight, bias)
 
     @staticmethod
@@ -66,7 +65,7 @@ class OneDnnLinear(torch.autograd.Function):
         flat = grad.reshape(-1, grad.shape[-1])
         if ctx.needs_input_grad[1]:
             grad_weight = flat.t().mm(x.reshape(-1, x.shape[-1]))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:  # False for a None bias
             grad_bias = flat.sum(0)
         return grad_x, grad_weight, grad_bias
 
