@@ -22,8 +22,9 @@ step, which spares each block a slice's gather, read and write per step. The gra
 the bits autocast produces (a bf16 gradient widened to fp32 is exact), so at one rank the
 steps are bitwise those of plain PyTorch under autocast with an fp32 optimizer; across ranks,
 with fp32 reduction (`precision.reduce_dtype: fp32`), the sums are plain ZeRO's and the
-sharded optimizer rounds a few elements one ulp apart from torch's, as it does in fp32. The bytes moved are bf16's for the lowered
-weights and fp32's for the rest; in a transformer the rest is the embeddings and the norms.
+sharded optimizer rounds a few elements one ulp apart from torch's, as it does in fp32. The
+bytes moved are bf16's for the lowered weights and fp32's for the rest; in a transformer the
+rest is the embeddings and the norms.
 """
 
 from __future__ import annotations

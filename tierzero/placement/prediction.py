@@ -158,7 +158,8 @@ def _parts(result: Estimate, *, optimizer_s: float, copy_rate: float) -> tuple[P
         phases["forward"] = phases["forward"].merged(phases["step"])
         phases["step"] = Traffic()
     disk, parts = result.disk, []
-    params = {unit: next((s.numel for s in specs if s.kind is Kind.PARAM), 0) for unit, specs in result.plan.specs.items()}
+    specs = result.plan.specs
+    params = {unit: next((s.numel for s in of_unit if s.kind is Kind.PARAM), 0) for unit, of_unit in specs.items()}
     total = sum(params.values()) or 1
     for name, traffic in phases.items():
         if stepped:
