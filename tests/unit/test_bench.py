@@ -111,6 +111,7 @@ def _snippet(stdout: str) -> str:
 
 def test_bench_nvme_quick_writes_json_plot_and_a_loadable_snippet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tierzero.config import load_config
+    from tierzero.placement.disk import remembered
 
     out_json, out_png, data = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "disk"
     data.mkdir()
@@ -151,6 +152,12 @@ def test_bench_nvme_quick_writes_json_plot_and_a_loadable_snippet(tmp_path: Path
     assert cfg.tiers.nvme.block_size == best["block_size"] and cfg.tiers.nvme.queue_depth == best["queue_depth"]
     assert cfg.tiers.nvme.threads == best["threads"] and cfg.tiers.nvme.backend == best["backend"]
     assert list(data.iterdir()) == [], "bench nvme left files behind"
+    # Every point is remembered for the planner, each under its own setting.
+    for backend in ("pread", "aiofiles"):
+        rates = remembered(data, f"1.0 MiB qd4 t2 {backend}")
+        medians = {r["direction"]: r["GBps"] for r in report["runs"] if r["backend"] == backend}
+        assert rates is not None and (rates.read, rates.write) == (medians["read"] * 1e9, medians["write"] * 1e9)
+    assert remembered(data, "8.0 MiB qd16 t8 pread") is None
 
 
 def test_bench_nvme_fails_naming_the_slice_when_a_read_is_corrupted(

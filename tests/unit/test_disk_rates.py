@@ -10,55 +10,85 @@ import pytest
 from tierzero.placement import disk
 
 
-def test_rates_are_remembered_per_directory(tmp_path: Path) -> None:
+#: The setting `tiers.nvme` defaults to, as the cache keys it.
+DEFAULT = "8.0 MiB qd16 t8 pread"
+
+
+def test_rates_are_remembered_per_directory_and_setting(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
-    assert disk.remembered(a) is None
-    disk.remember(a, read_gbs=2.5, write_gbs=4.0, how="bench nvme")
-    rates = disk.remembered(a / ".." / "a")  # the same directory by another spelling
+    assert disk.remembered(a, DEFAULT) is None
+    disk.remember(a, {DEFAULT: (2.5, 4.0), "1.0 MiB qd4 t2 pread": (1.5, 3.0)}, how="bench nvme")
+    rates = disk.remembered(a / ".." / "a", DEFAULT)  # the same directory by another spelling
     assert rates is not None and (rates.read, rates.write) == (2.5e9, 4.0e9)
-    assert rates.source.startswith("bench nvme, ") and "2.50 GB/s read, 4.00 GB/s write" in rates.source
-    assert disk.remembered(b) is None
+    assert rates.source.startswith(f"bench nvme at {DEFAULT}, ") and "2.50 GB/s read, 4.00 GB/s write" in rates.source
+    slow = disk.remembered(a, "1.0 MiB qd4 t2 pread")
+    assert slow is not None and (slow.read, slow.write) == (1.5e9, 3.0e9)
+    assert disk.remembered(a, "8.0 MiB qd8 t8 pread") is None
+    assert disk.remembered(b, DEFAULT) is None
+    disk.remember(a, {"8.0 MiB qd8 t8 pread": (2.0, 3.5)}, how="probe")  # beside the others, not over them
+    assert {k for k in json.loads(disk.cache_file().read_text())[str(a.resolve())]} == {
+        DEFAULT, "1.0 MiB qd4 t2 pread", "8.0 MiB qd8 t8 pread"
+    }
+
+
+def test_the_label_is_the_config_s_setting() -> None:
+    from tierzero.config import load_config
+
+    nvme = load_config({"tiers": {"nvme": {"block_size": "1MiB", "queue_depth": 4, "threads": 2}}}).tiers.nvme
+    assert disk.label_of(nvme) == "1.0 MiB qd4 t2 pread"
+    assert disk.label_of(load_config({}).tiers.nvme) == DEFAULT
 
 
 def test_a_directory_that_is_gone_loses_its_entry_at_the_next_write(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
-    disk.remember(a, read_gbs=2.5, write_gbs=4.0, how="probe")
+    disk.remember(a, {DEFAULT: (2.5, 4.0)}, how="probe")
     a.rmdir()
-    disk.remember(b, read_gbs=3.0, write_gbs=5.0, how="probe")
+    disk.remember(b, {DEFAULT: (3.0, 5.0)}, how="probe")
     assert set(json.loads(disk.cache_file().read_text())) == {str(b.resolve())}
 
 
-def test_an_unknown_disk_is_probed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[Path] = []
+def test_an_unknown_disk_is_probed_once_at_the_config_s_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rates remembered at another setting (`bench nvme --quick`'s one) are not the config's: the
+    disk is probed at the config's own, once."""
+    from tierzero.config import load_config
 
-    def probe(path: Path, **_: object) -> tuple[float, float]:
-        calls.append(Path(path))
-        return 1.5, 3.0
+    calls: list[tuple[Path, str]] = []
+
+    def probe(path: Path, nvme: object, **_: object) -> tuple[float, float]:
+        calls.append((Path(path), disk.label_of(nvme)))  # type: ignore[arg-type]
+        return 2.0, 3.0
 
     monkeypatch.setattr(disk, "probe", probe)
-    first = disk.disk_rates(tmp_path)
-    second = disk.disk_rates(tmp_path)
-    assert calls == [tmp_path]
-    assert (first.read, first.write) == (second.read, second.write) == (1.5e9, 3.0e9)
-    assert first.source.startswith("probe of 256.0 MiB")
+    disk.remember(tmp_path, {"1.0 MiB qd4 t2 pread": (1.5, 3.0)}, how="bench nvme")
+    nvme = load_config({"tiers": {"nvme": {"queue_depth": 8}}}).tiers.nvme
+    first = disk.disk_rates(tmp_path, nvme)
+    second = disk.disk_rates(tmp_path, nvme)
+    assert calls == [(tmp_path, "8.0 MiB qd8 t8 pread")]
+    assert (first.read, first.write) == (second.read, second.write) == (2.0e9, 3.0e9)
+    assert first.source.startswith("probe of 256.0 MiB at 8.0 MiB qd8 t8 pread")
+    assert disk.disk_rates(tmp_path, load_config({"tiers": {"nvme": {"block_size": "1MiB", "queue_depth": 4,
+                                                                      "threads": 2}}}).tiers.nvme).read == 1.5e9
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize(
     "text",
-    ["not json", "[1, 2]", '{"%s": {"read_GBps": "fast", "write_GBps": 1, "source": "x"}}',
-     '{"%s": {"read_GBps": 0, "write_GBps": 1, "source": "x"}}', '{"%s": {"read_GBps": 1}}'],
-    ids=["garbage", "not-a-mapping", "not-a-number", "zero", "missing"],
+    ["not json", "[1, 2]", '{"%s": {"%d": {"read_GBps": "fast", "write_GBps": 1, "source": "x"}}}',
+     '{"%s": {"%d": {"read_GBps": 0, "write_GBps": 1, "source": "x"}}}', '{"%s": {"%d": {"read_GBps": 1}}}',
+     '{"%s": {"read_GBps": 1, "write_GBps": 1, "source": "an older cache, one entry per directory"}}',
+     '{"%s": [1, 2]}'],
+    ids=["garbage", "not-a-mapping", "not-a-number", "zero", "missing", "no-setting", "entry-not-a-mapping"],
 )
 def test_a_bad_cache_is_never_trusted(text: str, tmp_path: Path) -> None:
     disk.cache_file().parent.mkdir(parents=True, exist_ok=True)
-    disk.cache_file().write_text(text.replace("%s", str(tmp_path.resolve())))
-    assert disk.remembered(tmp_path) is None
-    disk.remember(tmp_path, read_gbs=1.0, write_gbs=2.0, how="probe")  # and it is rewritten whole
-    assert json.loads(disk.cache_file().read_text())[str(tmp_path.resolve())]["write_GBps"] == 2.0
+    disk.cache_file().write_text(text.replace("%s", str(tmp_path.resolve())).replace("%d", DEFAULT))
+    assert disk.remembered(tmp_path, DEFAULT) is None
+    disk.remember(tmp_path, {DEFAULT: (1.0, 2.0)}, how="probe")  # and it is rewritten whole
+    assert json.loads(disk.cache_file().read_text())[str(tmp_path.resolve())][DEFAULT]["write_GBps"] == 2.0
 
 
 def test_the_probe_measures_a_real_disk(tmp_path: Path) -> None:
@@ -127,7 +157,7 @@ def test_the_slowdown_is_the_mean_of_the_paired_windows(tmp_path: Path, monkeypa
             return 3.5, 7.0
 
     @contextmanager
-    def streaming(path: object):  # type: ignore[no-untyped-def]
+    def streaming(path: object, nvme: object):  # type: ignore[no-untyped-def]
         yield Stream()
 
     # A warm-up, then seven pairs; the machine runs at half speed from the fifth pair. Apart, the

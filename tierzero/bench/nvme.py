@@ -265,8 +265,8 @@ def run_bench(opts: NvmeBenchOptions, *, out: TextIO | None = None) -> dict[str,
         "date": now_text(),
     }
     print_summary(report, results, best, out=out or sys.stdout)
-    # The planner (`offload: auto`) reads these for this directory instead of probing it.
-    remember(opts.path, read_gbs=best.read.median, write_gbs=best.write.median, how=f"bench nvme, best of {best.point.label}")
+    # The planner (`offload: auto`) reads these for this directory, at its config's setting, instead of probing it.
+    remember(opts.path, {r.point.label: (r.read.median, r.write.median) for r in results}, how="bench nvme")
     if opts.plot_path is not None:
         title = f"tierzero NVMe tier vs fio, {format_size(data.nbytes)} per pass, medians of {opts.repeats}"
         write_plot(nvme_report.plot_bars(results), opts.plot_path, title=title)

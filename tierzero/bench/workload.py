@@ -17,6 +17,7 @@ import torch
 from tierzero.bench import pattern
 from tierzero.bench.fio import FioJob
 from tierzero.offload.nvme import NvmeTier
+from tierzero.placement.disk import setting_label
 from tierzero.sizes import format_size
 from tierzero.slices import aligned_empty
 
@@ -50,7 +51,7 @@ class SweepPoint:
     @property
     def label(self) -> str:
         s = self.setting
-        return f"{format_size(s.block_size)} qd{s.queue_depth} t{s.threads} {self.backend}"
+        return setting_label(block_size=s.block_size, queue_depth=s.queue_depth, threads=s.threads, backend=self.backend)
 
 
 @dataclass(slots=True, kw_only=True)

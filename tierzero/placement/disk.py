@@ -1,14 +1,19 @@
-"""The disk's read and write bandwidth for the planner: remembered per path, measured when unknown.
+"""The disk's read and write bandwidth for the planner: remembered per path and I/O setting, measured when unknown.
 
-`tierzero bench nvme --json` remembers its best read and write rates for the directory it
-ran in, and so does a probe; `disk_rates(path)` returns what is remembered for that path,
-else runs `probe` (a few seconds: 256 MiB written, left to settle, read back through the
-NVMe tier the engine uses) and remembers that. `streaming(path)` keeps the disk as busy as a
-step's swaps do, for what must be measured beside them, and pauses on demand for what must be
-measured alone in between. The cache is one JSON file,
-`$TIERZERO_CACHE_DIR/disks.json` (default `~/.cache/tierzero`), keyed by the directory's
-real path; a file that cannot be read is ignored and rewritten, never trusted, and a
-directory that is gone loses its entry at the next write.
+A disk's rates depend on how it is driven: on the 2-core VM, `bench nvme --quick`'s one
+setting (1 MiB blocks, queue depth 4, 2 threads) read 1.5-1.9 GB/s where the 2B preset's
+(8 MiB, 8, 8) read 2.6-3.0, and a plan predicted from the former came out 19-25% slow. So
+rates are remembered per setting (`setting_label`): `tierzero bench nvme` remembers every
+point of its sweep for the directory it ran in, and a probe the setting it ran at.
+`disk_rates(path, nvme)` returns what is remembered for that path at `nvme`'s setting (the
+config's `tiers.nvme`), else runs `probe` at that setting (a few seconds: 256 MiB written,
+left to settle, read back through the NVMe tier the engine uses) and remembers that.
+`streaming(path, nvme)` keeps the disk as busy as a step's swaps do, for what must be
+measured beside them, and pauses on demand for what must be measured alone in between. The
+cache is one JSON file, `$TIERZERO_CACHE_DIR/disks.json` (default `~/.cache/tierzero`),
+keyed by the directory's real path and then by setting; a file or an entry that cannot be
+read is ignored and rewritten, never trusted, and a directory that is gone loses its entry
+at the next write.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from tierzero.config import TiersConfig
+from tierzero.config import NvmeTierConfig, TiersConfig
 from tierzero.offload.base import Region
 from tierzero.offload.nvme import NvmeTier
 from tierzero.sizes import format_size
@@ -35,7 +40,7 @@ from tierzero.slices import IO_ALIGNMENT, aligned_empty
 
 __all__ = [
     "PROBE_BYTES", "SETTLE_S", "DiskRates", "DiskStream", "cache_file", "disk_rates", "probe", "remember", "remembered",
-    "streaming", "timed_moves",
+    "setting_label", "streaming", "timed_moves",
 ]
 
 #: Bytes `probe` moves each way per pass by default.
@@ -61,9 +66,20 @@ def cache_file() -> Path:
     return Path(root) / "disks.json"
 
 
-def remembered(path: str | os.PathLike[str]) -> DiskRates | None:
-    """The rates last remembered for `path`'s directory; None when none are (or the cache is unreadable)."""
-    entry = _read_cache().get(_key(path))
+def setting_label(*, block_size: int, queue_depth: int, threads: int, backend: str) -> str:
+    """The key rates are remembered under: "8.0 MiB qd8 t8 pread", as `bench nvme` labels its points."""
+    return f"{format_size(block_size)} qd{queue_depth} t{threads} {backend}"
+
+
+def label_of(nvme: NvmeTierConfig) -> str:
+    return setting_label(block_size=nvme.block_size, queue_depth=nvme.queue_depth, threads=nvme.threads, backend=nvme.backend)
+
+
+def remembered(path: str | os.PathLike[str], setting: str) -> DiskRates | None:
+    """The rates last remembered for `path`'s directory at `setting` (a `setting_label`); None when
+    none are (or the cache, or that entry, is unreadable)."""
+    by_setting = _read_cache().get(_key(path))
+    entry = by_setting.get(setting) if isinstance(by_setting, dict) else None
     try:
         read, write = float(entry["read_GBps"]), float(entry["write_GBps"])  # type: ignore[index]
         source = str(entry["source"])  # type: ignore[index]
@@ -74,16 +90,20 @@ def remembered(path: str | os.PathLike[str]) -> DiskRates | None:
     return DiskRates(read=read * 1e9, write=write * 1e9, source=f"{source} ({cache_file()})")
 
 
-def remember(path: str | os.PathLike[str], *, read_gbs: float, write_gbs: float, how: str) -> None:
-    """Store `path`'s rates (GB/s) with what measured them and when; the file is replaced whole,
-    without the entries of directories that no longer exist (a run's scratch swap directory)."""
-    cache = {key: entry for key, entry in _read_cache().items() if os.path.isdir(key)}
+def remember(path: str | os.PathLike[str], rates: dict[str, tuple[float, float]], *, how: str) -> None:
+    """Store `path`'s (read, write) GB/s at each setting of `rates` with what measured them and when,
+    beside what is remembered at its other settings; the file is replaced whole, without the
+    entries of directories that no longer exist (a run's scratch swap directory)."""
+    cache = {key: entry for key, entry in _read_cache().items() if os.path.isdir(key) and isinstance(entry, dict)}
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    cache[_key(path)] = {
-        "read_GBps": read_gbs,
-        "write_GBps": write_gbs,
-        "source": f"{how}, {stamp}: {read_gbs:.2f} GB/s read, {write_gbs:.2f} GB/s write",
-    }
+    entry = {k: v for k, v in cache.get(_key(path), {}).items() if isinstance(v, dict)}
+    cache[_key(path)] = entry
+    for setting, (read_gbs, write_gbs) in rates.items():
+        entry[setting] = {
+            "read_GBps": read_gbs,
+            "write_GBps": write_gbs,
+            "source": f"{how} at {setting}, {stamp}: {read_gbs:.2f} GB/s read, {write_gbs:.2f} GB/s write",
+        }
     target = cache_file()
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = target.with_suffix(f".{os.getpid()}.tmp")
@@ -91,30 +111,34 @@ def remember(path: str | os.PathLike[str], *, read_gbs: float, write_gbs: float,
     os.replace(scratch, target)
 
 
-def disk_rates(path: str | os.PathLike[str]) -> DiskRates:
-    """`path`'s remembered rates, else a `probe` of it, remembered for next time."""
-    known = remembered(path)
+def disk_rates(path: str | os.PathLike[str], nvme: NvmeTierConfig | None = None) -> DiskRates:
+    """`path`'s rates remembered at `nvme`'s I/O setting (default: `tiers.nvme`'s defaults), else a
+    `probe` of it at that setting, remembered for next time."""
+    nvme = nvme or TiersConfig().nvme
+    setting = label_of(nvme)
+    known = remembered(path, setting)
     if known is not None:
         return known
-    read, write = probe(path)
-    remember(path, read_gbs=read, write_gbs=write, how=f"probe of {format_size(PROBE_BYTES)}")
-    found = remembered(path)
+    read, write = probe(path, nvme)
+    remember(path, {setting: (read, write)}, how=f"probe of {format_size(PROBE_BYTES)}")
+    found = remembered(path, setting)
     assert found is not None
     return found
 
 
 def probe(
     path: str | os.PathLike[str],
+    nvme: NvmeTierConfig | None = None,
     *,
     nbytes: int = PROBE_BYTES,
     slices: int = 4,
     repeats: int = 3,
     settle_s: float = SETTLE_S,
 ) -> tuple[float, float]:
-    """(read, write) GB/s of `path`'s disk through an NvmeTier with the default settings: the medians
-    of `repeats` passes writing `slices` slices of `nbytes` in all, submitted at once, then (after
-    `settle_s`) of as many passes reading them back."""
-    with _probe_slices(path, nbytes, slices) as (tier, regions, buffers):
+    """(read, write) GB/s of `path`'s disk through an NvmeTier at `nvme`'s I/O setting (default:
+    `tiers.nvme`'s defaults): the medians of `repeats` passes writing `slices` slices of `nbytes`
+    in all, submitted at once, then (after `settle_s`) of as many passes reading them back."""
+    with _probe_slices(path, nvme, nbytes, slices) as (tier, regions, buffers):
         writes = [timed_moves(tier.submit_write, regions, buffers) for _ in range(repeats)]
         time.sleep(settle_s)
         reads = [timed_moves(tier.submit_read, regions, buffers) for _ in range(repeats)]
@@ -187,11 +211,14 @@ class DiskStream:
 
 
 @contextmanager
-def streaming(path: str | os.PathLike[str], *, nbytes: int = PROBE_BYTES, slices: int = 4) -> Iterator[DiskStream]:
+def streaming(
+    path: str | os.PathLike[str], nvme: NvmeTierConfig | None = None, *, nbytes: int = PROBE_BYTES, slices: int = 4
+) -> Iterator[DiskStream]:
     """Keep `path`'s disk busy while the block runs: a thread writes `slices` slices of `nbytes` in
-    all through an NvmeTier with the default settings and reads them back, over and over, as a
-    step's swaps do. Yields the `DiskStream`. An error of the stream's is raised when the block ends."""
-    with _probe_slices(path, nbytes, slices) as (tier, regions, buffers):
+    all through an NvmeTier at `nvme`'s I/O setting (default: `tiers.nvme`'s defaults) and reads
+    them back, over and over, as a step's swaps do. Yields the `DiskStream`. An error of the
+    stream's is raised when the block ends."""
+    with _probe_slices(path, nvme, nbytes, slices) as (tier, regions, buffers):
         stream = DiskStream(tier, regions, buffers)
         try:
             yield stream
@@ -203,14 +230,15 @@ def streaming(path: str | os.PathLike[str], *, nbytes: int = PROBE_BYTES, slices
 
 @contextmanager
 def _probe_slices(
-    path: str | os.PathLike[str], nbytes: int, slices: int
+    path: str | os.PathLike[str], nvme: NvmeTierConfig | None, nbytes: int, slices: int
 ) -> Iterator[tuple[NvmeTier, list[Region], list[torch.Tensor]]]:
-    """An open NvmeTier with the default settings, its `slices` aligned regions of `nbytes` in
-    all, and a patterned host buffer for each; the tier's file goes when the block ends."""
+    """An open NvmeTier at `nvme`'s I/O setting (default: `tiers.nvme`'s defaults), its `slices`
+    aligned regions of `nbytes` in all, and a patterned host buffer for each; the tier's file
+    goes when the block ends."""
     size = nbytes // slices // IO_ALIGNMENT * IO_ALIGNMENT
     if size == 0:
         raise ValueError(f"{format_size(nbytes)} in {slices} slices is under one {IO_ALIGNMENT}-byte block each")
-    nvme = TiersConfig().nvme
+    nvme = nvme or TiersConfig().nvme
     tier = NvmeTier(
         path, capacity=size * slices, block_size=nvme.block_size, queue_depth=nvme.queue_depth,
         threads=nvme.threads, backend=nvme.backend,

@@ -235,7 +235,7 @@ def plan_placement(
     rank_budgets = RankBudgets.of(budgets or machine_budgets(cfg.tiers), cfg, local_world_size=local_world_size)
     free = load_config(cfg, overrides={"tiers.device.capacity": None, "tiers.cpu.capacity": None})
     if disk is None and cfg.tiers.nvme.path is not None:
-        rates = disk_rates(cfg.tiers.nvme.path)
+        rates = disk_rates(cfg.tiers.nvme.path, cfg.tiers.nvme)
         disk = Bandwidth(read=rates.read, write=rates.write, source=rates.source)
     slowdown = 1.0
     if flops is None:

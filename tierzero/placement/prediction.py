@@ -259,7 +259,7 @@ def measure_compute(cfg: Config, *, seconds: float = 2.0, rounds: int = 12) -> t
     window = seconds / (2 * rounds)
     alone: list[float] = []
     ratios: list[float] = []
-    with streaming(cfg.tiers.nvme.path) as stream:
+    with streaming(cfg.tiers.nvme.path, cfg.tiers.nvme) as stream:
         for _ in range(rounds):
             with stream.paused():
                 quiet = block.passes(window, at_least=1)
