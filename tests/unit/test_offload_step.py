@@ -69,9 +69,9 @@ def test_placement_changes_no_bit_after_ten_steps(
     differ = [name for name in params if not torch.equal(params[name], ref_params[name])]
     assert differ == []
     assert list(tmp_path.iterdir()) == []  # close() removed the swap files
-    # every unit stepped, never more than three units' states resident at once
+    # every unit stepped, never more than three units' copies held at once (none where all live in memory)
     assert report.groups == 4  # root and the three blocks of the tiny model
-    assert 1 <= report.peak_resident_groups <= MAX_RESIDENT_GROUPS
+    assert (1 if "nvme" in offload.values() else 0) <= report.peak_resident_groups <= MAX_RESIDENT_GROUPS
 
 
 def test_nvme_states_are_read_into_host_memory_three_units_at_most(tmp_path: Path) -> None:
@@ -128,7 +128,8 @@ def test_stage3_steps_during_backward_with_the_same_bits(tmp_path: Path, accumul
     after_losses, after, _ = _train_unclipped(2, {}, tmp_path, accumulation=accumulation)
     for offload in ({}, {"params": "nvme", "optimizer": "nvme"}, {"params": "cpu", "gradients": "nvme", "optimizer": "cpu"}):
         losses, params, report = _train_unclipped(3, offload, tmp_path, accumulation=accumulation)
-        assert report.groups == 4 and 1 <= report.peak_resident_groups <= MAX_RESIDENT_GROUPS
+        copies = 1 if "nvme" in offload.values() else 0  # a group whose slices all live in memory holds none
+        assert report.groups == 4 and copies <= report.peak_resident_groups <= MAX_RESIDENT_GROUPS
         if offload.get("optimizer") == "nvme":
             # blocks' states started up when their backward began, ahead of their gradients
             assert report.prepared >= 1

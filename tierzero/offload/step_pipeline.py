@@ -115,7 +115,8 @@ class PipelineReport:
     groups: int = 0
     """Groups pushed."""
     peak_resident_groups: int = 0
-    """Most groups fetched or still writing at once: at most MAX_RESIDENT_GROUPS of equal size."""
+    """Most groups holding copies (fetched, or still writing back) at once: at most
+    MAX_RESIDENT_GROUPS of equal size. A group whose slices all live in the step tier holds none."""
     read_wait_s: float = 0.0
     """Seconds the compute waited for reads."""
     prepared: int = 0
@@ -176,10 +177,13 @@ class StepPipeline:
         self._prepared: list[Prepared] = list(prepared)
         self.report = PipelineReport(prepared=len(self._prepared))
 
+    def is_prepared(self, group: SliceGroup) -> bool:
+        return any(held == group for held, _ in self._prepared)
+
     def has_room(self, group: SliceGroup, *, wait: bool = False) -> bool:
         """Whether `prepare(group)` would take the group now (one more fits in the bound); `wait`:
         let the oldest write-backs land first where that makes room, as `push` would."""
-        if any(held == group for held, _ in self._prepared):
+        if self.is_prepared(group):
             return False
         while self._writing and (self._writing[0].landed() or (wait and not self._fits(group))):
             self._writing.popleft().wait()  # at once for a landed one (and raises a failed write)
@@ -198,10 +202,13 @@ class StepPipeline:
     def _fits(self, group: SliceGroup) -> bool:
         return self._resident() + self._weight(group) <= self._bound
 
-    def prepare(self, group: SliceGroup, *, given: dict[Kind, Transfer[torch.Tensor]] | None = None) -> None:
+    def prepare(
+        self, group: SliceGroup, *, given: dict[Kind, Transfer[torch.Tensor]] | None = None, leave: Kind | None = None
+    ) -> None:
         """Start reading `group`'s slices but its gradient (which backward is still producing)
         ahead of its `push`, if `has_room`; never waits. `given`: slices already on their way
-        to the step tier (a gather's copy moved down), which the group then holds."""
+        to the step tier (a gather's copy moved down), which the group then holds. `leave`: a
+        kind more to leave to `push` (a PARAM slice a gather has yet to read)."""
         if not self.has_room(group):
             assert not given, "a slice was handed down to a pipeline without room for it"
             return
@@ -210,7 +217,7 @@ class StepPipeline:
         kinds = tuple(
             (kind, tier)
             for kind, tier in group.fetches
-            if kind is not Kind.GRAD and kind not in given and self._store.at_home(SliceKey(group.unit, kind))
+            if kind not in (Kind.GRAD, leave) and kind not in given and self._store.at_home(SliceKey(group.unit, kind))
         )
         self._prepared.append((group, given | self._read(SliceGroup(unit=group.unit, fetches=kinds))))
         self.report.prepared += 1
@@ -237,13 +244,15 @@ class StepPipeline:
         reads = have | self._read(SliceGroup(unit=group.unit, fetches=rest))
         self.report.groups += 1
         previous, self._waiting = self._waiting, (group, reads)
-        self._note_resident(extra=previous is not None)
+        self._note_resident(extra=None if previous is None else previous[0])
         if previous is not None:
             self._step(*previous)
 
-    def _note_resident(self, *, extra: bool = False) -> None:
-        """Record the groups held now (`extra`: one about to compute, besides those counted)."""
-        resident = len(self._writing) + (self._waiting is not None) + len(self._prepared) + extra
+    def _note_resident(self, *, extra: SliceGroup | None = None) -> None:
+        """Record the groups holding copies now (`extra`: one about to compute, besides those counted)."""
+        held = [self._waiting[0]] if self._waiting is not None else []
+        held += [group for group, _ in self._prepared] + ([extra] if extra is not None else [])
+        resident = sum(job.weight > 0 for job in self._writing) + sum(self._weight(group) > 0 for group in held)
         self.report.peak_resident_groups = max(self.report.peak_resident_groups, resident)
 
     def drain(self, *, keep: int) -> None:

@@ -301,6 +301,7 @@ class Stage3(StepInTime, Stage):
             given: dict[Kind, Any] = {}
             self.unshard(unit, take=lambda key: self._hand_down(key, job, unit, given))
             job.expect(unit, given=given)
+            self._read_ahead(job, unit)
         else:
             self.unshard(unit)
             if self._step_ahead is not None and self.last_micro_step and unit.pending_uses == 1:
@@ -312,18 +313,6 @@ class Stage3(StepInTime, Stage):
         with torch.enable_grad():
             self.bind_params(unit, counts_as_use=False)
         self._prefetch(unit, step=-1)
-
-    def _moves_down(self, unit: Unit) -> bool:
-        """fp32, PARAM on NVMe, a host step: the unit's step in backward may take its gathered copy."""
-        host_step = self.homes.optimizer is not Tier.DEVICE
-        return not self.mixed(unit) and host_step and self.plan.home(unit.name, Kind.PARAM) is Tier.NVME
-
-    def _hand_down(self, key: SliceKey, job: Any, unit: Unit, given: dict[Kind, Any]) -> bool:
-        """Move the gather's PARAM copy down to the step tier for the unit's step (`_moves_down`)."""
-        if not self._moves_down(unit) or not job.has_room(unit):
-            return False
-        given[Kind.PARAM] = self.store.adopt(key, to=Tier.CPU)
-        return True
 
     def post_backward(self, unit: Unit, grads: list[torch.Tensor]) -> None:
         self.reshard(unit)  # first: the step the reduce may start reads the PARAM slice a lent gather holds

@@ -34,9 +34,11 @@ class StepInTime:
     trained: list[Unit]
     store: Any
     homes: Any
+    plan: Any
     param_prefetch: ParamPrefetch | None
     last_step_report: Any
     _order: list[Unit]
+    _order_now: list[Unit]
     _forward_step: ForwardStep | None
     _stepping_in_forward: bool
     _step_ahead: StepAhead | None
@@ -55,6 +57,30 @@ class StepInTime:
         # last (it would be held all along): the step reads it when it comes to it.
         head = [unit for unit in list(dict.fromkeys(order))[:bound] if not is_root(unit)]
         self._step_ahead = StepAhead(self, head, max_resident=bound)
+
+    def _read_ahead(self, job: Any, unit: Unit) -> None:
+        """Read the states of the units whose backward follows `unit`'s, in that order, while the
+        step's bound has room: a unit whose states live in memory computes while the disk reads
+        the next ones', rather than idling. It stops at a unit whose gathered PARAM copy would be
+        handed down (`_moves_down`: read early, it would be read twice), used again, or the root."""
+        order = self._order_now[::-1]  # the backward takes the forward's units last to first
+        for later in order[order.index(unit) + 1 :] if unit in order else ():
+            if not later.trainable:
+                continue
+            if is_root(later) or later.pending_uses != 1 or self._moves_down(later) or not job.read_ahead(later):
+                return
+
+    def _moves_down(self, unit: Unit) -> bool:
+        """fp32, PARAM on NVMe, a host step: the unit's step in backward may take its gathered copy."""
+        host_step = self.homes.optimizer is not Tier.DEVICE
+        return not self.mixed(unit) and host_step and self.plan.home(unit.name, Kind.PARAM) is Tier.NVME
+
+    def _hand_down(self, key: SliceKey, job: Any, unit: Unit, given: dict[Kind, Any]) -> bool:
+        """Move the gather's PARAM copy down to the step tier for the unit's step (`_moves_down`)."""
+        if not self._moves_down(unit) or not job.has_room(unit):
+            return False
+        given[Kind.PARAM] = self.store.adopt(key, to=Tier.CPU)
+        return True
 
     def drop_step_ahead(self) -> None:
         """Forget the reads started ahead (a step skipped for overflow, or the engine closes)."""

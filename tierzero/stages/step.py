@@ -87,13 +87,17 @@ def slice_group(stage: Steppable, unit: Unit) -> SliceGroup:
 
 
 def group_sizes(stage: Steppable) -> dict[str, int]:
-    """Each trained unit's step group in bytes, as the store allocates its copies: the pipeline's
-    bound (`StepPipeline`'s `sizes`), so that a small unit's group takes a small part of it."""
+    """Each trained unit's step group in the bytes the store allocates for it: the pipeline's bound
+    (`StepPipeline`'s `sizes`), so that a small unit's group takes a small part of it. A slice
+    fetched to its own home tier is the home tensor itself and costs nothing: a unit whose states
+    live in memory takes only its gradient's part, and leaves the rest of the bound to the reads of
+    the units after it."""
     sizes = {}
     for unit in stage.units:
         if unit.trainable:
-            kinds = {kind for kind, _ in slice_group(stage, unit).fetches}
-            sizes[unit.name] = sum(align_up(spec.nbytes) for spec in stage.plan.of(unit) if spec.kind in kinds)
+            to = dict(slice_group(stage, unit).fetches)
+            copied = [spec for spec in stage.plan.of(unit) if spec.kind in to and spec.home is not to[spec.kind]]
+            sizes[unit.name] = sum(align_up(spec.nbytes) for spec in copied)
     return sizes
 
 
@@ -158,6 +162,18 @@ class BackwardStep:
         already on their way, see `StepPipeline.prepare`), once there is room (`has_room`)."""
         if self.has_room(unit) or given:  # a slice given without room: `prepare` says so
             self._pipeline.prepare(slice_group(self._stage, unit), given=given)
+
+    def read_ahead(self, unit: Unit) -> bool:
+        """Read the states of `unit`, whose backward comes later, now if the bound has room without
+        waiting for a write-back: whether they are read (or were already). Its PARAM slice is left
+        to the push: the unit's gather has yet to read it."""
+        group = slice_group(self._stage, unit)
+        if self._pipeline.is_prepared(group):
+            return True
+        if not self._pipeline.has_room(group):
+            return False
+        self._pipeline.prepare(group, leave=Kind.PARAM)
+        return True
 
     def has_room(self, unit: Unit) -> bool:
         """Whether `expect(unit)` reads ahead: after the oldest write-backs land where that makes
