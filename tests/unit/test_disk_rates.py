@@ -164,18 +164,26 @@ def test_the_slowdown_is_the_mean_of_the_paired_windows(tmp_path: Path, monkeypa
     # medians would read 2.5 beside against 1.0 alone; the median of the ratios, 1.25.
     alone = iter([1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0])
     busy = iter([1.25, 1.25, 4.0, 1.25, 2.5, 2.5, 2.5])
+    # The forward's share of each pass alone: 0.3 in six of them, 0.9 in one; beside the disk, 0.9.
+    share = iter([0.3, 0.3, 0.3, 0.9, 0.3, 0.3, 0.3, 0.3])
 
-    def timed(*_: object) -> float:
-        return next(busy) if Stream.running else next(alone)
+    def timed(*_: object) -> tuple[float, float]:
+        if Stream.running:
+            seconds = next(busy)
+            return 0.9 * seconds, seconds
+        seconds = next(alone)
+        return next(share) * seconds, seconds
 
     monkeypatch.setattr(prediction, "streaming", streaming)
     monkeypatch.setattr(prediction, "_timed_pass", timed)
     Stream.running = False  # the warm-up pass
     model = {"type": "gpt", "n_layer": 1, "n_head": 2, "d_model": 64, "d_ff": 256, "max_seq_len": 32}
     raw = {"model": model, "train": {"micro_batch_size": 2, "seq_len": 32}, "tiers": {"nvme": {"path": str(tmp_path)}}}
-    flops, slowdown = prediction.measure_compute(load_config(raw), seconds=0.0, rounds=7)
+    compute = prediction.measure_compute(load_config(raw), seconds=0.0, rounds=7)
+    flops, slowdown = compute.flops, compute.slowdown
     assert slowdown == pytest.approx((6 * 1.25 + 4.0) / 7)
-    assert flops.source.endswith("; 1.64x slower beside the disk, which read 3.5 GB/s, wrote 7.0")
+    assert compute.forward_share == pytest.approx(0.3)  # the median of the passes alone
+    assert flops.source.endswith(", the forward 30% of it; 1.64x slower beside the disk, which read 3.5 GB/s, wrote 7.0")
     block = 6.0 * (4 * 64 * 64 + 4 * 64 + 2 * 64 * 256 + 256 + 64 + 4 * 64) * 2 * 32
     assert flops.read == block / 1.0  # the median of the seven passes alone
 
@@ -188,12 +196,13 @@ def test_the_compute_is_measured_alone_and_beside_the_disk(tmp_path: Path) -> No
     swap.mkdir()
     model = {"type": "gpt", "n_layer": 1, "n_head": 2, "d_model": 64, "d_ff": 256, "max_seq_len": 32}
     raw = {"model": model, "train": {"micro_batch_size": 2, "seq_len": 32}, "tiers": {"nvme": {"path": str(swap)}}}
-    flops, slowdown = measure_compute(load_config(raw))
-    assert flops.read > 1e6 and slowdown >= 1.0
+    compute = measure_compute(load_config(raw))
+    flops, slowdown = compute.flops, compute.slowdown
+    assert flops.read > 1e6 and slowdown >= 1.0 and 0.0 < compute.forward_share < 1.0
     assert f"{slowdown:.2f}x slower beside the disk, which read " in flops.source
     assert "one gpt block's forward and backward at 2x32 tokens" in flops.source
     alone = measure_compute(load_config({**raw, "tiers": {}}))  # no NVMe path: nothing to stream to
-    assert alone[1] == 1.0 and "beside the disk" not in alone[0].source
+    assert alone.slowdown == 1.0 and "beside the disk" not in alone.flops.source and 0.0 < alone.forward_share < 1.0
 
 
 def test_a_stream_that_fails_raises_when_its_block_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

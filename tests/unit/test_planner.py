@@ -125,18 +125,41 @@ def test_each_part_of_the_step_is_its_disk_beside_the_rest_which_adds_up_without
     assert predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=True).step_s == 5.0
     result = _replayed(forward=Traffic(read=4_000), backward=Traffic(copied=500, stepped=2_000))
     assert predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=False).step_s == 7.5
+    # A forward measured at a quarter of the compute: 0.75 s of it, beside 4 s of disk; backward 2.25 + 1.5.
+    quarter = predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=False, forward_share=0.25)
+    assert quarter.part_seconds() == {"forward": 4.0, "backward": 3.75, "step": 0.0}
 
 
-def test_a_units_disk_hides_only_behind_its_own_share_of_the_rest() -> None:
-    """Backward's 3.5 s of rest is two units' work, 1.75 s each. The step pipeline reads a unit's
-    states while that unit computes, so 2 s of disk for u0 alone take max(2, 1.75) and u1's work
-    follows: 3.75 s, where the whole part's disk beside its rest would say 3.5. The same 2 s
-    split over both units hide behind their work: 3.5 s."""
+def test_a_units_disk_hides_behind_the_work_before_it_in_the_part() -> None:
+    """Backward's 3.5 s of rest is two units' work, 1.75 s each, and backward runs u1 then u0.
+    2 s of disk for u1 come before any work: 2 + 1.75 + 1.75 = 5.5 s, where the whole part's disk
+    beside its rest would say 3.5. The same 2 s for u0 run beside u1's work: u0 works from 2 s
+    on, 3.75 s. Split, 1 s each: u1 works from 1 s to 2.75, u0's second ends at 2: 4.5 s."""
     kw = {"copy_rate": 1_000.0, "step_rate": 2_000.0, "cuda": False}
-    one = Traffic(read=2_000, copied=500, stepped=2_000, by_unit={"u0": [2_000, 0]})
-    assert predict(_replayed(forward=Traffic(), backward=one, units=2), **kw).step_s == pytest.approx(1.0 + 3.75)
+    for unit, backward in (("u1", 5.5), ("u0", 3.75)):
+        one = Traffic(read=2_000, copied=500, stepped=2_000, by_unit={unit: [2_000, 0]})
+        assert predict(_replayed(forward=Traffic(), backward=one, units=2), **kw).step_s == pytest.approx(1.0 + backward)
     both = Traffic(read=2_000, copied=500, stepped=2_000, by_unit={"u0": [1_000, 0], "u1": [1_000, 0]})
-    assert predict(_replayed(forward=Traffic(), backward=both, units=2), **kw).step_s == pytest.approx(1.0 + 3.5)
+    assert predict(_replayed(forward=Traffic(), backward=both, units=2), **kw).step_s == pytest.approx(1.0 + 4.5)
+
+
+def test_the_disk_runs_ahead_only_as_far_as_the_pipeline_holds() -> None:
+    """(disk, work, bytes) per unit in order. Units in memory between disk-bound ones hide the disk
+    of the next ones; the disk may read a unit only while the bytes read and not yet worked on
+    leave room for it within the `ahead` largest units' bytes."""
+    from tierzero.placement.prediction import pipelined
+
+    assert pipelined([(1.0, 0.5, 10)] * 3) == 3.5  # disk-bound: the disk, then the last work
+    assert pipelined([(0.0, 2.0, 0), (1.0, 0.5, 10)]) == 2.5  # its disk ran beside the first unit's work
+    assert pipelined([(0.5, 1.0, 10)] * 3) == 3.5  # compute-bound: the first read, then the work
+    # Room for one unit: each unit's disk waits for the work of the one before: (1 + 2) + (1 + 2) + (1 + 1).
+    assert pipelined([(1.0, 2.0, 10), (1.0, 2.0, 10), (1.0, 1.0, 10)], ahead=1) == 8.0
+    # Room for two: the second unit's disk runs beside the first's work, the third's once it is done (3 s):
+    # then 4 s, while the second works until 5; the third works 5 to 6.
+    assert pipelined([(1.0, 2.0, 10), (1.0, 2.0, 10), (1.0, 1.0, 10)], ahead=2) == 6.0
+    # Room for one large unit holds three small ones: they are all read while the first works (to 3.5);
+    # the large one waits until they are done, at 4.5: 5.5, then its work.
+    assert pipelined([(0.5, 3.0, 10), (0.5, 0.5, 10), (0.5, 0.5, 10), (1.0, 1.0, 100)], ahead=1) == 6.5
 
 
 def test_the_optimizer_counts_in_the_step_part_when_no_element_was_counted() -> None:
@@ -345,9 +368,11 @@ def test_the_compute_rate_is_one_block_of_the_model_trained_at_the_training_shap
     cfg = load_config({**raw, "model": {**raw["model"], "type": "llama"}})
     passes: list[tuple[int, ...]] = []
 
-    def timed(block: torch.nn.Module, x: torch.Tensor, extra: tuple[torch.Tensor, ...], device: torch.device) -> float:
+    def timed(
+        block: torch.nn.Module, x: torch.Tensor, extra: tuple[torch.Tensor, ...], device: torch.device
+    ) -> tuple[float, float]:
         passes.append((*x.shape, len(extra)))
-        return 0.5
+        return 0.2, 0.5
 
     monkeypatch.setattr(prediction, "_timed_pass", timed)
     flops = prediction.measure_block_flops(cfg, seconds=0.0)

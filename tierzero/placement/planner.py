@@ -39,7 +39,9 @@ from tierzero.config import AUTO, Config, load_config
 from tierzero.estimate.estimator import Bandwidth, Estimate, estimate
 from tierzero.placement.budgets import MachineBudgets, machine_budgets
 from tierzero.placement.disk import disk_rates
-from tierzero.placement.prediction import Prediction, measure_compute, measure_copy_rate, measure_step_rate, predict
+from tierzero.placement.prediction import (
+    Compute, Prediction, measure_compute, measure_copy_rate, measure_step_rate, predict,
+)
 from tierzero.sizes import format_size
 from tierzero.slices import SliceKey, Tier, align_up
 from tierzero.stages.plan import KIND_HOMES, Homes
@@ -237,9 +239,8 @@ def plan_placement(
     if disk is None and cfg.tiers.nvme.path is not None:
         rates = disk_rates(cfg.tiers.nvme.path, cfg.tiers.nvme)
         disk = Bandwidth(read=rates.read, write=rates.write, source=rates.source)
-    slowdown = 1.0
-    if flops is None:
-        flops, slowdown = measure_compute(cfg)
+    compute = Compute(flops=flops) if flops is not None else measure_compute(cfg)
+    flops = compute.flops
     cuda = torch.cuda.is_available()
     copy_rate = copy_rate or measure_copy_rate()
     step_rate = step_rate or measure_step_rate(cfg)
@@ -269,7 +270,10 @@ def plan_placement(
                 result, short, candidate.overrides = again, {}, lowered
                 break
         candidate.result, candidate.short = result, short
-        candidate.prediction = predict(result, copy_rate=copy_rate, step_rate=step_rate, cuda=cuda, slowdown=slowdown)
+        candidate.prediction = predict(
+            result, copy_rate=copy_rate, step_rate=step_rate, cuda=cuda, slowdown=compute.slowdown,
+            forward_share=compute.forward_share,
+        )  # fmt: skip
         return candidate
 
     whole = [judge(c) for c in _whole_kind(cfg)]

@@ -13,18 +13,22 @@ windows, alone and beside a disk stream: 1.13-1.26x on the 2-core VM).
 
 The disk overlaps only the work of the same part of the step: the replay counts each byte in
 the part that issues it (forward, backward or the step after it) and each element the
-optimizer steps where it is stepped, and gives the forward a third of the FLOPs and the
-backward two; what the step part issues without stepping (the next forward's prefetches)
-counts in that forward. Each part takes the longer of its disk and its rest, and the step
-their sum: a placement whose disk works only in backward, beside two thirds of the compute,
-is predicted as such, not as if the forward's compute hid it too.
+optimizer steps where it is stepped, and gives the forward its measured share of the block's
+time (a third of the FLOPs, but 24-30% of the time on the 2-core VM: the backward's weight
+gradients and landing run slower per FLOP) and the backward the rest; what the step part issues
+without stepping (the next forward's prefetches) counts in that forward. The step is the sum of
+its parts: a placement whose disk works only in backward is predicted as such, not as if the
+forward's compute hid it too.
 
-Within a part, a unit's bytes hide only behind its own share of the rest (by parameters):
-the pipelines read a unit a group or two ahead, so a unit whose states stay in memory
-computes while the disk has nothing of its own to do. A part is then the sum over its units
-of the longer of each one's disk and its work, plus the work of the units the disk does
-not touch. On the 2B auto plan with the oneDNN linear (70 units' states on NVMe, 35 cached)
-the whole-part rule predicted 7.77 s against 9.38-9.60 s measured (-18%); per unit, 9.87 s.
+Within a part the units run in order (the backward last to first), each one's work (its share
+of the rest, by parameters) after its own disk, and the disk serves the units in turn, up to
+`AHEAD` disk-bound units ahead of the work, as the pipelines hold them (`pipelined`). A unit's
+disk hides behind the work of the units before it, those whose states live in memory included,
+as the step in backward reads ahead past them; a disk-bound part takes its disk plus the work it
+cannot hide at either end. On the 2B auto plan (70 units' states on NVMe, 35 in memory) the
+whole-part rule, the longer of disk and rest, predicted 7.77 s against 9.38-9.60 s measured
+(-18%) in session 13, when the pipeline read a unit only as its own backward began and the
+disk idled beside a run of in-memory units at the end; per unit, without overlap, 9.87 s.
 
 On the 2B preset (docs/BENCHMARKS.md, sessions 8 to 10) the planned placement's step measured
 8.3-9.7 s. Predicted from one Linear's three products it was 6.8-7.6 s (-15% to -25%); from
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -51,18 +56,32 @@ from tierzero.estimate.estimator import Bandwidth, Estimate, measure_flops
 from tierzero.kernels import use_linear_kernel
 from tierzero.micro_step import PARTS
 from tierzero.models import BUILT_IN, spec_from_config
+from tierzero.offload.step_pipeline import MAX_RESIDENT_GROUPS
 from tierzero.optim import make_optimizer
 from tierzero.placement.disk import streaming
 from tierzero.precision import dtype_of
 from tierzero.slices import Kind, Tier
 
 __all__ = [
-    "Part", "Prediction", "measure_block_flops", "measure_compute", "measure_copy_rate", "measure_step_rate", "predict",
+    "Compute", "Part", "Prediction", "measure_block_flops", "measure_compute", "measure_copy_rate", "measure_step_rate",
+    "pipelined", "predict",
 ]
 
 
-#: The share of the step's 6 x parameters x tokens FLOPs each of its `PARTS` computes: forward 2, backward 4.
-COMPUTE_SHARE = {"forward": 1 / 3, "backward": 2 / 3, "step": 0.0}
+#: The forward's share of the compute when it is not measured: 2 of the 6 x parameters x tokens FLOPs.
+FORWARD_SHARE = 1 / 3
+#: The largest units whose bytes the disk may hold read ahead of the work: the step pipeline's bound.
+AHEAD = MAX_RESIDENT_GROUPS
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Compute:
+    """What `measure_compute` found: the rate, how much slower it runs beside the disk, and the
+    forward's share of a forward and backward."""
+
+    flops: Bandwidth
+    slowdown: float = 1.0
+    forward_share: float = FORWARD_SHARE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,18 +93,19 @@ class Part:
     compute_s: float
     optimizer_s: float
     copy_s: float
-    units: tuple[tuple[float, float], ...] = ()
-    """(the disk's seconds for the unit's slices in this part, the unit's share of the parameters)
-    for each unit whose slices the disk moves in this part."""
+    units: tuple[tuple[float, float, int], ...] = ()
+    """(the disk's seconds for the unit's slices in this part, the unit's share of the parameters,
+    the bytes it reads) for each unit, in the order the part runs them."""
 
     def seconds(self, *, cuda: bool, slowdown: float) -> float:
-        """The part's time: each unit's disk beside its share of the rest (see the module note)."""
+        """The part's time: its units' disk and their shares of the rest, pipelined (see the module note)."""
         rest = self._rest(cuda=cuda)
         if not cuda and rest > 0:
             rest *= 1.0 + (slowdown - 1.0) * min(1.0, self.io_s / rest)
-        paired = sum(max(io, rest * share) for io, share in self.units)
-        alone = max(0.0, rest * (1.0 - sum(share for _, share in self.units)))
-        return max(self.io_s, rest, paired + alone)
+        if not self.units:
+            return max(self.io_s, rest)
+        alone = max(0.0, rest * (1.0 - sum(share for _, share, _ in self.units)))
+        return max(self.io_s, rest, pipelined([(io, rest * share, n) for io, share, n in self.units]) + alone)
 
     def bound(self, *, cuda: bool) -> str:
         return "disk" if self.io_s > self._rest(cuda=cuda) else "compute"
@@ -131,15 +151,45 @@ class Prediction:
         return ", ".join(f"{p.name} {seconds[p.name]:.2f} s ({p.bound(cuda=not self.serial)})" for p in self.parts)
 
 
-def predict(result: Estimate, *, copy_rate: float, step_rate: float, cuda: bool, slowdown: float = 1.0) -> Prediction:
+def pipelined(units: list[tuple[float, float, int]], *, ahead: int = AHEAD) -> float:
+    """Seconds to run `units` (disk seconds, work seconds, bytes read), in order, as the pipelines
+    do: a unit's work waits for its disk, and the disk serves the units in turn, each once the
+    bytes read and not yet worked on leave room for its own within the `ahead` largest units'
+    bytes. The disk of one unit hides behind the work of the units before it, in memory ones
+    included."""
+    bound = sum(sorted((n for _, _, n in units), reverse=True)[:ahead])
+    disk = work = 0.0
+    held: deque[tuple[float, int]] = deque()  # (when its work ends, bytes) of the units read ahead
+    for io, seconds, nbytes in units:
+        if io > 0:
+            start = disk
+            while held and (held[0][0] <= start or sum(n for _, n in held) + nbytes > bound):
+                start = max(start, held.popleft()[0])
+            disk = start + io
+            work = max(work, disk)
+        work += seconds
+        if io > 0:
+            held.append((work, nbytes))
+    return max(disk, work)
+
+
+def predict(
+    result: Estimate,
+    *,
+    copy_rate: float,
+    step_rate: float,
+    cuda: bool,
+    slowdown: float = 1.0,
+    forward_share: float = FORWARD_SHARE,
+) -> Prediction:
     """The step time `result`'s bytes, FLOPs and elements set (see the module note): the sum of its
     parts', each the disk beside the rest. Without a GPU, the rest runs `slowdown` times slower for
-    as long as the disk works beside it."""
+    as long as the disk works beside it. `forward_share`: the forward's part of the compute."""
     assert result.plan is not None
     if cuda:
         slowdown = 1.0
     optimizer = result.plan.stepped_elements() / step_rate
-    parts = _parts(result, optimizer_s=optimizer, copy_rate=copy_rate)
+    parts = _parts(result, optimizer_s=optimizer, copy_rate=copy_rate, forward_share=forward_share)
     step = sum(part.seconds(cuda=cuda, slowdown=slowdown) for part in parts)
     return Prediction(
         step_s=step, io_s=result.io_floor_s, compute_s=result.compute_floor_s, optimizer_s=optimizer,
@@ -147,7 +197,7 @@ def predict(result: Estimate, *, copy_rate: float, step_rate: float, cuda: bool,
     )  # fmt: skip
 
 
-def _parts(result: Estimate, *, optimizer_s: float, copy_rate: float) -> tuple[Part, ...]:
+def _parts(result: Estimate, *, optimizer_s: float, copy_rate: float, forward_share: float) -> tuple[Part, ...]:
     """The replay's traffic by part of the step, in seconds. The optimizer's time is split as its
     elements were stepped (all in the step's own part where none were counted). A step part that
     steps nothing only issues the next forward's prefetches, which the disk serves while that
@@ -161,18 +211,21 @@ def _parts(result: Estimate, *, optimizer_s: float, copy_rate: float) -> tuple[P
     specs = result.plan.specs
     params = {unit: next((s.numel for s in of_unit if s.kind is Kind.PARAM), 0) for unit, of_unit in specs.items()}
     total = sum(params.values()) or 1
+    share = {"forward": forward_share, "backward": 1.0 - forward_share, "step": 0.0}
     for name, traffic in phases.items():
         if stepped:
             optimizer = optimizer_s * traffic.stepped / stepped
         else:
             optimizer = optimizer_s if name == "step" else 0.0
         io = 0.0 if disk is None else traffic.read / disk.read + traffic.written / disk.write
+        order = list(specs)[::-1] if name == "backward" else list(specs)  # the backward runs them last first
         units = () if disk is None else tuple(
-            (read / disk.read + written / disk.write, params.get(unit, 0) / total)
-            for unit, (read, written) in sorted(traffic.by_unit.items())
+            (read / disk.read + written / disk.write, params.get(unit, 0) / total, read)
+            for unit in order
+            for read, written in [traffic.by_unit.get(unit, (0, 0))]
         )  # fmt: skip
         parts.append(Part(
-            name=name, io_s=io, compute_s=result.compute_floor_s * COMPUTE_SHARE[name], optimizer_s=optimizer,
+            name=name, io_s=io, compute_s=result.compute_floor_s * share[name], optimizer_s=optimizer,
             copy_s=traffic.copied / copy_rate, units=units,
         ))  # fmt: skip
     return tuple(parts)
@@ -236,8 +289,9 @@ def measure_block_flops(cfg: Config, *, seconds: float = 1.5) -> Bandwidth | Non
     return None if block is None else block.rate(block.passes(seconds, at_least=3))
 
 
-def measure_compute(cfg: Config, *, seconds: float = 2.0, rounds: int = 12) -> tuple[Bandwidth, float]:
-    """The compute rate for the prediction, and how much slower it runs while the disk streams.
+def measure_compute(cfg: Config, *, seconds: float = 2.0, rounds: int = 12) -> Compute:
+    """The compute rate for the prediction, how much slower it runs while the disk streams, and the
+    forward's share of the block's time (the median over the passes alone).
 
     A built-in model's block (`measure_block_flops`), built once and timed in `rounds` pairs of
     windows within about `seconds`: alone, then beside a stream to `tiers.nvme.path`
@@ -253,24 +307,27 @@ def measure_compute(cfg: Config, *, seconds: float = 2.0, rounds: int = 12) -> t
     """
     block = _TimedBlock.build(cfg)
     if block is None:
-        return measure_flops(cfg.precision.param_dtype), 1.0
+        return Compute(flops=measure_flops(cfg.precision.param_dtype))
+    shares: list[float] = []  # of the passes alone
     if torch.cuda.is_available() or cfg.tiers.nvme.path is None:
-        return block.rate(block.passes(seconds, at_least=3)), 1.0
+        runs = block.passes(seconds, at_least=3, shares=shares)
+        return Compute(flops=block.rate(runs), forward_share=statistics.median(shares))
     window = seconds / (2 * rounds)
     alone: list[float] = []
     ratios: list[float] = []
     with streaming(cfg.tiers.nvme.path, cfg.tiers.nvme) as stream:
         for _ in range(rounds):
             with stream.paused():
-                quiet = block.passes(window, at_least=1)
+                quiet = block.passes(window, at_least=1, shares=shares)
             busy = block.passes(window, at_least=1)
             alone += quiet
             ratios.append(statistics.median(busy) / statistics.median(quiet))
         read, write = stream.rates()
-    quiet_rate, slowdown = block.rate(alone), max(1.0, statistics.mean(ratios))
+    quiet_rate, slowdown, share = block.rate(alone), max(1.0, statistics.mean(ratios)), statistics.median(shares)
     beside = f"{slowdown:.2f}x slower beside the disk, which read {read:.1f} GB/s, wrote {write:.1f}"
-    source = f"{quiet_rate.source}; {beside}"
-    return Bandwidth(read=quiet_rate.read, write=quiet_rate.write, source=source), slowdown
+    source = f"{quiet_rate.source}, the forward {share:.0%} of it; {beside}"
+    return Compute(flops=Bandwidth(read=quiet_rate.read, write=quiet_rate.write, source=source), slowdown=slowdown,
+                   forward_share=share)  # fmt: skip
 
 
 class _TimedBlock:
@@ -302,12 +359,16 @@ class _TimedBlock:
             return None
         return cls(cfg, torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
 
-    def passes(self, seconds: float, *, at_least: int) -> list[float]:
-        """The seconds of each pass run in about `seconds`, `at_least` of them."""
+    def passes(self, seconds: float, *, at_least: int, shares: list[float] | None = None) -> list[float]:
+        """The seconds of each pass run in about `seconds`, `at_least` of them; `shares` gets each
+        one's forward share of its time."""
         runs: list[float] = []
         began = time.perf_counter()
         while len(runs) < at_least or time.perf_counter() - began < seconds:
-            runs.append(_timed_pass(self.block, self.x, self.extra, self.device))
+            forward, total = _timed_pass(self.block, self.x, self.extra, self.device)
+            runs.append(total)
+            if shares is not None:
+                shares.append(forward / total)
         return runs
 
     def rate(self, runs: list[float]) -> Bandwidth:
@@ -315,10 +376,16 @@ class _TimedBlock:
         return Bandwidth(read=measured, write=measured, source=f"measured {measured / 1e9:.0f} GFLOP/s ({self.what})")
 
 
-def _timed_pass(block: nn.Module, x: torch.Tensor, extra: tuple[torch.Tensor, ...], device: torch.device) -> float:
+def _timed_pass(
+    block: nn.Module, x: torch.Tensor, extra: tuple[torch.Tensor, ...], device: torch.device
+) -> tuple[float, float]:
+    """(seconds to the end of the forward, seconds of the whole pass)."""
     began = time.perf_counter()
     y = block(x, *extra)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    forward = time.perf_counter() - began
     y.backward(torch.ones_like(y))
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - began
+    return forward, time.perf_counter() - began
