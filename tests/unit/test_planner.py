@@ -413,11 +413,11 @@ def test_a_tight_device_lowers_the_prefetchers_budgets_and_the_run_keeps_within_
 def test_units_that_save_alike_are_moved_spread_over_the_step() -> None:
     """Among slices that save as much disk time per byte, the first n moved to memory are spread
     evenly over the units' order, so that the step pipeline reads the others while they compute."""
-    from tierzero.placement.planner import _spread_order
+    from tierzero.placement.candidates import spread_order
 
     units = [f"u{i}" for i in range(10)]
-    rank = _spread_order(units)
+    rank = spread_order(units)
     order = sorted(units, key=rank.__getitem__)
     assert sorted(rank.values()) == list(range(10))
     assert order[:2] == ["u0", "u5"] and set(order[:4]) == {"u0", "u2", "u5", "u7"}
-    assert _spread_order(["only"]) == {"only": 0} and _spread_order([]) == {}
+    assert spread_order(["only"]) == {"only": 0} and spread_order([]) == {}

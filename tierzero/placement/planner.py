@@ -3,7 +3,7 @@
 Before anything is allocated, the planner replays the engine's own training step for each
 candidate placement (the estimator's counting dry run, tierzero/estimate) and keeps the
 one with the shortest predicted step among those that fit every tier's budget. The
-candidates:
+candidates (tierzero/placement/candidates.py):
 
 1. every whole-kind placement the stage allows for the kinds left to it (parameters,
    gradients, optimizer states each wholly on the device, in host memory or on NVMe; the
@@ -13,7 +13,8 @@ candidates:
    and kind by kind, those that cost most disk time per byte first, by the replay's own
    count of each slice's reads and writes: stage-3 parameters (read in forward and in
    backward, written by the step) before optimizer states (read and written once);
-   gradients handed to a step in backward cost nothing and stay.
+   gradients handed to a step in backward cost nothing and stay. Among slices that save
+   alike, the units are taken spread over the step (candidates.py: `spread_order`).
 
 A placement whose homes alone are over a budget is refused without a replay; the whole-kind
 candidates are tried least memory first, so the first replay gives the slice sizes.
@@ -27,9 +28,6 @@ host memory and shares the cpu budget with the activations.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,20 +36,17 @@ import torch
 from tierzero.config import AUTO, Config, load_config
 from tierzero.estimate.estimator import Bandwidth, Estimate, estimate
 from tierzero.placement.budgets import MachineBudgets, machine_budgets
+from tierzero.placement.candidates import FIELDS, Candidate, fill, whole_kind
 from tierzero.placement.disk import disk_rates
 from tierzero.placement.prediction import (
     Compute, Prediction, measure_compute, measure_copy_rate, measure_step_rate, predict,
 )
 from tierzero.sizes import format_size
-from tierzero.slices import SliceKey, Tier, align_up
-from tierzero.stages.plan import KIND_HOMES, Homes
+from tierzero.slices import Tier
+from tierzero.stages.plan import Homes
 
 __all__ = ["PlacementError", "PlacementPlan", "RankBudgets", "plan_placement"]
 
-#: The `Homes` fields and the offload keys that set them.
-FIELDS = {"params": "params", "grads": "gradients", "optimizer": "optimizer"}
-#: Lowest zero stage that may keep a field off the device (the optimizer's: any).
-MIN_STAGE = {"params": 3, "grads": 2, "optimizer": 1}
 #: Whole-kind placements whose split is tried: the best this many that leave state on NVMe.
 SPLIT_BASES = 2
 
@@ -118,16 +113,6 @@ class RankBudgets:
         if self.shared_host:
             used += result.tiers[Tier.DEVICE].need + (result.activations or 0)
         return max(0, self.cpu - used)
-
-
-@dataclass(slots=True, kw_only=True)
-class Candidate:
-    homes: Homes
-    label: str
-    result: Estimate | None = None
-    prediction: Prediction | None = None
-    short: dict[Tier, int] = field(default_factory=dict)
-    overrides: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -276,11 +261,14 @@ def plan_placement(
         )  # fmt: skip
         return candidate
 
-    whole = [judge(c) for c in _whole_kind(cfg)]
+    whole = [judge(c) for c in whole_kind(cfg)]
     fitting = sorted((c for c in whole if not c.short), key=_rank)
     bases = [c for c in fitting if c.result is not None and c.result.nvme_file][:SPLIT_BASES]
     auto = {what for what, key in FIELDS.items() if getattr(cfg.offload, key) == AUTO}
-    splits = [split for base in bases for split in _fill(base, rank_budgets, judge, disk=disk, auto=auto)]
+    splits = [
+        split for base in bases
+        for split in fill(base, rank_budgets.memory_room(base.result), judge, disk=disk, auto=auto)
+    ]  # fmt: skip
     ranked = sorted((c for c in whole + splits if not c.short), key=_rank)
     if not ranked:
         raise PlacementError(_refusal(cfg, whole))
@@ -292,93 +280,6 @@ def plan_placement(
         homes=best.homes, label=best.label, estimate=best.result, prediction=best.prediction, budgets=rank_budgets,
         disk=disk, considered=tuple(considered), units=tuple(best.result.plan.specs), overrides=best.overrides,
     )  # fmt: skip
-
-
-# ---------------------------------------------------------------- candidates
-
-
-def _whole_kind(cfg: Config) -> list[Candidate]:
-    """Every whole-kind placement of the auto kinds the stage allows (nvme only with a path), the
-    ones that keep least in memory first: their replay gives the slice sizes that let the planner
-    refuse a placement whose homes alone are over budget without replaying it."""
-    choices: list[Iterable[Tier]] = []
-    for what, key in FIELDS.items():
-        configured = getattr(cfg.offload, key)
-        if configured != AUTO:
-            choices.append([configured])
-            continue
-        tiers = [Tier.DEVICE]
-        if cfg.zero.stage >= MIN_STAGE[what]:
-            tiers.insert(0, Tier.CPU)
-            if cfg.tiers.nvme.path is not None:
-                tiers.insert(0, Tier.NVME)
-        choices.append(tiers)
-    return [
-        Candidate(
-            homes=Homes(params=p, grads=g, optimizer=o), label=f"params {p.value}, grads {g.value}, optimizer {o.value}"
-        )
-        for p, g, o in itertools.product(*choices)
-    ]
-
-
-def _fill(
-    base: Candidate, budgets: RankBudgets, judge: Any, *, disk: Bandwidth | None, auto: set[str]
-) -> list[Candidate]:
-    """`base` with the NVMe slices of the `auto` kinds (a kind the config places stays where it says)
-    moved to the cpu tier while the host budget has room, unit by
-    unit and kind by kind, those whose disk time per byte (the replay's reads and writes of
-    them at the disk's rates) is highest first; shrunk by what the replay finds over budget,
-    up to three times. Slices that cost no disk time (gradients handed to a step in backward)
-    stay on NVMe."""
-    assert base.result is not None and base.result.plan is not None
-    if disk is None:
-        return []
-    groups: dict[tuple[str, str], list[float]] = {}
-    for unit, unit_specs in base.result.plan.specs.items():
-        for spec in unit_specs:
-            if spec.home is Tier.NVME and KIND_HOMES[spec.kind] in auto:
-                read, written = base.result.nvme_by_slice.get(SliceKey(unit, spec.kind), (0, 0))
-                group = groups.setdefault((unit, KIND_HOMES[spec.kind]), [0.0, 0.0])
-                group[0] += read / disk.read + written / disk.write
-                group[1] += align_up(spec.nbytes)
-    spread = _spread_order(list(dict.fromkeys(unit for unit, _ in groups)))
-    ranked = sorted(
-        (k for k, (saved, _) in groups.items() if saved > 0),
-        key=lambda k: (-float(f"{groups[k][0] / groups[k][1]:.4g}"), spread[k[0]]),
-    )
-    room = budgets.memory_room(base.result)
-    tried: list[Candidate] = []
-    for _ in range(3):
-        taken, used = {}, 0
-        for key in ranked:
-            if used + groups[key][1] <= room:
-                taken[key], used = Tier.CPU, used + int(groups[key][1])
-        if not taken:
-            break
-        homes = dataclasses.replace(base.homes, units=taken)
-        moved = sorted({what for _, what in taken})
-        label = f"{base.label}; {len(taken)} unit slices of {', '.join(moved)} in cpu ({format_size(used)})"
-        candidate = judge(Candidate(homes=homes, label=label))
-        tried.append(candidate)
-        if not candidate.short:
-            break
-        room -= sum(candidate.short.values()) + room // 100
-    return tried
-
-
-def _spread_order(units: list[str]) -> dict[str, int]:
-    """A rank for each of `units` (in the step's order) such that the first n of any count are spread
-    evenly over the order: 0, 1/2, 1/4, 3/4, 1/8... of the way. Among slices that save as much disk
-    time per byte, the planner moves them in this order, so the units whose states stay in memory
-    come between those read from disk: the step pipeline reads the next ones while they compute,
-    rather than the disk idling through a run of them at one end of the backward."""
-    n = len(units)
-    bits = max(1, (n - 1).bit_length())
-    rank: dict[str, int] = {}
-    for j in range(1 << bits if n else 0):
-        position = int(f"{j:0{bits}b}"[::-1], 2) * n >> bits  # bit-reversed j, scaled to the units
-        rank.setdefault(units[position], len(rank))
-    return rank
 
 
 def _lowered_prefetch(

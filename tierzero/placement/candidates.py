@@ -1,0 +1,124 @@
+"""The placement planner's candidates: whole-kind placements, and units' slices moved into memory.
+
+`whole_kind` lists every placement of whole kinds the stage allows; `fill` moves a placement's
+NVMe slices into host memory, unit by unit and kind by kind, while the budget has room, those
+that save most disk time per byte first and, among those that save alike, spread over the
+step (`spread_order`). The planner (placement/planner.py) replays and ranks them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from tierzero.config import AUTO, Config
+from tierzero.estimate.estimator import Bandwidth, Estimate
+from tierzero.placement.prediction import Prediction
+from tierzero.sizes import format_size
+from tierzero.slices import SliceKey, Tier, align_up
+from tierzero.stages.plan import KIND_HOMES, Homes
+
+__all__ = ["FIELDS", "MIN_STAGE", "Candidate", "fill", "spread_order", "whole_kind"]
+
+#: The `Homes` fields and the offload keys that set them.
+FIELDS = {"params": "params", "grads": "gradients", "optimizer": "optimizer"}
+#: Lowest zero stage that may keep a field off the device (the optimizer's: any).
+MIN_STAGE = {"params": 3, "grads": 2, "optimizer": 1}
+
+
+@dataclass(slots=True, kw_only=True)
+class Candidate:
+    """A placement tried: its homes and label, then, once judged, its replay and prediction, or the
+    bytes by which it is over each budget; `overrides`: the prefetcher's budgets it lowers."""
+
+    homes: Homes
+    label: str
+    result: Estimate | None = None
+    prediction: Prediction | None = None
+    short: dict[Tier, int] = field(default_factory=dict)
+    overrides: dict[str, int] = field(default_factory=dict)
+
+
+def whole_kind(cfg: Config) -> list[Candidate]:
+    """Every whole-kind placement of the auto kinds the stage allows (nvme only with a path), the
+    ones that keep least in memory first: their replay gives the slice sizes that let the planner
+    refuse a placement whose homes alone are over budget without replaying it."""
+    choices: list[Iterable[Tier]] = []
+    for what, key in FIELDS.items():
+        configured = getattr(cfg.offload, key)
+        if configured != AUTO:
+            choices.append([configured])
+            continue
+        tiers = [Tier.DEVICE]
+        if cfg.zero.stage >= MIN_STAGE[what]:
+            tiers.insert(0, Tier.CPU)
+            if cfg.tiers.nvme.path is not None:
+                tiers.insert(0, Tier.NVME)
+        choices.append(tiers)
+    return [
+        Candidate(
+            homes=Homes(params=p, grads=g, optimizer=o), label=f"params {p.value}, grads {g.value}, optimizer {o.value}"
+        )
+        for p, g, o in itertools.product(*choices)
+    ]
+
+
+def fill(
+    base: Candidate, room: int, judge: Callable[[Candidate], Candidate], *, disk: Bandwidth | None, auto: set[str]
+) -> list[Candidate]:
+    """`base` with the NVMe slices of the `auto` kinds (a kind the config places stays where it says)
+    moved to the cpu tier within `room` (the host-memory bytes the budget has beyond what `base`
+    needs), unit by unit and kind by kind, those whose disk time per byte (the replay's reads and
+    writes of them at the disk's rates) is highest first, and among those alike in `spread_order`;
+    shrunk by what `judge`'s replay finds over budget, up to three times. Slices that cost no disk
+    time (gradients handed to a step in backward) stay on NVMe."""
+    assert base.result is not None and base.result.plan is not None
+    if disk is None:
+        return []
+    groups: dict[tuple[str, str], list[float]] = {}
+    for unit, unit_specs in base.result.plan.specs.items():
+        for spec in unit_specs:
+            if spec.home is Tier.NVME and KIND_HOMES[spec.kind] in auto:
+                read, written = base.result.nvme_by_slice.get(SliceKey(unit, spec.kind), (0, 0))
+                group = groups.setdefault((unit, KIND_HOMES[spec.kind]), [0.0, 0.0])
+                group[0] += read / disk.read + written / disk.write
+                group[1] += align_up(spec.nbytes)
+    spread = spread_order(list(dict.fromkeys(unit for unit, _ in groups)))
+    ranked = sorted(
+        (k for k, (saved, _) in groups.items() if saved > 0),
+        key=lambda k: (-float(f"{groups[k][0] / groups[k][1]:.4g}"), spread[k[0]]),
+    )
+    tried: list[Candidate] = []
+    for _ in range(3):
+        taken, used = {}, 0
+        for key in ranked:
+            if used + groups[key][1] <= room:
+                taken[key], used = Tier.CPU, used + int(groups[key][1])
+        if not taken:
+            break
+        homes = dataclasses.replace(base.homes, units=taken)
+        moved = sorted({what for _, what in taken})
+        label = f"{base.label}; {len(taken)} unit slices of {', '.join(moved)} in cpu ({format_size(used)})"
+        candidate = judge(Candidate(homes=homes, label=label))
+        tried.append(candidate)
+        if not candidate.short:
+            break
+        room -= sum(candidate.short.values()) + room // 100
+    return tried
+
+
+def spread_order(units: list[str]) -> dict[str, int]:
+    """A rank for each of `units` (in the step's order) such that the first n of any count are spread
+    evenly over the order: 0, 1/2, 1/4, 3/4, 1/8... of the way. Among slices that save as much disk
+    time per byte, the planner moves them in this order, so the units whose states stay in memory
+    come between those read from disk: the step pipeline reads the next ones while they compute,
+    rather than the disk idling through a run of them at one end of the backward."""
+    n = len(units)
+    bits = max(1, (n - 1).bit_length())
+    rank: dict[str, int] = {}
+    for j in range(1 << bits if n else 0):
+        position = int(f"{j:0{bits}b}"[::-1], 2) * n >> bits  # bit-reversed j, scaled to the units
+        rank.setdefault(units[position], len(rank))
+    return rank
