@@ -8,8 +8,11 @@ device, cpu or nvme) whose estimate fits the same budgets. With `--device-share 
 (`tiers.*.capacity`), and the prefetcher keeps at most a quarter of the device's share
 fetched; without them no capacity is set and the machine's budgets apply, which on this
 machine hold everything. The contenders run in rounds, a few steps each in
-turn, so that they share the machine's slow and fast minutes; each one's median step is
-set beside auto's.
+turn, each round starting one contender later, so that they share the machine's slow and
+fast minutes. Each one is set beside auto by the median over the rounds of auto's steps
+over its own in the same round, which cancels the machine's drift from round to round: on
+the 2-core VM the medians of two engines of nearly the same placement came 6% apart in one
+run (docs/BENCHMARKS.md, session 14).
 """
 
 from __future__ import annotations
@@ -38,12 +41,18 @@ class Contender:
     config: dict[str, Any]
     training: EngineTraining | None = None
     times: list[float] = field(default_factory=list)
+    rounds: list[float] = field(default_factory=list)
+    """The mean step of each round."""
     label: str = ""
     predicted_s: float | None = None
 
     @property
     def median_s(self) -> float:
         return statistics.median(self.times)
+
+    def against(self, other: Contender) -> float:
+        """This contender's steps over `other`'s, round by round: the median of the ratios."""
+        return statistics.median(mine / theirs for mine, theirs in zip(self.rounds, other.rounds, strict=True))
 
 
 def bench_placement(
@@ -89,9 +98,9 @@ def bench_placement(
             if placement is not None:
                 contender.label, contender.predicted_s = placement.label, placement.prediction.step_s
             _steps(contender, 1, batch=batch, seq=seq, record=False)
-        for _ in range(rounds):
-            for contender in contenders:
-                _steps(contender, steps, batch=batch, seq=seq, record=True)
+        for r in range(rounds):
+            for i in range(len(contenders)):
+                _steps(contenders[(r + i) % len(contenders)], steps, batch=batch, seq=seq, record=True)
     finally:
         for contender in contenders:
             if contender.training is not None:
@@ -125,12 +134,15 @@ def _contender(
 
 def _steps(contender: Contender, n: int, *, batch: int, seq: int, record: bool) -> None:
     assert contender.training is not None
+    times = []
     for step in range(n):
         tokens, targets = token_batch(step, batch=batch, seq=seq)
         began = time.perf_counter()
         float(contender.training.step(tokens, targets))
-        if record:
-            contender.times.append(time.perf_counter() - began)
+        times.append(time.perf_counter() - began)
+    if record:
+        contender.times += times
+        contender.rounds.append(statistics.mean(times))
 
 
 def _budget_text(capacities: dict[str, Any]) -> str:
@@ -142,16 +154,16 @@ def _budget_text(capacities: dict[str, Any]) -> str:
 def _report(contenders: list[Contender], *, out: TextIO) -> None:
     auto = contenders[0]
     rows = [["contender", "placement", "median step", "vs auto", "predicted"]]
-    for c in sorted(contenders, key=lambda c: c.median_s):
+    for c in sorted(contenders, key=lambda c: c.against(auto)):
         predicted = "-" if c.predicted_s is None else f"{c.predicted_s:.3f} s"
-        rows.append([c.name, c.label, f"{c.median_s:.3f} s", f"{c.median_s / auto.median_s:.2f}x", predicted])
+        rows.append([c.name, c.label, f"{c.median_s:.3f} s", f"{c.against(auto):.3f}x", predicted])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         out.write("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() + "\n")
     whole = [c for c in contenders if c is not auto]
     if whole:
-        best = min(whole, key=lambda c: c.median_s)
+        best = max(whole, key=auto.against)
         out.write(
             f"auto {auto.median_s:.3f} s against the best whole-kind placement ({best.name}) {best.median_s:.3f} s: "
-            f"{auto.median_s / best.median_s:.2f}x\n"
+            f"{auto.against(best):.3f}x, the median of {len(auto.rounds)} rounds' ratios\n"
         )
