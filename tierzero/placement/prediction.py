@@ -14,15 +14,16 @@ windows, alone and beside a disk stream: 1.13-1.26x on the 2-core VM).
 The disk overlaps only the work of the same part of the step: the replay counts each byte in
 the part that issues it (forward, backward or the step after it) and each element the
 optimizer steps where it is stepped, and gives the forward its measured share of the block's
-time (a third of the FLOPs, but 24-30% of the time on the 2-core VM: the backward's weight
+time (a third of the FLOPs, but 23-25% of the time on the 2-core VM: the backward's weight
 gradients and landing run slower per FLOP) and the backward the rest; what the step part issues
 without stepping (the next forward's prefetches) counts in that forward. The step is the sum of
 its parts: a placement whose disk works only in backward is predicted as such, not as if the
 forward's compute hid it too.
 
 Within a part the units run in order (the backward last to first), each one's work (its share
-of the rest, by parameters) after its own disk, and the disk serves the units in turn, up to
-`AHEAD` disk-bound units ahead of the work, as the pipelines hold them (`pipelined`). A unit's
+of the rest, by parameters) after its own disk, and the disk serves the units in turn, reading
+ahead while the bytes read and not yet worked on fit in the `AHEAD` largest units' bytes, the
+step pipeline's bound (`pipelined`). A unit's
 disk hides behind the work of the units before it, those whose states live in memory included,
 as the step in backward reads ahead past them; a disk-bound part takes its disk plus the work it
 cannot hide at either end. On the 2B auto plan (70 units' states on NVMe, 35 in memory) the
