@@ -301,6 +301,26 @@ def test_command_json_table_and_bench_file(tmp_path: Path) -> None:
         _cli(["--config", str(config), "--nvme-bench", str(bench)])
 
 
+def test_a_bench_file_gives_the_rates_at_the_config_s_own_setting(tmp_path: Path) -> None:
+    """A sweep that ran the config's I/O setting gives its rates there; else its best point's."""
+    from tierzero.estimate.report import load_bench
+
+    def run(direction: str, queue_depth: int, gbps: float) -> dict[str, object]:
+        return {"direction": direction, "block_size": 8 << 20, "queue_depth": queue_depth, "threads": 8,
+                "backend": "pread", "GBps": gbps}
+
+    bench = tmp_path / "bench.json"
+    runs = [run("read", 16, 3.0), run("write", 16, 2.0), run("read", 4, 4.0), run("write", 4, 5.0)]
+    bench.write_text(json.dumps({"best": {"read_GBps": 4.0, "write_GBps": 5.0}, "runs": runs}))
+    nvme = load_config({}).tiers.nvme  # 8 MiB blocks, queue depth 16, 8 threads, pread
+    own = load_bench(str(bench), nvme=nvme)
+    assert own is not None and (own.read, own.write) == (3.0e9, 2.0e9)
+    assert own.source.startswith(f"bench nvme {bench} at 8.0 MiB qd16 t8 pread: 3.00 GB/s read")
+    elsewhere = load_bench(str(bench), nvme=load_config({"tiers": {"nvme": {"threads": 2}}}).tiers.nvme)
+    assert elsewhere is not None and (elsewhere.read, elsewhere.write) == (4.0e9, 5.0e9)
+    assert elsewhere.source.startswith(f"bench nvme {bench} at best point: ")
+
+
 def test_oversized_preset_is_a_2b_model_with_32gb_of_state(tmp_path: Path) -> None:
     cfg = load_config(REPO / "configs" / "oversized.yaml", overrides={"tiers.nvme.path": str(tmp_path)})
     result = estimate(cfg, suggest=False)

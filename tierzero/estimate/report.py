@@ -7,10 +7,11 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from tierzero.config import load_config
+from tierzero.config import NvmeTierConfig, load_config
 from tierzero.config.cli import parse_overrides
 from tierzero.estimate.estimator import Bandwidth, Estimate, estimate, measure_flops
 from tierzero.placement import MachineBudgets, machine_budgets
+from tierzero.placement.disk import label_of
 from tierzero.placement.planner import plan_placement
 from tierzero.sizes import format_size
 from tierzero.slices import KEPT_KINDS, shown_kinds
@@ -124,8 +125,11 @@ def _comm_lines(result: Estimate) -> list[str]:
 DEFAULT_BENCH_PATHS = ("bench-nvme.json", "results/bench-nvme.json")
 
 
-def load_bench(path: str | None, *, nvme_path: str | None = None) -> Bandwidth | None:
-    """The best read/write GB/s of a `bench nvme` JSON file; None when no file is given or found."""
+def load_bench(
+    path: str | None, *, nvme_path: str | None = None, nvme: NvmeTierConfig | None = None
+) -> Bandwidth | None:
+    """The read/write GB/s of a `bench nvme` JSON file at `nvme`'s I/O setting where its sweep ran
+    that setting, else its best point's; None when no file is given or found."""
     if path is None:
         candidates = [Path(p) for p in DEFAULT_BENCH_PATHS]
         if nvme_path is not None:
@@ -135,8 +139,12 @@ def load_bench(path: str | None, *, nvme_path: str | None = None) -> Bandwidth |
             return None
         path = str(found)
     try:
-        best = json.loads(Path(path).read_text())["best"]
+        report = json.loads(Path(path).read_text())
+        best = report["best"]
         read, write = float(best["read_GBps"]), float(best["write_GBps"])
+        at = "best point"
+        if nvme is not None and (own := _at_setting(report.get("runs") or [], nvme)) is not None:
+            (read, write), at = own, label_of(nvme)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(
             f"--nvme-bench {path}: expected `tierzero bench nvme --json` results with best.read_GBps and "
@@ -144,8 +152,19 @@ def load_bench(path: str | None, *, nvme_path: str | None = None) -> Bandwidth |
         ) from None
     if read <= 0 or write <= 0:
         raise ValueError(f"--nvme-bench {path}: best read {read} and write {write} GB/s must be positive; rerun the bench")
-    source = f"bench nvme {path}: {read:.2f} GB/s read, {write:.2f} GB/s write"
+    source = f"bench nvme {path} at {at}: {read:.2f} GB/s read, {write:.2f} GB/s write"
     return Bandwidth(read=read * 1e9, write=write * 1e9, source=source)
+
+
+def _at_setting(runs: list[dict[str, Any]], nvme: NvmeTierConfig) -> tuple[float, float] | None:
+    """(read, write) GB/s of the sweep's runs at `nvme`'s setting; None when it did not run it."""
+    setting = (nvme.block_size, nvme.queue_depth, nvme.threads, nvme.backend)
+    found = {
+        run["direction"]: float(run["GBps"])
+        for run in runs
+        if (run["block_size"], run["queue_depth"], run["threads"], run["backend"]) == setting
+    }
+    return (found["read"], found["write"]) if found.keys() >= {"read", "write"} else None
 
 
 def add_estimate_command(subparsers: Any) -> None:
@@ -157,7 +176,9 @@ def add_estimate_command(subparsers: Any) -> None:
     layout.add_argument("--nodes", type=int, help="nodes the ranks are spread over, equally (default 1)")
     layout.add_argument("--local-world-size", type=int, help="ranks per node, as torchrun's --nproc-per-node")
     parser.add_argument(
-        "--nvme-bench", default=None, help=f"`bench nvme --json` results (default: {', '.join(DEFAULT_BENCH_PATHS)})"
+        "--nvme-bench", default=None,
+        help=f"`bench nvme --json` results, taken at tiers.nvme's setting where the sweep ran it, else its best "
+        f"(default: {', '.join(DEFAULT_BENCH_PATHS)})",
     )
     parser.add_argument("--flops", type=float, default=None, help="compute rate in GFLOP/s (default: a stated CPU rate)")
     parser.add_argument("--measure-flops", action="store_true", help="time a matmul here instead of assuming a rate")
@@ -182,7 +203,7 @@ def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
     elif args.measure_flops:
         flops = measure_flops(cfg.precision.param_dtype)
     local = _local_world_size(args)
-    disk = load_bench(args.nvme_bench, nvme_path=cfg.tiers.nvme.path)
+    disk = load_bench(args.nvme_bench, nvme_path=cfg.tiers.nvme.path, nvme=cfg.tiers.nvme)
     budgets = machine_budgets(cfg.tiers)
     if cfg.offload.planned:
         shares = {} if local is None else {"local_world_size": local}  # a machine's memory is shared by its ranks

@@ -40,7 +40,7 @@ from tierzero.slices import IO_ALIGNMENT, aligned_empty
 
 __all__ = [
     "PROBE_BYTES", "SETTLE_S", "DiskRates", "DiskStream", "cache_file", "disk_rates", "probe", "remember", "remembered",
-    "setting_label", "streaming", "timed_moves",
+    "label_of", "setting_label", "streaming", "timed_moves",
 ]
 
 #: Bytes `probe` moves each way per pass by default.
@@ -72,7 +72,10 @@ def setting_label(*, block_size: int, queue_depth: int, threads: int, backend: s
 
 
 def label_of(nvme: NvmeTierConfig) -> str:
-    return setting_label(block_size=nvme.block_size, queue_depth=nvme.queue_depth, threads=nvme.threads, backend=nvme.backend)
+    """`nvme`'s setting as `setting_label` gives it."""
+    return setting_label(
+        block_size=nvme.block_size, queue_depth=nvme.queue_depth, threads=nvme.threads, backend=nvme.backend
+    )
 
 
 def remembered(path: str | os.PathLike[str], setting: str) -> DiskRates | None:
