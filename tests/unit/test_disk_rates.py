@@ -51,7 +51,9 @@ def test_a_directory_that_is_gone_loses_its_entry_at_the_next_write(tmp_path: Pa
     assert set(json.loads(disk.cache_file().read_text())) == {str(b.resolve())}
 
 
-def test_an_unknown_disk_is_probed_once_at_the_config_s_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unknown_disk_is_probed_once_at_the_config_s_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rates remembered at another setting (`bench nvme --quick`'s one) are not the config's: the
     disk is probed at the config's own, once."""
     from tierzero.config import load_config
@@ -183,7 +185,8 @@ def test_the_slowdown_is_the_mean_of_the_paired_windows(tmp_path: Path, monkeypa
     flops, slowdown = compute.flops, compute.slowdown
     assert slowdown == pytest.approx((6 * 1.25 + 4.0) / 7)
     assert compute.forward_share == pytest.approx(0.3)  # the median of the passes alone
-    assert flops.source.endswith(", the forward 30% of it; 1.64x slower beside the disk, which read 3.5 GB/s, wrote 7.0")
+    beside = "1.64x slower beside the disk, which read 3.5 GB/s, wrote 7.0"
+    assert flops.source.endswith(f", the forward 30% of it; {beside}")
     block = 6.0 * (4 * 64 * 64 + 4 * 64 + 2 * 64 * 256 + 256 + 64 + 4 * 64) * 2 * 32
     assert flops.read == block / 1.0  # the median of the seven passes alone
 

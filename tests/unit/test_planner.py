@@ -138,7 +138,8 @@ def test_a_units_disk_hides_behind_the_work_before_it_in_the_part() -> None:
     kw = {"copy_rate": 1_000.0, "step_rate": 2_000.0, "cuda": False}
     for unit, backward in (("u1", 5.5), ("u0", 3.75)):
         one = Traffic(read=2_000, copied=500, stepped=2_000, by_unit={unit: [2_000, 0]})
-        assert predict(_replayed(forward=Traffic(), backward=one, units=2), **kw).step_s == pytest.approx(1.0 + backward)
+        predicted = predict(_replayed(forward=Traffic(), backward=one, units=2), **kw)
+        assert predicted.step_s == pytest.approx(1.0 + backward)
     both = Traffic(read=2_000, copied=500, stepped=2_000, by_unit={"u0": [1_000, 0], "u1": [1_000, 0]})
     assert predict(_replayed(forward=Traffic(), backward=both, units=2), **kw).step_s == pytest.approx(1.0 + 4.5)
 

@@ -51,7 +51,9 @@ class SweepPoint:
     @property
     def label(self) -> str:
         s = self.setting
-        return setting_label(block_size=s.block_size, queue_depth=s.queue_depth, threads=s.threads, backend=self.backend)
+        return setting_label(
+            block_size=s.block_size, queue_depth=s.queue_depth, threads=s.threads, backend=self.backend
+        )
 
 
 @dataclass(slots=True, kw_only=True)
