@@ -422,3 +422,21 @@ def test_units_that_save_alike_are_moved_spread_over_the_step() -> None:
     assert sorted(rank.values()) == list(range(10))
     assert order[:2] == ["u0", "u5"] and set(order[:4]) == {"u0", "u2", "u5", "u7"}
     assert spread_order(["only"]) == {"only": 0} and spread_order([]) == {}
+
+
+def test_the_plan_takes_the_measured_compute_its_slowdown_and_forward_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unless a rate is given, the planner measures the block (`measure_compute`) and predicts with
+    all three of its figures: the forward then takes its measured share of the compute."""
+    from tierzero.placement import planner
+    from tierzero.placement.prediction import Compute
+
+    monkeypatch.setattr(planner, "measure_compute", lambda cfg: Compute(flops=FLOPS, slowdown=1.5, forward_share=0.2))
+    cfg = load_config(_raw(tmp_path, offload="auto"))
+    plan = plan_placement(cfg, budgets=_budgets(cpu=1 << 40), disk=DISK, copy_rate=COPY, step_rate=STEP)
+    given = _plan(cfg, _budgets(cpu=1 << 40))  # a given rate: a third, and no slowdown
+    assert plan.homes == given.homes and plan.prediction.slowdown == 1.5 and given.prediction.slowdown == 1.0
+    forward = plan.prediction.parts[0]
+    assert forward.name == "forward" and forward.compute_s == pytest.approx(0.2 * plan.prediction.compute_s)
+    assert given.prediction.parts[0].compute_s == pytest.approx(given.prediction.compute_s / 3)
