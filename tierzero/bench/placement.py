@@ -7,12 +7,12 @@ device, cpu or nvme) whose estimate fits the same budgets. With `--device-share 
 --cpu-share C` the device tier may hold 1/D and the cpu tier 1/C of the model's state
 (`tiers.*.capacity`), and the prefetcher keeps at most a quarter of the device's share
 fetched; without them no capacity is set and the machine's budgets apply, which on this
-machine hold everything. The contenders run in rounds, a few steps each in
-turn, each round starting one contender later, so that they share the machine's slow and
-fast minutes. Each one is set beside auto by the median over the rounds of auto's steps
-over its own in the same round, which cancels the machine's drift from round to round: on
-the 2-core VM the medians of two engines of nearly the same placement came 6% apart in one
-run (docs/BENCHMARKS.md, session 14).
+machine hold everything. The contenders run in rounds, a few steps each in turn, each
+round starting one contender later, so that they share the machine's slow and fast
+minutes. Each one is set beside auto by the median over the rounds of its steps over
+auto's in the same round (and auto beside the best one likewise), which cancels the
+machine's drift from round to round: on the 2-core VM the medians of two engines of nearly
+the same placement came 6% apart in one run (docs/BENCHMARKS.md, session 14).
 """
 
 from __future__ import annotations
