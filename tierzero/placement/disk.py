@@ -1,19 +1,19 @@
-"""The disk's read and write bandwidth for the planner: remembered per path and I/O setting, measured when unknown.
+"""The disk's read and write bandwidth for the planner: remembered per path and I/O setting.
 
-A disk's rates depend on how it is driven: on the 2-core VM, `bench nvme --quick`'s one
-setting (1 MiB blocks, queue depth 4, 2 threads) read 1.5-1.9 GB/s where the 2B preset's
-(8 MiB, 8, 8) read 2.6-3.0, and a plan predicted from the former came out 19-25% slow. So
-rates are remembered per setting (`setting_label`): `tierzero bench nvme` remembers every
-point of its sweep for the directory it ran in, and a probe the setting it ran at.
-`disk_rates(path, nvme)` returns what is remembered for that path at `nvme`'s setting (the
-config's `tiers.nvme`), else runs `probe` at that setting (a few seconds: 256 MiB written,
-left to settle, read back through the NVMe tier the engine uses) and remembers that.
-`streaming(path, nvme)` keeps the disk as busy as a step's swaps do, for what must be
-measured beside them, and pauses on demand for what must be measured alone in between. The
-cache is one JSON file, `$TIERZERO_CACHE_DIR/disks.json` (default `~/.cache/tierzero`),
-keyed by the directory's real path and then by setting; a file or an entry that cannot be
-read is ignored and rewritten, never trusted, and a directory that is gone loses its entry
-at the next write.
+A disk's rates depend on how it is driven: on the 2-core VM (docs/BENCHMARKS.md, session
+13), the 2B auto plan predicted from `bench nvme --quick`'s one setting (1 MiB blocks, queue
+depth 4, 2 threads: 2.27 GB/s read) came out 19-25% slow, and from a probe at `tiers.nvme`'s
+default setting (8 MiB, 16, 8: 2.56 GB/s read) 5% slow. So rates are remembered per setting
+(`setting_label`): `tierzero bench nvme` remembers every point of its sweep for the
+directory it ran in, and a probe the setting it ran at. `disk_rates(path, nvme)` returns what
+is remembered for that path at `nvme`'s setting (the config's `tiers.nvme`), else runs
+`probe` at that setting (a few seconds: 256 MiB written, left to settle, read back through
+the NVMe tier the engine uses) and remembers that. `streaming(path, nvme)` keeps the disk as
+busy as a step's swaps do, for what must be measured beside them, and pauses on demand for
+what must be measured alone in between. The cache is one JSON file,
+`$TIERZERO_CACHE_DIR/disks.json` (default `~/.cache/tierzero`), keyed by the directory's real
+path and then by setting; a file or an entry that cannot be read is ignored and rewritten,
+never trusted, and a directory that is gone loses its entry at the next write.
 """
 
 from __future__ import annotations
