@@ -86,6 +86,8 @@ def fill(
                 group[0] += read / disk.read + written / disk.write
                 group[1] += align_up(spec.nbytes)
     spread = spread_order(list(dict.fromkeys(unit for unit, _ in groups)))
+    # Seconds per byte to 4 significant digits: slices of one kind then tie (their alignment
+    # alone moves the last digits), and `spread` orders them.
     ranked = sorted(
         (k for k, (saved, _) in groups.items() if saved > 0),
         key=lambda k: (-float(f"{groups[k][0] / groups[k][1]:.4g}"), spread[k[0]]),
