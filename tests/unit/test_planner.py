@@ -22,7 +22,8 @@ from tierzero.models import build_model
 from tierzero.placement import MachineBudgets, TierBudget
 from tierzero.placement.planner import PlacementError, RankBudgets, plan_placement
 from tierzero.placement.prediction import predict
-from tierzero.slices import Kind, Tier
+from tierzero.slices import Kind, SliceKey, Tier, align_up
+from tierzero.stages.plan import KIND_HOMES as KIND_FIELD
 from tierzero.stages.plan import Homes
 
 DISK = Bandwidth(read=2.0e9, write=3.0e9, source="test")
@@ -87,13 +88,36 @@ def test_auto_is_a_tier_choice_and_a_section_shorthand(tmp_path: Path) -> None:
         Engine(model, cfg, ctx=ctx)
 
 
-def test_a_unit_home_differs_from_its_kind_only_off_the_device() -> None:
-    homes = Homes(params=Tier.NVME, optimizer=Tier.NVME, units={("h.0", "optimizer"): Tier.CPU})
-    assert homes.units[("h.0", "optimizer")] is Tier.CPU and homes.optimizer is Tier.NVME
-    with pytest.raises(ValueError, match="only between cpu and nvme"):
-        Homes(params=Tier.NVME, units={("h.0", "params"): Tier.DEVICE})
-    with pytest.raises(ValueError, match="only between cpu and nvme"):
-        Homes(grads=Tier.DEVICE, units={("h.0", "grads"): Tier.CPU})
+def test_a_units_home_may_differ_from_its_kinds_on_any_tier() -> None:
+    homes = Homes(params=Tier.NVME, optimizer=Tier.NVME, units={("h.0", "optimizer"): Tier.DEVICE})
+    assert homes.of("h.0", Kind.EXP_AVG) is Tier.DEVICE and homes.of("h.1", Kind.EXP_AVG) is Tier.NVME
+    assert homes.tiers("optimizer") == {Tier.DEVICE, Tier.NVME} and homes.tiers("params") == {Tier.NVME}
+    with pytest.raises(ValueError, match="no kind of state called 'states'"):
+        Homes(units={("h.0", "states"): Tier.CPU})
+
+
+@pytest.mark.parametrize("tier", [Tier.DEVICE, Tier.CPU])
+def test_every_units_slices_moved_by_overrides_replay_as_that_whole_kind_placement(tier: Tier, tmp_path: Path) -> None:
+    """Byte for byte: where the step runs, what it copies, each tier's peak. Optimizer states
+    moved to the device step there, taking no copy of them to the host."""
+    cfg = load_config(_raw(tmp_path, offload=ALL_CPU))
+    units = list(estimate(cfg, disk=DISK, flops=FLOPS).plan.specs)
+    whole = Homes(params=tier, grads=tier, optimizer=tier)
+    moved = Homes(params=Tier.NVME, grads=Tier.NVME, optimizer=Tier.NVME, units={
+        (u, what): tier for u in units for what in ("params", "grads", "optimizer")
+    })  # fmt: skip
+    a, b = (estimate(cfg, disk=DISK, flops=FLOPS, suggest=False, homes=h) for h in (whole, moved))
+    assert (a.memory_copied, a.nvme_read, a.nvme_written) == (b.memory_copied, b.nvme_read, b.nvme_written)
+    assert {t: e.peak for t, e in a.tiers.items()} == {t: e.peak for t, e in b.tiers.items()}
+
+
+def test_a_stage_that_keeps_parameters_whole_refuses_one_units_parameters_elsewhere(tmp_path: Path) -> None:
+    cfg = load_config(_raw(tmp_path, offload=ALL_CPU | {"params": "device"}, stage=2))
+    model = build_model(cfg.model, device="meta", seed=0)
+    ctx = D.DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), created_group=False)
+    homes = Homes(grads=Tier.CPU, optimizer=Tier.CPU, units={("blocks.0", "params"): Tier.CPU})
+    with pytest.raises(ValueError, match="keeps full parameters on the device, got offload.params cpu"):
+        Engine(model, cfg, ctx=ctx, homes=homes)
 
 
 def _replayed(*, forward: Traffic, backward: Traffic, step: Traffic | None = None, units: int = 0) -> Any:
@@ -282,10 +306,12 @@ def _trained(cfg: Any, homes: Homes) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("clipping", [0.0, 1.0], ids=["step-in-backward", "step-after-backward"])
-def test_a_split_placement_trains_bitwise_as_whole_kinds(clipping: float, tmp_path: Path) -> None:
+@pytest.mark.parametrize("moved", [Tier.CPU, Tier.DEVICE])
+def test_a_split_placement_trains_bitwise_as_whole_kinds(moved: Tier, clipping: float, tmp_path: Path) -> None:
+    """Every other unit's slices on `moved`, the rest on NVMe; on the device, those units step there."""
     cfg = load_config(_raw(tmp_path, clipping=clipping))
     units = list(estimate(load_config(_raw(tmp_path, offload=ALL_CPU)), disk=DISK, flops=FLOPS).plan.specs)
-    half = {(u, what): Tier.CPU for u in units[::2] for what in ("params", "grads", "optimizer")}
+    half = {(u, what): moved for u in units[::2] for what in ("params", "grads", "optimizer")}
     split = Homes(params=Tier.NVME, grads=Tier.NVME, optimizer=Tier.NVME, units=half)
     whole = _trained(cfg, Homes(params=Tier.CPU, grads=Tier.CPU, optimizer=Tier.CPU))
     mixed = _trained(cfg, split)
@@ -409,6 +435,87 @@ def test_a_tight_device_lowers_the_prefetchers_budgets_and_the_run_keeps_within_
     monkeypatch.setattr(api, "plan_placement", lambda cfg, **kw: _plan(cfg, budgets))
     summary = T.train(load_config(raw), progress=False, out=io.StringIO())
     assert summary.steps == 3 and summary.peak_tier_bytes["device"] <= capacity
+
+
+def test_nvme_slices_fill_the_device_first_then_host_memory_and_a_shortfall_shrinks_its_tier(tmp_path: Path) -> None:
+    """`fill` moves the slices that save most disk time per byte (the replay's reads and writes of
+    them) first, each to the first memory tier with room: the device's, then the host's. The
+    replay's shortfall of one tier shrinks that tier's share alone."""
+    from tierzero.placement.candidates import FIELDS, Candidate, fill
+
+    nvme = Homes(params=Tier.NVME, grads=Tier.NVME, optimizer=Tier.NVME)
+    result = estimate(load_config(_raw(tmp_path, offload=ALL_CPU)), disk=DISK, flops=FLOPS, suggest=False, homes=nvme)
+    base = Candidate(homes=nvme, label="nvme", result=result)
+    sizes: dict[tuple[str, str], int] = {}
+    saves: dict[tuple[str, str], float] = {}
+    for unit, specs in result.plan.specs.items():
+        for spec in specs:
+            key = (unit, KIND_FIELD[spec.kind])
+            read, written = result.nvme_by_slice.get(SliceKey(unit, spec.kind), (0, 0))
+            sizes[key] = sizes.get(key, 0) + align_up(spec.nbytes)
+            saves[key] = saves.get(key, 0.0) + read / DISK.read + written / DISK.write
+    judged: list[Candidate] = []
+
+    def judge(candidate: Candidate) -> Candidate:
+        judged.append(candidate)
+        candidate.short = {Tier.DEVICE: 1} if shorts and len(judged) == 1 else {}
+        return candidate
+
+    def held(candidate: Candidate, tier: Tier) -> list[tuple[str, str]]:
+        return [key for key, to in candidate.homes.units.items() if to is tier]
+
+    def per_byte(keys: list[tuple[str, str]]) -> list[float]:
+        return [saves[key] / sizes[key] for key in keys]
+
+    total, shorts = sum(sizes.values()), False
+    (first,) = fill(base, {Tier.DEVICE: total // 3, Tier.CPU: total // 4}, judge, disk=DISK, auto=set(FIELDS))
+    device, cpu = held(first, Tier.DEVICE), held(first, Tier.CPU)
+    rest = [key for key in sizes if key not in first.homes.units]
+    assert device and cpu and sum(sizes[k] for k in device) <= total // 3 and sum(sizes[k] for k in cpu) <= total // 4
+    # The device took the dearest bytes; no gradient moves (handed to the step, they cost no disk time).
+    assert min(per_byte(device)) >= max(per_byte(cpu + rest)) * 0.999
+    assert "grads" not in {what for _, what in first.homes.units} and any(saves[k] == 0 for k in rest)
+    assert first.label.startswith("nvme; ") and " in device (" in first.label and " in cpu (" in first.label
+    # Room on the device for every slice that saves, short by a byte once replayed: the second try
+    # holds less there than the first did, however much room was left over; the cpu tier's room stays.
+    judged.clear()
+    shorts = True
+    rooms = {Tier.DEVICE: total, Tier.CPU: total // 4}
+    first, second = fill(base, rooms, judge, disk=DISK, auto=set(FIELDS))
+    assert held(first, Tier.CPU) == [] and sum(sizes[k] for k in held(first, Tier.DEVICE)) < total
+    assert 0 < sum(sizes[k] for k in held(second, Tier.DEVICE)) < sum(sizes[k] for k in held(first, Tier.DEVICE))
+    assert sum(sizes[k] for k in held(second, Tier.CPU)) <= total // 4
+
+
+def test_a_device_budget_of_its_own_is_filled_too_and_the_run_keeps_within_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device tier with its own capacity (as a GPU's): the planner weighs placements that move units'
+    NVMe slices into it, and its plan predicts no worse than any whole-kind placement that fits
+    and trains within it."""
+    from tierzero import api
+
+    state = estimate(load_config(_raw(tmp_path, offload=ALL_CPU)), disk=DISK, flops=FLOPS).tiers[Tier.CPU].home_total
+    raw = _raw(tmp_path)
+    raw["tiers"]["device"] = {"capacity": state // 4}
+    cfg = load_config(raw)
+    # Host memory for the working set with everything on NVMe, and an eighth of the state.
+    nvme = Homes(params=Tier.NVME, grads=Tier.NVME, optimizer=Tier.NVME)
+    working = estimate(cfg, disk=DISK, flops=FLOPS, suggest=False, homes=nvme).tiers[Tier.CPU].need
+    budgets = _budgets(cpu=working + state // 8, device=state // 4)
+    plan = _plan(cfg, budgets)
+    rank = RankBudgets.of(budgets, cfg)
+    assert not rank.shortfalls(plan.estimate) and not rank.shared_host
+    assert any(" in device (" in label and "predicted" in why for label, why in plan.considered)
+    best = min(
+        predict(result, copy_rate=COPY, step_rate=STEP, cuda=False).step_s
+        for p, g, o in itertools.product(Tier, repeat=3)
+        if not rank.shortfalls(result := estimate(cfg, disk=DISK, flops=FLOPS, suggest=False, homes=Homes(p, g, o)))
+    )
+    assert plan.prediction.step_s <= best
+    monkeypatch.setattr(api, "plan_placement", lambda cfg, **kw: _plan(cfg, budgets))
+    summary = T.train(cfg, progress=False, out=io.StringIO())
+    assert summary.steps == 3 and summary.peak_tier_bytes["device"] <= state // 4
 
 
 def test_units_that_save_alike_are_moved_spread_over_the_step() -> None:

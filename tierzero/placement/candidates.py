@@ -1,9 +1,9 @@
 """The placement planner's candidates: whole-kind placements, and units' slices moved into memory.
 
 `whole_kind` lists every placement of whole kinds the stage allows; `fill` moves a placement's
-NVMe slices into host memory, unit by unit and kind by kind, while the budget has room, those
-that save most disk time per byte first and, among those that save alike, spread over the
-step (`spread_order`). The planner (placement/planner.py) replays and ranks them.
+NVMe slices into the device's memory and the host's, unit by unit and kind by kind, while the
+budgets have room, those that save most disk time per byte first and, among those that save
+alike, spread over the step (`spread_order`). The planner (placement/planner.py) replays and ranks them.
 """
 
 from __future__ import annotations
@@ -66,14 +66,21 @@ def whole_kind(cfg: Config) -> list[Candidate]:
 
 
 def fill(
-    base: Candidate, room: int, judge: Callable[[Candidate], Candidate], *, disk: Bandwidth | None, auto: set[str]
+    base: Candidate,
+    rooms: dict[Tier, int],
+    judge: Callable[[Candidate], Candidate],
+    *,
+    disk: Bandwidth | None,
+    auto: set[str],
 ) -> list[Candidate]:
     """`base` with the NVMe slices of the `auto` kinds (a kind the config places stays where it says)
-    moved to the cpu tier within `room` (the host-memory bytes the budget has beyond what `base`
+    moved into memory within `rooms` (the bytes each memory tier's budget has beyond what `base`
     needs), unit by unit and kind by kind, those whose disk time per byte (the replay's reads and
     writes of them at the disk's rates) is highest first, and among those alike in `spread_order`;
-    shrunk by what `judge`'s replay finds over budget, up to three times. Slices that cost no disk
-    time (gradients handed to a step in backward) stay on NVMe."""
+    each to the first tier of `rooms` with room for it: the device's first, where a unit's
+    optimizer states step and its parameters compute without a copy. Shrunk by what `judge`'s
+    replay finds over budget, up to three times. Slices that cost no disk time (gradients handed
+    to a step in backward) stay on NVMe."""
     assert base.result is not None and base.result.plan is not None
     if disk is None:
         return []
@@ -92,23 +99,38 @@ def fill(
         (k for k, (saved, _) in groups.items() if saved > 0),
         key=lambda k: (-float(f"{groups[k][0] / groups[k][1]:.4g}"), spread[k[0]]),
     )
+    rooms = {tier: room for tier, room in rooms.items() if room > 0}
     tried: list[Candidate] = []
     for _ in range(3):
-        taken, used = {}, 0
+        taken: dict[tuple[str, str], Tier] = {}
+        used = dict.fromkeys(rooms, 0)
         for key in ranked:
-            if used + groups[key][1] <= room:
-                taken[key], used = Tier.CPU, used + int(groups[key][1])
+            size = int(groups[key][1])
+            tier = next((t for t in rooms if used[t] + size <= rooms[t]), None)
+            if tier is not None:
+                taken[key], used[tier] = tier, used[tier] + size
         if not taken:
             break
         homes = dataclasses.replace(base.homes, units=taken)
-        moved = sorted({what for _, what in taken})
-        label = f"{base.label}; {len(taken)} unit slices of {', '.join(moved)} in cpu ({format_size(used)})"
-        candidate = judge(Candidate(homes=homes, label=label))
+        candidate = judge(Candidate(homes=homes, label=f"{base.label}; {_moved_text(taken, used)}"))
         tried.append(candidate)
         if not candidate.short:
             break
-        room -= sum(candidate.short.values()) + room // 100
+        for tier in rooms:
+            if tier in candidate.short:
+                rooms[tier] = used[tier] - candidate.short[tier] - used[tier] // 100
     return tried
+
+
+def _moved_text(taken: dict[tuple[str, str], Tier], used: dict[Tier, int]) -> str:
+    """E.g. '35 unit slices of optimizer in cpu (5.1 GiB)', a clause per tier that took some."""
+    clauses = []
+    for tier, nbytes in used.items():
+        keys = [key for key, to in taken.items() if to is tier]
+        if keys:
+            moved = ", ".join(sorted({what for _, what in keys}))
+            clauses.append(f"{len(keys)} unit slices of {moved} in {tier.value} ({format_size(nbytes)})")
+    return "; ".join(clauses)
 
 
 def spread_order(units: list[str]) -> dict[str, int]:

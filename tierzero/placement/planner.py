@@ -9,12 +9,14 @@ candidates (tierzero/placement/candidates.py):
    gradients, optimizer states each wholly on the device, in host memory or on NVMe; the
    kinds the config names stay where it says);
 2. from each of the best whole-kind placements that leave state on NVMe, the same with as
-   many units' NVMe slices moved to host memory as its budget has room for, unit by unit
+   many units' NVMe slices moved into memory as the budgets have room for, unit by unit
    and kind by kind, those that cost most disk time per byte first, by the replay's own
    count of each slice's reads and writes: stage-3 parameters (read in forward and in
    backward, written by the step) before optimizer states (read and written once);
-   gradients handed to a step in backward cost nothing and stay. Among slices that save
-   alike, the units are taken spread over the step (candidates.py: `spread_order`).
+   gradients handed to a step in backward cost nothing and stay. The device takes them
+   first where it has a budget of its own (a unit whose optimizer states it holds steps
+   there), then host memory. Among slices that save alike, the units are taken spread over
+   the step (candidates.py: `spread_order`).
 
 A placement whose homes alone are over a budget is refused without a replay; the whole-kind
 candidates are tried least memory first, so the first replay gives the slice sizes.
@@ -48,7 +50,7 @@ from tierzero.stages.plan import Homes
 __all__ = ["PlacementError", "PlacementPlan", "RankBudgets", "plan_placement"]
 
 #: Whole-kind placements whose split is tried: the best this many that leave state on NVMe.
-SPLIT_BASES = 2
+SPLIT_BASES = 4
 
 
 class PlacementError(ValueError):
@@ -105,14 +107,18 @@ class RankBudgets:
             short[Tier.NVME] = nvme - (self.nvme or 0)
         return short
 
-    def memory_room(self, result: Estimate) -> int:
-        """Host-memory bytes the cpu tier may still take beyond what `result` needs."""
-        if self.cpu is None:
-            return 0
-        used = result.tiers[Tier.CPU].need
-        if self.shared_host:
-            used += result.tiers[Tier.DEVICE].need + (result.activations or 0)
-        return max(0, self.cpu - used)
+    def memory_rooms(self, result: Estimate) -> dict[Tier, int]:
+        """Bytes each memory tier may still take beyond what `result` needs, the device's first; where
+        the device tier is host memory, only the cpu tier's, which holds both."""
+        rooms = {}
+        if self.device is not None and not self.shared_host:
+            rooms[Tier.DEVICE] = max(0, self.device - result.tiers[Tier.DEVICE].need)
+        if self.cpu is not None:
+            used = result.tiers[Tier.CPU].need
+            if self.shared_host:
+                used += result.tiers[Tier.DEVICE].need + (result.activations or 0)
+            rooms[Tier.CPU] = max(0, self.cpu - used)
+        return rooms
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -267,7 +273,7 @@ def plan_placement(
     auto = {what for what, key in FIELDS.items() if getattr(cfg.offload, key) == AUTO}
     splits = [
         split for base in bases
-        for split in fill(base, rank_budgets.memory_room(base.result), judge, disk=disk, auto=auto)
+        for split in fill(base, rank_budgets.memory_rooms(base.result), judge, disk=disk, auto=auto)
     ]  # fmt: skip
     ranked = sorted((c for c in whole + splits if not c.short), key=_rank)
     if not ranked:

@@ -36,10 +36,11 @@ KIND_HOMES: dict[Kind, str] = {
 class Homes:
     """The home tier of each kind of model state, from `cfg.offload.*` or the placement planner.
 
-    `units` lets the planner (tierzero/placement/planner.py) keep some units' slices of a kind
-    in host memory while the rest of that kind lives on NVMe: (unit name, field) -> tier. Only
-    between cpu and nvme, so that where the optimizer steps, and which stages a kind's tier
-    needs, stay the kind's: an override and its field are both off the device.
+    `units` lets the planner (tierzero/placement/planner.py) place a unit's slices of a kind apart
+    from the rest of that kind: (unit name, field) -> tier, so that some units' optimizer states
+    live on the device, others' in host memory and the rest on NVMe. Where a unit's optimizer
+    states live, its step runs (`step_tier`); a stage that keeps full parameters on the device
+    (1 and 2) refuses any unit's parameters elsewhere.
     """
 
     params: Tier = Tier.DEVICE
@@ -48,14 +49,9 @@ class Homes:
     units: Mapping[tuple[str, str], Tier] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for (unit, what), tier in self.units.items():
+        for unit, what in self.units:
             if what not in ("params", "grads", "optimizer"):
                 raise ValueError(f"{unit}: no kind of state called {what!r}; expected params, grads or optimizer")
-            if Tier.DEVICE in (tier, getattr(self, what)):
-                raise ValueError(
-                    f"{unit}'s {what} on {tier.value} while the rest is on {getattr(self, what).value}: a unit's "
-                    "home may differ from its kind's only between cpu and nvme"
-                )
 
     @classmethod
     def configured(cls, offload: OffloadConfig) -> Homes:
@@ -71,8 +67,15 @@ class Homes:
 
     def of(self, unit: str, kind: Kind) -> Tier:
         """Where `unit`'s slice of `kind` lives."""
-        what = KIND_HOMES[kind]
+        return self.tier(unit, KIND_HOMES[kind])
+
+    def tier(self, unit: str, what: str) -> Tier:
+        """Where `unit`'s slices of the field `what` (params, grads or optimizer) live."""
         return self.units.get((unit, what), getattr(self, what))
+
+    def tiers(self, what: str) -> set[Tier]:
+        """Every tier some unit's slices of the field `what` live on."""
+        return {getattr(self, what), *(tier for (_, kind), tier in self.units.items() if kind == what)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,10 +45,11 @@ class ReplicatedParamsStage(Stage):
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
-        if self.homes.params is not Tier.DEVICE:
+        elsewhere = self.homes.tiers("params") - {Tier.DEVICE}
+        if elsewhere:
             raise ValueError(
                 f"zero.stage {self.number} keeps full parameters on the device, got offload.params "
-                f"{self.homes.params.value}: set offload.params to device or use zero.stage 3"
+                f"{', '.join(sorted(t.value for t in elsewhere))}: set offload.params to device or use zero.stage 3"
             )
         self._gathers: dict[str, _InFlight] = {}
         self._unpublished: list[tuple[Unit, torch.Tensor]] = []

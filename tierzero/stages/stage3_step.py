@@ -72,7 +72,7 @@ class StepInTime:
 
     def _moves_down(self, unit: Unit) -> bool:
         """fp32, PARAM on NVMe, a host step: the unit's step in backward may take its gathered copy."""
-        host_step = self.homes.optimizer is not Tier.DEVICE
+        host_step = self.homes.tier(unit.name, "optimizer") is not Tier.DEVICE
         return not self.mixed(unit) and host_step and self.plan.home(unit.name, Kind.PARAM) is Tier.NVME
 
     def _hand_down(self, key: SliceKey, job: Any, unit: Unit, given: dict[Kind, Any]) -> bool:

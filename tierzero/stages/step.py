@@ -76,7 +76,7 @@ class Steppable(Protocol):
 
 def slice_group(stage: Steppable, unit: Unit) -> SliceGroup:
     """The slices the unit's step fetches, and where to: states to the step tier, grads as cheaply as possible."""
-    tier = step_tier(stage.homes.optimizer)
+    tier = _step_tier(stage, unit.name)
     fetches: list[tuple[Kind, Tier]] = [(Kind.GRAD, _grad_tier(stage, unit.name))]
     if stage.mixed(unit):
         fetches.append((Kind.MASTER, tier))
@@ -101,12 +101,17 @@ def group_sizes(stage: Steppable) -> dict[str, int]:
     return sizes
 
 
+def _step_tier(stage: Steppable, unit: str) -> Tier:
+    """Where `unit` steps: where its optimizer states live (`Homes.units` may place them apart from the rest)."""
+    return step_tier(stage.homes.tier(unit, "optimizer"))
+
+
 def _grad_tier(stage: Steppable, unit: str) -> Tier:
     """Where the step takes the gradients from. NVMe-homed ones come up to the step tier, and
     so do a GPU's sharded gradients for a step on the host: the swapper copies them on its copy
     stream while the pipeline reads ahead, where a copy in the compute would block the host.
     Otherwise memory-homed gradients are read in place (copied into step-tier scratch)."""
-    tier, home = step_tier(stage.homes.optimizer), stage.plan.home(unit, Kind.GRAD)
+    tier, home = _step_tier(stage, unit), stage.plan.home(unit, Kind.GRAD)
     if home is Tier.NVME or (home is not tier and stage.shards_grads and stage.device.type == "cuda"):
         return tier
     return home
@@ -339,7 +344,7 @@ def _pipeline(
 def _step_unit(
     stage: Steppable, unit: Unit, fetched: dict[Kind, torch.Tensor], scalars: StepScalars, *, clip_coef: float
 ) -> list[PendingWrite]:
-    tier = step_tier(stage.homes.optimizer)
+    tier = _step_tier(stage, unit.name)
     store = stage.store
     grads = fetched[Kind.GRAD]
     source = stage.grad_slice(grads, unit)
