@@ -77,6 +77,31 @@ def test_an_unknown_disk_is_probed_once_at_the_config_s_setting(
     assert len(calls) == 1
 
 
+def test_rates_older_than_an_hour_are_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared disk's speed drifts: rates remembered more than `MAX_AGE_S` ago, or by a cache that
+    did not say when, are probed again and the new ones remembered."""
+    import time
+
+    probes: list[float] = []
+
+    def probe(path: Path, nvme: object, **_: object) -> tuple[float, float]:
+        probes.append(time.time())
+        return 2.0 + len(probes), 3.0
+
+    monkeypatch.setattr(disk, "probe", probe)
+    disk.remember(tmp_path, {DEFAULT: (1.5, 3.0)}, how="bench nvme")
+    assert disk.disk_rates(tmp_path).read == 1.5e9 and probes == []
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now + disk.MAX_AGE_S + 1)
+    assert disk.disk_rates(tmp_path).read == 3.0e9 and len(probes) == 1
+    assert disk.disk_rates(tmp_path).read == 3.0e9 and len(probes) == 1  # the new ones are fresh
+    entry = json.loads(disk.cache_file().read_text())[str(tmp_path.resolve())][DEFAULT]
+    del entry["measured"]
+    disk.cache_file().write_text(json.dumps({str(tmp_path.resolve()): {DEFAULT: entry}}))
+    assert disk.remembered(tmp_path, DEFAULT) is not None  # still read where age does not matter
+    assert disk.disk_rates(tmp_path).read == 4.0e9 and len(probes) == 2
+
+
 @pytest.mark.parametrize(
     "text",
     ["not json", "[1, 2]", '{"%s": {"%d": {"read_GBps": "fast", "write_GBps": 1, "source": "x"}}}',

@@ -8,7 +8,9 @@ default setting (8 MiB, 16, 8: 2.56 GB/s read) 5% slow. So rates are remembered 
 directory it ran in, and a probe the setting it ran at. `disk_rates(path, nvme)` returns what
 is remembered for that path at `nvme`'s setting (the config's `tiers.nvme`), else runs
 `probe` at that setting (a few seconds: 256 MiB written, left to settle, read back through
-the NVMe tier the engine uses) and remembers that. `streaming(path, nvme)` keeps the disk as
+the NVMe tier the engine uses) and remembers that. Rates older than `MAX_AGE_S` are measured
+again: a shared disk's speed drifts (a plan predicted 19% slow from rates an hour old,
+docs/BENCHMARKS.md, session 14). `streaming(path, nvme)` keeps the disk as
 busy as a step's swaps do, for what must be measured beside them, and pauses on demand for
 what must be measured alone in between. The cache is one JSON file,
 `$TIERZERO_CACHE_DIR/disks.json` (default `~/.cache/tierzero`), keyed by the directory's real
@@ -39,12 +41,14 @@ from tierzero.sizes import format_size
 from tierzero.slices import IO_ALIGNMENT, aligned_empty
 
 __all__ = [
-    "PROBE_BYTES", "SETTLE_S", "DiskRates", "DiskStream", "cache_file", "disk_rates", "probe", "remember", "remembered",
-    "label_of", "setting_label", "streaming", "timed_moves",
+    "MAX_AGE_S", "PROBE_BYTES", "SETTLE_S", "DiskRates", "DiskStream", "cache_file", "disk_rates", "label_of", "probe",
+    "remember", "remembered", "setting_label", "streaming", "timed_moves",
 ]
 
 #: Bytes `probe` moves each way per pass by default.
 PROBE_BYTES = 256 << 20
+#: Seconds after which `disk_rates` measures remembered rates again.
+MAX_AGE_S = 3600.0
 #: Seconds between its writes and its reads: bytes read back at once after being written come
 #: at a third of the speed on a virtio disk (its host still writing them back), and a step
 #: reads what it wrote a step ago.
@@ -78,17 +82,21 @@ def label_of(nvme: NvmeTierConfig) -> str:
     )
 
 
-def remembered(path: str | os.PathLike[str], setting: str) -> DiskRates | None:
+def remembered(path: str | os.PathLike[str], setting: str, *, max_age_s: float | None = None) -> DiskRates | None:
     """The rates last remembered for `path`'s directory at `setting` (a `setting_label`); None when
-    none are (or the cache, or that entry, is unreadable)."""
+    none are (or the cache, or that entry, is unreadable), or when they were measured more than
+    `max_age_s` seconds ago (an entry that does not say when is as old as can be)."""
     by_setting = _read_cache().get(_key(path))
     entry = by_setting.get(setting) if isinstance(by_setting, dict) else None
     try:
         read, write = float(entry["read_GBps"]), float(entry["write_GBps"])  # type: ignore[index]
         source = str(entry["source"])  # type: ignore[index]
-    except (TypeError, KeyError, ValueError):
+        measured = float(entry.get("measured", 0.0))  # type: ignore[union-attr]
+    except (TypeError, KeyError, ValueError, AttributeError):
         return None
     if not (read > 0 and write > 0):
+        return None
+    if max_age_s is not None and not time.time() - measured <= max_age_s:
         return None
     return DiskRates(read=read * 1e9, write=write * 1e9, source=f"{source} ({cache_file()})")
 
@@ -98,7 +106,8 @@ def remember(path: str | os.PathLike[str], rates: dict[str, tuple[float, float]]
     beside what is remembered at its other settings; the file is replaced whole, without the
     entries of directories that no longer exist (a run's scratch swap directory)."""
     cache = {key: entry for key, entry in _read_cache().items() if os.path.isdir(key) and isinstance(entry, dict)}
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = time.time()
+    stamp = datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     entry = {k: v for k, v in cache.get(_key(path), {}).items() if isinstance(v, dict)}
     cache[_key(path)] = entry
     for setting, (read_gbs, write_gbs) in rates.items():
@@ -106,6 +115,7 @@ def remember(path: str | os.PathLike[str], rates: dict[str, tuple[float, float]]
             "read_GBps": read_gbs,
             "write_GBps": write_gbs,
             "source": f"{how} at {setting}, {stamp}: {read_gbs:.2f} GB/s read, {write_gbs:.2f} GB/s write",
+            "measured": now,
         }
     target = cache_file()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -115,11 +125,11 @@ def remember(path: str | os.PathLike[str], rates: dict[str, tuple[float, float]]
 
 
 def disk_rates(path: str | os.PathLike[str], nvme: NvmeTierConfig | None = None) -> DiskRates:
-    """`path`'s rates remembered at `nvme`'s I/O setting (default: `tiers.nvme`'s defaults), else a
-    `probe` of it at that setting, remembered for next time."""
+    """`path`'s rates remembered at `nvme`'s I/O setting (default: `tiers.nvme`'s defaults) within
+    the last `MAX_AGE_S`, else a `probe` of it at that setting, remembered for next time."""
     nvme = nvme or TiersConfig().nvme
     setting = label_of(nvme)
-    known = remembered(path, setting)
+    known = remembered(path, setting, max_age_s=MAX_AGE_S)
     if known is not None:
         return known
     read, write = probe(path, nvme)
