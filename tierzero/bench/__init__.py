@@ -169,10 +169,10 @@ def add_bench_commands(subparsers: Any) -> None:
     placement.add_argument("--preset", default="30m", help="built-in GPT size (default 30m)")
     placement.add_argument("--device-share", type=int, help="the device tier holds 1/D of the model's state")
     placement.add_argument("--cpu-share", type=int, help="the cpu tier holds 1/C of the model's state")
-    placement.add_argument("--rounds", type=int, default=3, help="rounds of steps (default 3)")
+    placement.add_argument("--rounds", type=int, default=9, help="rounds of steps (default 9)")
     placement.add_argument("--steps", type=int, default=3, help="timed steps of each contender per round (default 3)")
-    placement.add_argument("--batch", type=int, default=4, help="micro-batch (default 4)")
-    placement.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
+    placement.add_argument("--batch", type=int, default=1, help="micro-batch (default 1, as the oversized preset)")
+    placement.add_argument("--seq", type=int, default=64, help="sequence length (default 64, as the oversized preset)")
     placement.set_defaults(func=_run_placement)
     check = commands.add_parser(
         "gpu-check", help="tests/gpu and bench train --device cuda in one run, one JSON of results (make gpu-check)",
