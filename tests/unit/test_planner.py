@@ -120,7 +120,9 @@ def test_a_stage_that_keeps_parameters_whole_refuses_one_units_parameters_elsewh
         Engine(model, cfg, ctx=ctx, homes=homes)
 
 
-def _replayed(*, forward: Traffic, backward: Traffic, step: Traffic | None = None, units: int = 0) -> Any:
+def _replayed(
+    *, forward: Traffic, backward: Traffic, step: Traffic | None = None, units: int = 0, stepped_on_device: int = 0
+) -> Any:
     """An estimate's fields `predict` reads: 3 s of compute (1 s forward, 2 s backward), 2,000
     elements stepped, a disk of 1,000 bytes/s both ways, the traffic by part as given; `units`
     units "u0", "u1"... of 1,000 parameters each."""
@@ -129,8 +131,12 @@ def _replayed(*, forward: Traffic, backward: Traffic, step: Traffic | None = Non
     phases = {"forward": forward, "backward": backward, "step": step or Traffic()}
     read, written = (sum(getattr(t, what) for t in phases.values()) for what in ("read", "written"))
     specs = {f"u{i}": [SimpleNamespace(kind=Kind.PARAM, numel=1_000)] for i in range(units)}
+
+    def stepped(*, on_device: bool | None = None) -> int:
+        return {None: 2_000, True: stepped_on_device, False: 2_000 - stepped_on_device}[on_device]
+
     return SimpleNamespace(
-        plan=SimpleNamespace(stepped_elements=lambda: 2_000, specs=specs), compute_floor_s=3.0,
+        plan=SimpleNamespace(stepped_elements=stepped, specs=specs), compute_floor_s=3.0,
         io_floor_s=(read + written) / 1_000,
         memory_copied=sum(t.copied for t in phases.values()), disk=Bandwidth(read=1_000.0, write=1_000.0, source=""),
         phases=phases,
@@ -193,6 +199,24 @@ def test_the_optimizer_counts_in_the_step_part_when_no_element_was_counted() -> 
     host = predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=False)
     assert [part.optimizer_s for part in host.parts] == [0.0, 0.0, 1.0]
     assert host.step_s == 1.0 + 2.0 + 1.0
+
+
+def test_with_a_gpu_the_units_whose_states_live_on_the_device_step_at_its_rate(tmp_path: Path) -> None:
+    """Of 2,000 elements, 500 step on the device at 20,000/s and 1,500 on the host at 2,000/s:
+    0.775 s. Without a GPU every unit steps on the host. The counts are the plan's: the units whose
+    optimizer states `Homes` puts on the device."""
+    result = _replayed(forward=Traffic(), backward=Traffic(), stepped_on_device=500)
+    gpu = predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=True, device_step_rate=20_000.0)
+    assert gpu.optimizer_s == pytest.approx(1_500 / 2_000 + 500 / 20_000)
+    host = predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=False, device_step_rate=20_000.0)
+    assert host.optimizer_s == 1.0
+    cfg = load_config(_raw(tmp_path, offload=ALL_CPU))
+    units = list(estimate(cfg, disk=DISK, flops=FLOPS).plan.specs)
+    homes = Homes(params=Tier.CPU, grads=Tier.CPU, optimizer=Tier.CPU, units={(units[0], "optimizer"): Tier.DEVICE})
+    plan = estimate(cfg, disk=DISK, flops=FLOPS, suggest=False, homes=homes).plan
+    first = next(spec.numel for spec in plan.specs[units[0]] if spec.kind is Kind.EXP_AVG)
+    assert plan.stepped_elements(on_device=True) == first
+    assert plan.stepped_elements(on_device=False) == plan.stepped_elements() - first
 
 
 def test_the_rest_slows_for_as_long_as_the_disk_works_beside_it() -> None:

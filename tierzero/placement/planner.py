@@ -235,6 +235,8 @@ def plan_placement(
     cuda = torch.cuda.is_available()
     copy_rate = copy_rate or measure_copy_rate()
     step_rate = step_rate or measure_step_rate(cfg)
+    # With a GPU, the units whose optimizer states the plan keeps on the device step there.
+    device_step_rate = measure_step_rate(cfg, device="cuda") if cuda else None
 
     specs: dict[str, Any] = {}
 
@@ -263,7 +265,7 @@ def plan_placement(
         candidate.result, candidate.short = result, short
         candidate.prediction = predict(
             result, copy_rate=copy_rate, step_rate=step_rate, cuda=cuda, slowdown=compute.slowdown,
-            forward_share=compute.forward_share,
+            forward_share=compute.forward_share, device_step_rate=device_step_rate,
         )  # fmt: skip
         return candidate
 

@@ -182,14 +182,19 @@ def predict(
     cuda: bool,
     slowdown: float = 1.0,
     forward_share: float = FORWARD_SHARE,
+    device_step_rate: float | None = None,
 ) -> Prediction:
     """The step time `result`'s bytes, FLOPs and elements set (see the module note): the sum of its
     parts', each the disk beside the rest. Without a GPU, the rest runs `slowdown` times slower for
-    as long as the disk works beside it. `forward_share`: the forward's part of the compute."""
+    as long as the disk works beside it. `forward_share`: the forward's part of the compute.
+    `step_rate`: the optimizer's elements/s where it steps on the host; with a GPU, the units whose
+    states live on the device step there, at `device_step_rate` (default: `step_rate`)."""
     assert result.plan is not None
     if cuda:
         slowdown = 1.0
-    optimizer = result.plan.stepped_elements() / step_rate
+    on_device = result.plan.stepped_elements(on_device=True) if cuda else 0
+    on_host = result.plan.stepped_elements() - on_device
+    optimizer = on_host / step_rate + on_device / (device_step_rate or step_rate)
     parts = _parts(result, optimizer_s=optimizer, copy_rate=copy_rate, forward_share=forward_share)
     step = sum(part.seconds(cuda=cuda, slowdown=slowdown) for part in parts)
     return Prediction(
@@ -256,13 +261,15 @@ def measure_copy_rate(nbytes: int | None = None, *, copies: int = 5) -> float:
     return nbytes / statistics.median(runs)
 
 
-def measure_step_rate(cfg: Config, numel: int = 1 << 24, *, steps: int = 3) -> float:
-    """Elements per second of `cfg`'s optimizer kernel (tierzero.optim) on the step's device: the
-    median of `steps` steps of `numel` elements after a warm-up. One step read 2.3 to 3.8 G/s
-    within minutes on the 2-core VM, against 2.2 in the 2B step (docs/BENCHMARKS.md, session 9)."""
+def measure_step_rate(cfg: Config, numel: int = 1 << 24, *, steps: int = 3, device: str | None = None) -> float:
+    """Elements per second of `cfg`'s optimizer kernel (tierzero.optim) on `device`, by default the
+    step's: the median of `steps` steps of `numel` elements after a warm-up. One step read 2.3 to
+    3.8 G/s within minutes on the 2-core VM, against 2.2 in the 2B step (docs/BENCHMARKS.md,
+    session 9)."""
     optimizer = make_optimizer(cfg.optimizer)
     # An auto optimizer is timed on the host, where an offloaded step runs.
-    device = "cuda" if torch.cuda.is_available() and cfg.offload.optimizer is Tier.DEVICE else "cpu"
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() and cfg.offload.optimizer is Tier.DEVICE else "cpu"
     param, grad = torch.randn(numel, device=device), torch.randn(numel, device=device)
     states = optimizer.new_states(numel, device=device)
     lrs = optimizer.group_lrs(1.0)

@@ -120,13 +120,17 @@ class SlicePlan:
             by_kind[spec.kind.value] = by_kind.get(spec.kind.value, 0) + spec.nbytes
         return homes
 
-    def stepped_elements(self) -> int:
+    def stepped_elements(self, *, on_device: bool | None = None) -> int:
         """Elements the optimizer steps per step on this rank: each trained unit's master or state
-        slice (the owned shard), or its gradient slice where it has neither (SGD without momentum)."""
+        slice (the owned shard), or its gradient slice where it has neither (SGD without momentum).
+        `on_device`: only the units that step on the device (True: their states live there) or
+        only the others (False)."""
         total = 0
         for specs in self.specs.values():
-            owned = [s.numel for s in specs if s.kind in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
-            total += owned[0] if owned else next((s.numel for s in specs if s.kind is Kind.GRAD), 0)
+            owned = [s for s in specs if s.kind in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
+            if on_device is not None and (bool(owned) and owned[0].home is Tier.DEVICE) is not on_device:
+                continue
+            total += owned[0].numel if owned else next((s.numel for s in specs if s.kind is Kind.GRAD), 0)
         return total
 
     def nvme_bytes(self) -> int:
