@@ -344,6 +344,38 @@ def test_a_split_placement_trains_bitwise_as_whole_kinds(moved: Tier, clipping: 
         assert torch.equal(whole[name], mixed[name]), name
 
 
+def test_a_checkpoint_resumes_bitwise_under_another_plan(tmp_path: Path) -> None:
+    """The planner may place a resumed run otherwise (the machine's free memory, the disk's rates):
+    saved with everything on NVMe, loaded with units split over the three tiers, the run goes on
+    as it would have."""
+    cfg = load_config(_raw(tmp_path))
+    units = list(estimate(load_config(_raw(tmp_path, offload=ALL_CPU)), disk=DISK, flops=FLOPS).plan.specs)
+    nvme = Homes(params=Tier.NVME, grads=Tier.NVME, optimizer=Tier.NVME)
+    fields = ("params", "grads", "optimizer")
+    moved = {(u, what): tier for u, tier in zip(units, itertools.cycle(Tier)) for what in fields}
+    split = Homes(params=Tier.CPU, grads=Tier.CPU, optimizer=Tier.CPU, units=moved)
+    ctx = D.DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), created_group=False)
+    batches = torch.randint(0, cfg.model.vocab_size, (4, 2, 2, 32), generator=torch.Generator().manual_seed(0))
+
+    def run(homes: Homes, steps: slice, *, save: bool = False, load: bool = False) -> dict[str, torch.Tensor]:
+        with Engine(build_model(cfg.model, device="meta", seed=1 if load else 0), cfg, ctx=ctx, homes=homes) as engine:
+            if load:
+                engine.load_checkpoint(tmp_path / "ckpt")
+            for x, y in batches[steps]:
+                micro_step(engine, x, y, is_hf=False)
+            if save:
+                engine.save_checkpoint(tmp_path / "ckpt")
+            state = engine.full_state_dict()
+        assert state is not None
+        return state
+
+    run(nvme, slice(0, 2), save=True)
+    uninterrupted = run(nvme, slice(0, 4))
+    resumed = run(split, slice(2, 4), load=True)
+    for name, value in uninterrupted.items():
+        assert torch.equal(value, resumed[name]), name
+
+
 def test_tierzero_train_plans_logs_and_reports_the_placement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tierzero import api
 
