@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from tierzero.sizes import format_size
@@ -35,6 +36,8 @@ class RunSummary:
     """Bytes of NVMe-homed state each step read and wrote (this rank)."""
     nvme_cache: int = 0
     """Bytes of NVMe-homed slices held in host memory at the end (tiers.nvme.cache)."""
+    predicted_step_s: float | None = None
+    """The step time the placement planner predicted (`offload: auto`), set beside the measured one."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -57,6 +60,8 @@ class RunSummary:
         if self.nvme_steps and (any(self.nvme_steps[-1]) or self.nvme_cache):
             read, written = self.nvme_steps[-1]
             rows.append(("last step", f"{self.step_seconds[-1]:.1f} s, NVMe read {format_size(read)}, written {format_size(written)}"))
+        if self.predicted_step_s is not None and len(self.step_seconds) >= 2:
+            rows.append(("planned step", self._against_prediction(self.predicted_step_s)))
         if self.nvme_cache:
             rows.append(("NVMe cache", f"{format_size(self.nvme_cache)} of NVMe-homed slices in host memory"))
         lines = ["", "tierzero train summary", *(f"  {k:<20} {v}" for k, v in rows)]
@@ -67,6 +72,13 @@ class RunSummary:
                 shown = format_size(capacity) if capacity is not None else "unbounded"
                 lines.append(f"  {tier:<8} {format_size(self.peak_tier_bytes[tier]):>12} {shown:>12}")
         return "\n".join(lines) + "\n"
+
+    def _against_prediction(self, predicted: float) -> str:
+        """The plan's step beside the measured one: the median of the steps after the first, which
+        learns the units' order."""
+        measured = statistics.median(self.step_seconds[1:])
+        off = (measured - predicted) / predicted
+        return f"predicted {predicted:.2f} s, measured {measured:.2f} s after the first step ({off:+.0%})"
 
     def _state_ratio(self) -> str:
         capacity = self.tier_capacity.get("device")

@@ -147,8 +147,10 @@ def train(
     with _CtrlC() as ctrl_c:
         engine = initialize(model, cfg)
         rank, world = _rank_and_world()
-        if engine.placement is not None and rank == 0:
-            out.write("\n".join(engine.placement.lines()) + "\n")
+        if engine.placement is not None:
+            summary.predicted_step_s = engine.placement.prediction.step_s
+            if rank == 0:
+                out.write("\n".join(engine.placement.lines()) + "\n")
         try:
             if root is not None:
                 engine.claim_checkpoint_root(root)

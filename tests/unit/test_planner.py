@@ -389,6 +389,8 @@ def test_tierzero_train_plans_logs_and_reports_the_placement(tmp_path: Path, mon
     assert summary.steps == 3
     text = out.getvalue()
     assert "placement (offload: auto), per rank:" in text and "predicted step" in text
+    assert summary.predicted_step_s == reports[-1]["planned"]["predicted_step_s"]
+    assert f"planned step         predicted {summary.predicted_step_s:.2f} s, measured " in text
     planned = reports[-1]["planned"]
     placed = reports[-1]["placement"]
     assert planned["predicted_step_s"] > 0 and planned["nvme_home"] > 0

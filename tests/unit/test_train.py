@@ -120,6 +120,12 @@ def test_summary_table_format() -> None:
         "  last step            1.2 s, NVMe read 0 B, written 0 B",
         "  NVMe cache           3.0 MiB of NVMe-homed slices in host memory",
     ]
+    # A planned run sets the plan's step beside the median of its steps after the first.
+    planned = dataclasses.replace(summary, step_seconds=[9.0, 2.2, 2.4, 2.3], predicted_step_s=2.0)
+    assert "  planned step         predicted 2.00 s, measured 2.30 s after the first step (+15%)" in (
+        planned.format().splitlines()
+    )
+    assert "planned step" not in dataclasses.replace(planned, step_seconds=[9.0]).format()
 
 
 @pytest.fixture
