@@ -20,7 +20,7 @@ import torch
 from tierzero.offload.step_pipeline import MAX_RESIDENT_GROUPS, Prepared
 from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.param_prefetch import ParamPrefetch
-from tierzero.stages.step import ForwardStep, StepAhead, StepScalars
+from tierzero.stages.step import ForwardStep, StepAhead, StepScalars, unit_step_tier
 from tierzero.transfer import Transfer
 from tierzero.units import Unit, is_root
 
@@ -72,7 +72,7 @@ class StepInTime:
 
     def _moves_down(self, unit: Unit) -> bool:
         """fp32, PARAM on NVMe, a host step: the unit's step in backward may take its gathered copy."""
-        host_step = self.homes.tier(unit.name, "optimizer") is not Tier.DEVICE
+        host_step = unit_step_tier(self.homes, unit.name) is Tier.CPU
         return not self.mixed(unit) and host_step and self.plan.home(unit.name, Kind.PARAM) is Tier.NVME
 
     def _hand_down(self, key: SliceKey, job: Any, unit: Unit, given: dict[Kind, Any]) -> bool:

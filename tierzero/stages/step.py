@@ -32,7 +32,10 @@ from tierzero.store.protocol import SliceStore
 from tierzero.transfer import Transfer
 from tierzero.units import Unit
 
-__all__ = ["BackwardStep", "ForwardStep", "HandOff", "StepAhead", "StepScalars", "Steppable", "run_step", "slice_group"]
+__all__ = [
+    "BackwardStep", "ForwardStep", "HandOff", "StepAhead", "StepScalars", "Steppable", "run_step", "slice_group",
+    "unit_step_tier",
+]
 
 
 #: Offered each stepped slice: the move of the fetched copy it took over, or None (`StepPipeline`'s `hand_off`).
@@ -76,7 +79,7 @@ class Steppable(Protocol):
 
 def slice_group(stage: Steppable, unit: Unit) -> SliceGroup:
     """The slices the unit's step fetches, and where to: states to the step tier, grads as cheaply as possible."""
-    tier = _step_tier(stage, unit.name)
+    tier = unit_step_tier(stage.homes, unit.name)
     fetches: list[tuple[Kind, Tier]] = [(Kind.GRAD, _grad_tier(stage, unit.name))]
     if stage.mixed(unit):
         fetches.append((Kind.MASTER, tier))
@@ -101,9 +104,9 @@ def group_sizes(stage: Steppable) -> dict[str, int]:
     return sizes
 
 
-def _step_tier(stage: Steppable, unit: str) -> Tier:
+def unit_step_tier(homes: Homes, unit: str) -> Tier:
     """Where `unit` steps: where its optimizer states live (`Homes.units` may place them apart from the rest)."""
-    return step_tier(stage.homes.tier(unit, "optimizer"))
+    return step_tier(homes.tier(unit, "optimizer"))
 
 
 def _grad_tier(stage: Steppable, unit: str) -> Tier:
@@ -111,7 +114,7 @@ def _grad_tier(stage: Steppable, unit: str) -> Tier:
     so do a GPU's sharded gradients for a step on the host: the swapper copies them on its copy
     stream while the pipeline reads ahead, where a copy in the compute would block the host.
     Otherwise memory-homed gradients are read in place (copied into step-tier scratch)."""
-    tier, home = _step_tier(stage, unit), stage.plan.home(unit, Kind.GRAD)
+    tier, home = unit_step_tier(stage.homes, unit), stage.plan.home(unit, Kind.GRAD)
     if home is Tier.NVME or (home is not tier and stage.shards_grads and stage.device.type == "cuda"):
         return tier
     return home
@@ -344,7 +347,7 @@ def _pipeline(
 def _step_unit(
     stage: Steppable, unit: Unit, fetched: dict[Kind, torch.Tensor], scalars: StepScalars, *, clip_coef: float
 ) -> list[PendingWrite]:
-    tier = _step_tier(stage, unit.name)
+    tier = unit_step_tier(stage.homes, unit.name)
     store = stage.store
     grads = fetched[Kind.GRAD]
     source = stage.grad_slice(grads, unit)
