@@ -15,7 +15,7 @@ from tierzero.bench.train_step import bench_train_step
 def test_both_contenders_train_the_same_model(dtype: str, clip: float, runs: int, tmp_path: Path) -> None:
     result = bench_train_step(
         nvme_path=tmp_path, preset="tiny", seq=32, batch=2, steps=3, warmup=1, measure_rss=False, clip=clip, dtype=dtype,
-        disk_bytes=1 << 20, disk_settle_s=0.0, runs=runs,
+        disk_bytes=1 << 20, disk_settle_s=0.0, disk_seconds=0.0, runs=runs,
     )  # fmt: skip
     assert (result.dtype, result.clip, len(result.tierzero_seconds), len(result.plain_seconds)) == (dtype, clip, 3, 3)
     # fp32: the same AdamW on the same gradients (the clip factor from another summation order);

@@ -6,7 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from tierzero.offload.base import Region
+from tierzero.offload.nvme import NvmeTier
 from tierzero.placement import disk
 
 
@@ -71,7 +74,7 @@ def test_an_unknown_disk_is_probed_once_at_the_config_s_setting(
     second = disk.disk_rates(tmp_path, nvme)
     assert calls == [(tmp_path, "8.0 MiB qd8 t8 pread")]
     assert (first.read, first.write) == (second.read, second.write) == (2.0e9, 3.0e9)
-    assert first.source.startswith("probe of 256.0 MiB at 8.0 MiB qd8 t8 pread")
+    assert first.source.startswith("probe of 1.0 GiB over 8 s at 8.0 MiB qd8 t8 pread")
     assert disk.disk_rates(tmp_path, load_config({"tiers": {"nvme": {"block_size": "1MiB", "queue_depth": 4,
                                                                       "threads": 2}}}).tiers.nvme).read == 1.5e9
     assert len(calls) == 1
@@ -93,13 +96,41 @@ def test_rates_older_than_an_hour_are_measured_again(tmp_path: Path, monkeypatch
     assert disk.disk_rates(tmp_path).read == 1.5e9 and probes == []
     now = time.time()
     monkeypatch.setattr(time, "time", lambda: now + disk.MAX_AGE_S + 1)
-    assert disk.disk_rates(tmp_path).read == 3.0e9 and len(probes) == 1
-    assert disk.disk_rates(tmp_path).read == 3.0e9 and len(probes) == 1  # the new ones are fresh
+    assert disk.disk_rates(tmp_path).read == 2.25e9 and len(probes) == 1  # the median of 1.5 and 3.0
+    assert disk.disk_rates(tmp_path).read == 2.25e9 and len(probes) == 1  # the new ones are fresh
     entry = json.loads(disk.cache_file().read_text())[str(tmp_path.resolve())][DEFAULT]
-    del entry["measured"]
+    del entry["measured"], entry["samples"]
     disk.cache_file().write_text(json.dumps({str(tmp_path.resolve()): {DEFAULT: entry}}))
     assert disk.remembered(tmp_path, DEFAULT) is not None  # still read where age does not matter
-    assert disk.disk_rates(tmp_path).read == 4.0e9 and len(probes) == 2
+    assert disk.disk_rates(tmp_path).read == 4.0e9 and len(probes) == 2  # an entry without samples starts anew
+
+
+def test_a_setting_s_rates_are_the_medians_of_its_last_days_measurements(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    now = time.time()
+    clock = [now - 12 * 3600.0 - disk.HISTORY_S - 60]  # one measurement, then one an hour from over a day later
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    disk.remember(tmp_path, {DEFAULT: (9.0, 9.0)}, how="bench nvme")
+    for hour in range(13):
+        clock[0] = now - 3600.0 * (12 - hour)
+        disk.remember(tmp_path, {DEFAULT: (1.0 + hour, 10.0 - hour / 2)}, how="probe")
+        if hour == 4:  # the day-old 9.0 is gone: 1.0 to 5.0 read, 10.0 to 8.0 written
+            rates = disk.remembered(tmp_path, DEFAULT)
+            assert rates is not None and (rates.read, rates.write) == (3.0e9, 9.0e9)
+    # only the newest 12 are kept: 2.0 to 13.0
+    rates = disk.remembered(tmp_path, DEFAULT, max_age_s=disk.MAX_AGE_S)
+    assert rates is not None and (rates.read, rates.write) == (7.5e9, 6.75e9)
+    assert rates.source.startswith(f"the median of {disk.HISTORY_SAMPLES} measurements since ")
+    assert f", the last a probe at {DEFAULT}, " in rates.source and "7.50 GB/s read, 6.75 GB/s write" in rates.source
+    entry = json.loads(disk.cache_file().read_text())[str(tmp_path.resolve())][DEFAULT]
+    entry["samples"][0]["read_GBps"] = "fast"  # a sample that cannot be read is dropped, never trusted
+    disk.cache_file().write_text(json.dumps({str(tmp_path.resolve()): {DEFAULT: entry}}))
+    disk.remember(tmp_path, {DEFAULT: (14.0, 4.0)}, how="probe")
+    rates = disk.remembered(tmp_path, DEFAULT)
+    assert rates is not None and (rates.read, rates.write) == (8.5e9, 6.25e9)  # 3.0 to 14.0 read
 
 
 @pytest.mark.parametrize(
@@ -118,10 +149,38 @@ def test_a_bad_cache_is_never_trusted(text: str, tmp_path: Path) -> None:
     assert json.loads(disk.cache_file().read_text())[str(tmp_path.resolve())][DEFAULT]["write_GBps"] == 2.0
 
 
-def test_the_probe_measures_a_real_disk(tmp_path: Path) -> None:
-    read, write = disk.probe(tmp_path, nbytes=4 << 20, repeats=1, settle_s=0.0)
+def test_the_probe_reads_each_group_back_once_then_writes_it_over_as_a_step_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    moves: list[tuple[str, str]] = []
+    for way in ("read", "write"):
+        real = getattr(NvmeTier, f"submit_{way}")
+
+        def recorded(self: NvmeTier, region: Region, buf: torch.Tensor, *, _way: str = way, _real=real, **kw: int):
+            moves.append((_way, region.label))
+            return _real(self, region, buf, **kw)
+
+        monkeypatch.setattr(NvmeTier, f"submit_{way}", recorded)
+    read, write = disk.probe(tmp_path, nbytes=16 << 20, seconds=0.3, settle_s=0.0)
     assert read > 0 and write > 0
     assert not list(tmp_path.iterdir())  # its file goes with it
+    groups = [[f"probe/{i}" for i in range(g, 16, 4)] for g in range(4)]
+    assert moves[:16] == [("write", label) for group in groups for label in group]  # the file laid out
+    turns = len(moves[16:]) // 8
+    assert turns > 4 and len(moves) == 16 + 8 * turns  # every group once, then on until 0.3 s passed
+    assert moves[16:] == [
+        (way, label) for turn in range(turns) for way in ("read", "write") for label in groups[turn % 4]
+    ]
+
+
+def test_the_probes_rates_are_the_bytes_each_way_over_the_time_each_took(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seconds = {"submit_read": 0.5, "submit_write": 0.25}
+    monkeypatch.setattr(disk, "_seconds_moving", lambda submit, *_: seconds[submit.__name__])
+    read, write = disk.probe(tmp_path, nbytes=16 << 20, seconds=0.0, settle_s=0.0)
+    # four turns of a quarter of 16 MiB each; the layout's writes are not counted
+    assert (read, write) == ((16 << 20) / 1e9 / (4 * 0.5), (16 << 20) / 1e9 / (4 * 0.25))
 
 
 def test_a_stream_keeps_the_disk_busy_until_its_block_ends(tmp_path: Path) -> None:

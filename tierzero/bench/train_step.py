@@ -34,7 +34,7 @@ from tierzero.bench.contenders import (
     token_batch,
 )
 from tierzero.bench.io_floor import IoFloor
-from tierzero.placement.disk import PROBE_BYTES, SETTLE_S, probe
+from tierzero.placement.disk import PROBE_BYTES, PROBE_S, SETTLE_S, probe
 from tierzero.sizes import format_size
 from tierzero.slices import Tier
 from tierzero.store import Use
@@ -150,11 +150,12 @@ def bench_train_step(
     dtype: str = "fp32",
     disk_bytes: int = PROBE_BYTES,
     disk_settle_s: float = SETTLE_S,
+    disk_seconds: float = PROBE_S,
     runs: int = 1,
 ) -> TrainStepResult:
     """Alternate plain and tierzero, `runs` steps of one back to back, then as many of the other
     (1: step by step); `steps` timed steps each after `warmup` untimed ones. Then measure the
-    disk (`disk_bytes` each way per pass, `disk_settle_s` apart) for the I/O floor of
+    disk (`probe`: `disk_bytes`, `disk_settle_s`, `disk_seconds`) for the I/O floor of
     tierzero's traffic."""
     if steps < 1 or warmup < 0 or runs < 1:
         raise ValueError(f"bench needs steps >= 1, warmup >= 0 and runs >= 1, got {steps}, {warmup}, {runs}")
@@ -195,7 +196,7 @@ def bench_train_step(
         config = _config(str(nvme_path), clip, dtype)
         autocast = difference_to_autocast(preset, config, steps=AUTOCAST_STEPS, batch=batch, seq=seq, clip=clip)
     shape = {"preset": preset, "seq": seq, "batch": batch, "steps": rss_steps, "nvme_path": str(nvme_path), "clip": clip}
-    read_gbs, write_gbs = probe(nvme_path, nbytes=disk_bytes, settle_s=disk_settle_s)
+    read_gbs, write_gbs = probe(nvme_path, nbytes=disk_bytes, settle_s=disk_settle_s, seconds=disk_seconds)
     io = IoFloor(
         read_bytes=moved[0], written_bytes=moved[1], read_gbs=read_gbs, write_gbs=write_gbs,
         parameters=parameters, home_bytes=nvme_homes,

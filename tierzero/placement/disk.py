@@ -7,15 +7,25 @@ default setting (8 MiB, 16, 8: 2.56 GB/s read) 5% slow. So rates are remembered 
 (`setting_label`): `tierzero bench nvme` remembers every point of its sweep for the
 directory it ran in, and a probe the setting it ran at. `disk_rates(path, nvme)` returns what
 is remembered for that path at `nvme`'s setting (the config's `tiers.nvme`), else runs
-`probe` at that setting (a few seconds: 256 MiB written, left to settle, read back through
-the NVMe tier the engine uses) and remembers that. Rates older than `MAX_AGE_S` are measured
+`probe` at that setting and remembers that. Rates older than `MAX_AGE_S` are measured
 again: a shared disk's speed drifts (a plan predicted 19% slow from rates an hour old,
-docs/BENCHMARKS.md, session 14). `streaming(path, nvme)` keeps the disk as
-busy as a step's swaps do, for what must be measured beside them, and pauses on demand for
-what must be measured alone in between. The cache is one JSON file,
-`$TIERZERO_CACHE_DIR/disks.json` (default `~/.cache/tierzero`), keyed by the directory's real
-path and then by setting; a file or an entry that cannot be read is ignored and rewritten,
-never trusted, and a directory that is gone loses its entry at the next write.
+docs/BENCHMARKS.md, session 14). It drifts within minutes too, so a setting's rates are the
+medians of its measurements of the last `HISTORY_S`, not the newest alone.
+
+The probe drives the disk as a step's swaps do, through the NVMe tier the engine uses: 1 GiB
+written, left to settle, then a quarter of it after another read back and written over, for
+`PROBE_S` seconds (docs/BENCHMARKS.md, session 16). Bytes read again at once come faster
+(the same 256 MiB read back to back on the 2-core VM: 2.0 GB/s at first, then up to 2.9),
+where a step reads each byte once, a step after writing it; and a third of a second of
+reading samples one moment of a disk whose rate moves 2.0-2.9 GB/s between passes a tenth of
+a second apart (2.2-2.8 over 5-second windows; eight-second probes one after another read
+2.21-2.61, where the old 256 MiB probes read 1.94-2.55).
+
+`streaming(path, nvme)` keeps the disk as busy as a step's swaps do, for what must be measured
+beside them, and pauses on demand for what must be measured alone in between. The cache is
+one JSON file, `$TIERZERO_CACHE_DIR/disks.json` (default `~/.cache/tierzero`), keyed by the
+directory's real path and then by setting; a file or an entry that cannot be read is ignored
+and rewritten, never trusted, and a directory that is gone loses its entry at the next write.
 """
 
 from __future__ import annotations
@@ -41,14 +51,27 @@ from tierzero.sizes import format_size
 from tierzero.slices import IO_ALIGNMENT, aligned_empty
 
 __all__ = [
-    "MAX_AGE_S", "PROBE_BYTES", "SETTLE_S", "DiskRates", "DiskStream", "cache_file", "disk_rates", "label_of", "probe",
-    "remember", "remembered", "setting_label", "streaming", "timed_moves",
+    "HISTORY_S", "HISTORY_SAMPLES", "MAX_AGE_S", "PROBE_BYTES", "PROBE_S", "SETTLE_S", "STREAM_BYTES", "DiskRates",
+    "DiskStream", "cache_file", "disk_rates", "label_of", "probe", "remember", "remembered", "setting_label",
+    "streaming", "timed_moves",
 ]
 
-#: Bytes `probe` moves each way per pass by default.
-PROBE_BYTES = 256 << 20
+#: Bytes `probe` spreads over the disk by default.
+PROBE_BYTES = 1 << 30
+#: Seconds `probe` reads and writes for by default: the disk's rate averaged over a window of
+#: the order of a step's disk time.
+PROBE_S = 8.0
+#: The groups `probe` reads back and writes over in turn, each of `PROBE_SLICES` slices moved at once.
+PROBE_GROUPS = 4
+PROBE_SLICES = 4
+#: Bytes `streaming` moves each way per pass by default.
+STREAM_BYTES = 256 << 20
 #: Seconds after which `disk_rates` measures remembered rates again.
 MAX_AGE_S = 3600.0
+#: Seconds a measurement counts for in a setting's medians, and how many of them are kept: a disk
+#: whose rate moves 15% within minutes is known better by a day of its measurements than by its last.
+HISTORY_S = 86400.0
+HISTORY_SAMPLES = 12
 #: Seconds between its writes and its reads: bytes read back at once after being written come
 #: at a third of the speed on a virtio disk (its host still writing them back), and a step
 #: reads what it wrote a step ago.
@@ -103,25 +126,71 @@ def remembered(path: str | os.PathLike[str], setting: str, *, max_age_s: float |
 
 def remember(path: str | os.PathLike[str], rates: dict[str, tuple[float, float]], *, how: str) -> None:
     """Store `path`'s (read, write) GB/s at each setting of `rates` with what measured them and when,
-    beside what is remembered at its other settings; the file is replaced whole, without the
-    entries of directories that no longer exist (a run's scratch swap directory)."""
+    beside what is remembered at its other settings. Each setting keeps its measurements of the
+    last `HISTORY_S` (the newest `HISTORY_SAMPLES`), and its rates are their medians. The file is
+    replaced whole, without the entries of directories that no longer exist (a run's scratch
+    swap directory)."""
     cache = {key: entry for key, entry in _read_cache().items() if os.path.isdir(key) and isinstance(entry, dict)}
     now = time.time()
-    stamp = datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     entry = {k: v for k, v in cache.get(_key(path), {}).items() if isinstance(v, dict)}
     cache[_key(path)] = entry
     for setting, (read_gbs, write_gbs) in rates.items():
-        entry[setting] = {
-            "read_GBps": read_gbs,
-            "write_GBps": write_gbs,
-            "source": f"{how} at {setting}, {stamp}: {read_gbs:.2f} GB/s read, {write_gbs:.2f} GB/s write",
-            "measured": now,
-        }
+        kept = [sample for sample in _samples(entry.get(setting)) if now - HISTORY_S <= sample.measured <= now]
+        entry[setting] = _medians(setting, [*kept, _Sample(read_gbs, write_gbs, how, now)][-HISTORY_SAMPLES:])
     target = cache_file()
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = target.with_suffix(f".{os.getpid()}.tmp")
     scratch.write_text(json.dumps(cache, indent=2, sort_keys=True) + "\n")
     os.replace(scratch, target)
+
+
+@dataclass(frozen=True, slots=True)
+class _Sample:
+    """One measurement of a setting, as the cache keeps it."""
+
+    read: float
+    """GB/s."""
+    write: float
+    how: str
+    measured: float
+    """When, in seconds since the epoch."""
+
+    def to_json(self) -> dict[str, object]:
+        return {"read_GBps": self.read, "write_GBps": self.write, "how": self.how, "measured": self.measured}
+
+
+def _samples(entry: object) -> list[_Sample]:
+    """The well-formed measurements of a setting's entry, oldest first; none from a bad one."""
+    listed = entry.get("samples") if isinstance(entry, dict) else None
+    good = []
+    for item in listed if isinstance(listed, list) else []:
+        try:
+            read, write, measured = float(item["read_GBps"]), float(item["write_GBps"]), float(item["measured"])
+            sample = _Sample(read, write, str(item["how"]), measured)
+        except (TypeError, KeyError, ValueError):
+            continue
+        if sample.read > 0 and sample.write > 0:
+            good.append(sample)
+    return sorted(good, key=lambda sample: sample.measured)
+
+
+def _medians(setting: str, samples: list[_Sample]) -> dict[str, object]:
+    """A setting's entry: the medians of its `samples` (the newest last), when the newest was
+    measured, and a source that says which measurements they are."""
+    read, write = statistics.median(s.read for s in samples), statistics.median(s.write for s in samples)
+    newest = samples[-1]
+    what = f"{newest.how} at {setting}, {_stamp(newest.measured)}"
+    if len(samples) > 1:
+        what = f"the median of {len(samples)} measurements since {_stamp(samples[0].measured)}, the last a {what}"
+    return {
+        "read_GBps": read, "write_GBps": write, "measured": newest.measured,
+        "samples": [sample.to_json() for sample in samples],
+        "source": f"{what}: {read:.2f} GB/s read, {write:.2f} GB/s write",
+    }  # fmt: skip
+
+
+def _stamp(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def disk_rates(path: str | os.PathLike[str], nvme: NvmeTierConfig | None = None) -> DiskRates:
@@ -133,7 +202,7 @@ def disk_rates(path: str | os.PathLike[str], nvme: NvmeTierConfig | None = None)
     if known is not None:
         return known
     read, write = probe(path, nvme)
-    remember(path, {setting: (read, write)}, how=f"probe of {format_size(PROBE_BYTES)}")
+    remember(path, {setting: (read, write)}, how=f"probe of {format_size(PROBE_BYTES)} over {PROBE_S:.0f} s")
     found = remembered(path, setting)
     assert found is not None
     return found
@@ -144,18 +213,28 @@ def probe(
     nvme: NvmeTierConfig | None = None,
     *,
     nbytes: int = PROBE_BYTES,
-    slices: int = 4,
-    repeats: int = 3,
+    seconds: float = PROBE_S,
     settle_s: float = SETTLE_S,
 ) -> tuple[float, float]:
     """(read, write) GB/s of `path`'s disk through an NvmeTier at `nvme`'s I/O setting (default:
-    `tiers.nvme`'s defaults): the medians of `repeats` passes writing `slices` slices of `nbytes`
-    in all, submitted at once, then (after `settle_s`) of as many passes reading them back."""
-    with _probe_slices(path, nvme, nbytes, slices) as (tier, regions, buffers):
-        writes = [timed_moves(tier.submit_write, regions, buffers) for _ in range(repeats)]
+    `tiers.nvme`'s defaults), driven as a step's swaps drive it: `nbytes` written in
+    `PROBE_GROUPS` groups (these first writes lay out the file, and are not timed), left
+    `settle_s` to settle, then group after group read back and written over, until `seconds`
+    have passed and every group has had its turn: the bytes each way over the time each took."""
+    with _probe_slices(path, nvme, nbytes, PROBE_GROUPS * PROBE_SLICES) as (tier, regions, buffers):
+        groups = [(regions[i::PROBE_GROUPS], buffers[i::PROBE_GROUPS]) for i in range(PROBE_GROUPS)]
+        for group in groups:
+            timed_moves(tier.submit_write, *group)
         time.sleep(settle_s)
-        reads = [timed_moves(tier.submit_read, regions, buffers) for _ in range(repeats)]
-    return statistics.median(reads), statistics.median(writes)
+        took = {"read": 0.0, "write": 0.0}
+        turns, start = 0, time.perf_counter()
+        while turns < PROBE_GROUPS or time.perf_counter() - start < seconds:
+            group = groups[turns % PROBE_GROUPS]
+            for way, submit in (("read", tier.submit_read), ("write", tier.submit_write)):
+                took[way] += _seconds_moving(submit, *group)
+            turns += 1
+    moved = turns * sum(buf.numel() for buf in buffers) / PROBE_GROUPS / 1e9
+    return moved / took["read"], moved / took["write"]
 
 
 class DiskStream:
@@ -225,7 +304,7 @@ class DiskStream:
 
 @contextmanager
 def streaming(
-    path: str | os.PathLike[str], nvme: NvmeTierConfig | None = None, *, nbytes: int = PROBE_BYTES, slices: int = 4
+    path: str | os.PathLike[str], nvme: NvmeTierConfig | None = None, *, nbytes: int = STREAM_BYTES, slices: int = 4
 ) -> Iterator[DiskStream]:
     """Keep `path`'s disk busy while the block runs: a thread writes `slices` slices of `nbytes` in
     all through an NvmeTier at `nvme`'s I/O setting (default: `tiers.nvme`'s defaults) and reads
@@ -266,11 +345,18 @@ def timed_moves(
     submit: Callable[[Region, torch.Tensor], Future[None]], regions: list[Region], buffers: list[torch.Tensor]
 ) -> float:
     """GB/s of moving all slices at once, as the swapper does: all submitted, then all awaited."""
+    return sum(buf.numel() for buf in buffers) / _seconds_moving(submit, regions, buffers) / 1e9
+
+
+def _seconds_moving(
+    submit: Callable[[Region, torch.Tensor], Future[None]], regions: list[Region], buffers: list[torch.Tensor]
+) -> float:
+    """Seconds to move all slices at once: all submitted, then all awaited."""
     start = time.perf_counter()
     futures = [submit(region, buf) for region, buf in zip(regions, buffers)]
     for future in futures:
         future.result()
-    return sum(buf.numel() for buf in buffers) / (time.perf_counter() - start) / 1e9
+    return time.perf_counter() - start
 
 
 def _key(path: str | os.PathLike[str]) -> str:
