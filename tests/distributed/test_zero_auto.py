@@ -11,9 +11,14 @@ from harness import Case, run_ranks, train_case
 
 import tierzero
 from tierzero import api
+from tierzero.config import TiersConfig
+from tierzero.estimate import Bandwidth
+from tierzero.placement import disk, planner
+from tierzero.placement.prediction import Compute
 
 
 def _rank_job(rank: int, world_size: int, swap_dir: str) -> list[Any]:
+    planner.measure_compute = lambda cfg: Compute(flops=Bandwidth(read=1e10, write=1e10, source="a test's"))
     if rank != 0:
         def refuse(*_: object, **__: object) -> None:
             raise AssertionError("only rank 0 plans; the others take its plan")
@@ -32,6 +37,7 @@ def _rank_job(rank: int, world_size: int, swap_dir: str) -> list[Any]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[list[Any]]:
     swap_dir: Path = tmp_path_factory.mktemp("swap")
+    disk.remember(swap_dir, {disk.label_of(TiersConfig().nvme): (2.0, 3.0)}, how="a test's")  # no probe
     return run_ranks(_rank_job, world_size=2, payload=str(swap_dir))
 
 

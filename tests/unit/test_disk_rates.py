@@ -283,12 +283,12 @@ def test_the_compute_is_measured_alone_and_beside_the_disk(tmp_path: Path) -> No
     swap.mkdir()
     model = {"type": "gpt", "n_layer": 1, "n_head": 2, "d_model": 64, "d_ff": 256, "max_seq_len": 32}
     raw = {"model": model, "train": {"micro_batch_size": 2, "seq_len": 32}, "tiers": {"nvme": {"path": str(swap)}}}
-    compute = measure_compute(load_config(raw))
+    compute = measure_compute(load_config(raw), seconds=1.0, rounds=6)
     flops, slowdown = compute.flops, compute.slowdown
     assert flops.read > 1e6 and slowdown >= 1.0 and 0.0 < compute.forward_share < 1.0
     assert f"{slowdown:.2f}x slower beside the disk, which read " in flops.source
     assert "one gpt block's forward and backward at 2x32 tokens" in flops.source
-    alone = measure_compute(load_config({**raw, "tiers": {}}))  # no NVMe path: nothing to stream to
+    alone = measure_compute(load_config({**raw, "tiers": {}}), seconds=1.0)  # no NVMe path: nothing to stream to
     assert alone.slowdown == 1.0 and "beside the disk" not in alone.flops.source and 0.0 < alone.forward_share < 1.0
 
 

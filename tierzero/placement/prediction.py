@@ -297,7 +297,7 @@ def measure_block_flops(cfg: Config, *, seconds: float = 1.5) -> Bandwidth | Non
     return None if block is None else block.rate(block.passes(seconds, at_least=3))
 
 
-def measure_compute(cfg: Config, *, seconds: float = 2.0, rounds: int = 12) -> Compute:
+def measure_compute(cfg: Config, *, seconds: float = 6.0, rounds: int = 36) -> Compute:
     """The compute rate for the prediction, how much slower it runs while the disk streams, and the
     forward's share of the block's time (the median over the passes alone).
 
@@ -310,6 +310,8 @@ def measure_compute(cfg: Config, *, seconds: float = 2.0, rounds: int = 12) -> C
     and the passes the disk holds up two or three times over, one in five or so on the 2-core
     VM, count as often as they come, as they do in a step: 16 pairs there read a median of
     1.07-1.11 and a mean of 1.13-1.20, beside a backward that ran 1.17-1.25x its work alone.
+    Fewer pairs are not enough: the 2B preset's block, measured one call after another, read
+    1.00-1.15x and 99-140 GFLOP/s from 12 pairs in 2 s, 1.04-1.10x and 118-123 from 36 in 6 s.
     A transformers model gets a square matmul's rate, and no slowdown is measured on a GPU or
     without an NVMe path (1.0).
     """
