@@ -153,17 +153,20 @@ def test_the_probe_reads_each_group_back_once_then_writes_it_over_as_a_step_does
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     moves: list[tuple[str, str]] = []
+    buffers: set[int] = set()
     for way in ("read", "write"):
         real = getattr(NvmeTier, f"submit_{way}")
 
         def recorded(self: NvmeTier, region: Region, buf: torch.Tensor, *, _way: str = way, _real=real, **kw: int):
             moves.append((_way, region.label))
+            buffers.add(buf.data_ptr())
             return _real(self, region, buf, **kw)
 
         monkeypatch.setattr(NvmeTier, f"submit_{way}", recorded)
     read, write = disk.probe(tmp_path, nbytes=16 << 20, seconds=0.3, settle_s=0.0)
     assert read > 0 and write > 0
     assert not list(tmp_path.iterdir())  # its file goes with it
+    assert len(buffers) == 4  # one group's host memory, not the 16 MiB
     groups = [[f"probe/{i}" for i in range(g, 16, 4)] for g in range(4)]
     assert moves[:16] == [("write", label) for group in groups for label in group]  # the file laid out
     turns = len(moves[16:]) // 8

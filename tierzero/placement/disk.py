@@ -218,11 +218,12 @@ def probe(
 ) -> tuple[float, float]:
     """(read, write) GB/s of `path`'s disk through an NvmeTier at `nvme`'s I/O setting (default:
     `tiers.nvme`'s defaults), driven as a step's swaps drive it: `nbytes` written in
-    `PROBE_GROUPS` groups (these first writes lay out the file, and are not timed), left
-    `settle_s` to settle, then group after group read back and written over, until `seconds`
-    have passed and every group has had its turn: the bytes each way over the time each took."""
-    with _probe_slices(path, nvme, nbytes, PROBE_GROUPS * PROBE_SLICES) as (tier, regions, buffers):
-        groups = [(regions[i::PROBE_GROUPS], buffers[i::PROBE_GROUPS]) for i in range(PROBE_GROUPS)]
+    `PROBE_GROUPS` groups from one group's host buffers (these first writes lay out the file,
+    and are not timed), left `settle_s` to settle, then group after group read back and written
+    over, until `seconds` have passed and every group has had its turn: the bytes each way over
+    the time each took."""
+    with _probe_slices(path, nvme, nbytes, PROBE_GROUPS * PROBE_SLICES, PROBE_SLICES) as (tier, regions, buffers):
+        groups = [(regions[i::PROBE_GROUPS], buffers) for i in range(PROBE_GROUPS)]
         for group in groups:
             timed_moves(tier.submit_write, *group)
         time.sleep(settle_s)
@@ -233,7 +234,7 @@ def probe(
             for way, submit in (("read", tier.submit_read), ("write", tier.submit_write)):
                 took[way] += _seconds_moving(submit, *group)
             turns += 1
-    moved = turns * sum(buf.numel() for buf in buffers) / PROBE_GROUPS / 1e9
+    moved = turns * sum(buf.numel() for buf in buffers) / 1e9
     return moved / took["read"], moved / took["write"]
 
 
@@ -322,11 +323,12 @@ def streaming(
 
 @contextmanager
 def _probe_slices(
-    path: str | os.PathLike[str], nvme: NvmeTierConfig | None, nbytes: int, slices: int
+    path: str | os.PathLike[str], nvme: NvmeTierConfig | None, nbytes: int, slices: int, buffers: int | None = None
 ) -> Iterator[tuple[NvmeTier, list[Region], list[torch.Tensor]]]:
     """An open NvmeTier at `nvme`'s I/O setting (default: `tiers.nvme`'s defaults), its `slices`
-    aligned regions of `nbytes` in all, and a patterned host buffer for each; the tier's file
-    goes when the block ends."""
+    aligned regions of `nbytes` in all, and a patterned host buffer of a slice's size for each
+    (or `buffers` of them, for slices moved a few at a time); the tier's file goes when the
+    block ends."""
     size = nbytes // slices // IO_ALIGNMENT * IO_ALIGNMENT
     if size == 0:
         raise ValueError(f"{format_size(nbytes)} in {slices} slices is under one {IO_ALIGNMENT}-byte block each")
@@ -337,8 +339,7 @@ def _probe_slices(
     )  # fmt: skip
     with tier:
         regions = [tier.allocate(size, label=f"probe/{i}") for i in range(slices)]
-        buffers = [aligned_empty(size).fill_(i + 1) for i in range(slices)]
-        yield tier, regions, buffers
+        yield tier, regions, [aligned_empty(size).fill_(i + 1) for i in range(buffers or slices)]
 
 
 def timed_moves(
