@@ -205,13 +205,13 @@ def test_a_paused_stream_leaves_the_disk_idle(tmp_path: Path, monkeypatch: pytes
     import time
 
     moves: list[float] = []
-    real = disk.timed_moves
+    real = disk._seconds_moving
 
     def counted(*args: object) -> float:
         moves.append(time.perf_counter())
         return real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(disk, "timed_moves", counted)
+    monkeypatch.setattr(disk, "_seconds_moving", counted)
     with disk.streaming(tmp_path, nbytes=4 << 20) as stream:
         with stream.paused():
             paused_at = len(moves)
@@ -299,7 +299,7 @@ def test_a_stream_that_fails_raises_when_its_block_ends(tmp_path: Path, monkeypa
     def full(*_: object) -> float:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(disk, "timed_moves", full)
+    monkeypatch.setattr(disk, "_seconds_moving", full)
     with pytest.raises(OSError, match="No space left on device"):
         with disk.streaming(tmp_path, nbytes=4 << 20):
             pass

@@ -106,9 +106,10 @@ def label_of(nvme: NvmeTierConfig) -> str:
 
 
 def remembered(path: str | os.PathLike[str], setting: str, *, max_age_s: float | None = None) -> DiskRates | None:
-    """The rates last remembered for `path`'s directory at `setting` (a `setting_label`); None when
-    none are (or the cache, or that entry, is unreadable), or when they were measured more than
-    `max_age_s` seconds ago (an entry that does not say when is as old as can be)."""
+    """The rates remembered for `path`'s directory at `setting` (a `setting_label`: the medians of
+    its measurements, `remember`); None when none are (or the cache, or that entry, is
+    unreadable), or when the newest was measured more than `max_age_s` seconds ago (an entry
+    that does not say when is as old as can be)."""
     by_setting = _read_cache().get(_key(path))
     entry = by_setting.get(setting) if isinstance(by_setting, dict) else None
     try:
@@ -277,9 +278,7 @@ class DiskStream:
             while True:  # one pass at least, however short the block
                 took = {}
                 for way, (submit, regions, buffers) in zip(("write", "read"), self._moves):
-                    began = time.perf_counter()
-                    timed_moves(submit, regions, buffers)
-                    took[way] = time.perf_counter() - began
+                    took[way] = _seconds_moving(submit, regions, buffers)
                 with self._changed:
                     self._passes += 1
                     for way, seconds in took.items():
