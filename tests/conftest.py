@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tierzero.estimate import dry_run as dry_run_module
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _session_disk_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
@@ -23,6 +25,13 @@ def _session_disk_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
 def _disk_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Disk rates remembered by a test (tierzero/placement/disk.py) go to a scratch directory, not ~/.cache."""
     monkeypatch.setenv("TIERZERO_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dry_runs() -> None:
+    """Each test replays its own dry runs: one may patch what the engine does, which the kept runs'
+    keys (their arguments) cannot see. tests/unit/test_planner.py, which patches none of it, shares them."""
+    dry_run_module._kept.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -16,6 +16,7 @@ import tierzero.train as T
 from tierzero.config import load_config
 from tierzero.engine import Engine
 from tierzero.estimate import Bandwidth, estimate, estimator
+from tierzero.estimate import dry_run as dry_runs
 from tierzero.estimate.report import add_estimate_command, format_estimate, run_estimate, to_json
 from tierzero.models import GPT, ModelSpec, count_parameters
 from tierzero.offload.base import TierCapacityError
@@ -348,6 +349,7 @@ def test_estimate_follows_a_changed_step_order(tmp_path: Path, monkeypatch: pyte
     # ... reading nothing ahead, and sending the new parameters home only (read back by the forward).
     monkeypatch.setattr(Stage3, "begin_step_ahead", lambda self, **_: None)
     monkeypatch.setattr(Stage3, "_wants_new_param", lambda self, unit: False)
+    dry_runs._kept.clear()  # the same arguments: the kept dry run would not see the engine changed
     after_backward = estimate(load_config(raw))
     figures = [(t.peak, t.working) for t in after_backward.tiers.values()], after_backward.nvme_read
     assert figures != ([(t.peak, t.working) for t in in_backward.tiers.values()], in_backward.nvme_read)
@@ -437,3 +439,28 @@ def test_the_command_splits_each_collective_inside_and_across_nodes(tmp_path: Pa
     for bad in (["--nodes", "3"], ["--local-world-size", "3"]):
         with pytest.raises(ValueError, match=f"^{bad[0]} 3 does not divide --world-size 4: give a divisor of 4"):
             _cli(["--config", str(config), "--world-size", "4", *bad])
+
+
+def test_a_dry_run_asked_again_is_kept_not_replayed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same config, world and homes give the kept dry run, with the same bytes; other homes or
+    another world replay; past `_KEPT` runs the oldest is let go."""
+    from tierzero.stages.plan import Homes
+
+    module = dry_runs
+
+    replays: list[bool] = []
+    real = module._replay
+    monkeypatch.setattr(module, "_replay", lambda *a, **kw: replays.append(True) or real(*a, **kw))
+    cfg = load_config(_raw(tmp_path, stage=3, params="nvme", grads="cpu", optimizer="nvme"))
+    first = module.dry_run(cfg, world_size=1)
+    assert len(replays) == 2  # one replay for the traffic, one for the memory peaks
+    assert module.dry_run(load_config(_raw(tmp_path, stage=3, params="nvme", grads="cpu", optimizer="nvme")),
+                          world_size=1) is first and len(replays) == 2  # fmt: skip
+    assert estimate(cfg).nvme_read == first.nvme_read > 0 and len(replays) == 2
+    cpu = module.dry_run(cfg, world_size=1, homes=Homes(params=Tier.CPU, grads=Tier.CPU, optimizer=Tier.CPU))
+    assert len(replays) == 4 and cpu.nvme_read == 0
+    module.dry_run(cfg, world_size=2)
+    assert len(replays) == 6
+    monkeypatch.setattr(module, "_KEPT", 2)
+    module.dry_run(cfg, world_size=3)  # the first is the oldest of four kept: let go
+    assert len(module._kept) == 2 and module.dry_run(cfg, world_size=1) is not first and len(replays) == 10

@@ -33,9 +33,20 @@ STEP = 1.0e9
 ALL_CPU = {"params": "cpu", "gradients": "cpu", "optimizer": "cpu"}
 
 
-def _raw(tmp_path: Path, *, offload: Any = "auto", stage: int = 3, clipping: float = 0.0) -> dict[str, Any]:
-    swap = tmp_path / "swap"
-    swap.mkdir(exist_ok=True)
+@pytest.fixture
+def _fresh_dry_runs() -> None:
+    """No test here patches what a dry run does: the module's tests share the dry runs kept
+    (tests/conftest.py clears them before each test elsewhere)."""
+
+
+@pytest.fixture(scope="module")
+def swap(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One swap directory for the module: its configs are then alike, and a dry run asked again is
+    not re-run (estimate/dry_run.py keeps them)."""
+    return tmp_path_factory.mktemp("swap")
+
+
+def _raw(swap: Path, *, offload: Any = "auto", stage: int = 3, clipping: float = 0.0) -> dict[str, Any]:
     return {
         "zero": {"stage": stage, "unit_classes": ["Linear"]},
         "optimizer": {"type": "adamw", "lr": 1e-3},
@@ -61,26 +72,26 @@ def _plan(cfg: Any, budgets: MachineBudgets) -> Any:
     return plan_placement(cfg, budgets=budgets, disk=DISK, flops=FLOPS, copy_rate=COPY, step_rate=STEP)
 
 
-def _host_budget(tmp_path: Path, share: int) -> int:
+def _host_budget(swap: Path, share: int) -> int:
     """What `_raw` holds in host memory with all its state on NVMe (the store's peaks and the
     activations), plus 1/`share` of its state's bytes."""
-    raw = _raw(tmp_path, offload={"params": "nvme", "gradients": "nvme", "optimizer": "nvme"})
+    raw = _raw(swap, offload={"params": "nvme", "gradients": "nvme", "optimizer": "nvme"})
     result = estimate(load_config(raw), disk=DISK, flops=FLOPS, suggest=False)
     assert result.activations
     working = result.tiers[Tier.DEVICE].need + result.tiers[Tier.CPU].need + result.activations
     return working + result.tiers[Tier.NVME].home_total // share
 
 
-def test_auto_is_a_tier_choice_and_a_section_shorthand(tmp_path: Path) -> None:
-    cfg = load_config(_raw(tmp_path))
+def test_auto_is_a_tier_choice_and_a_section_shorthand(swap: Path) -> None:
+    cfg = load_config(_raw(swap))
     assert (cfg.offload.params, cfg.offload.gradients, cfg.offload.optimizer) == ("auto",) * 3
     assert cfg.offload.planned
-    one = load_config(_raw(tmp_path, offload={"params": "nvme", "optimizer": "AUTO"}))
+    one = load_config(_raw(swap, offload={"params": "nvme", "optimizer": "AUTO"}))
     assert (one.offload.params, one.offload.gradients, one.offload.optimizer) == (Tier.NVME, Tier.DEVICE, "auto")
     with pytest.raises(ConfigError, match="offload.params: expected one of device, cpu, nvme, auto, got 'gpu'"):
-        load_config(_raw(tmp_path, offload={"params": "gpu"}))
+        load_config(_raw(swap, offload={"params": "gpu"}))
     with pytest.raises(ConfigError, match="offload: expected a mapping of keys or auto, got 'cpu'"):
-        load_config(_raw(tmp_path, offload="cpu"))
+        load_config(_raw(swap, offload="cpu"))
     # The engine refuses to guess: auto is planned before it is built.
     model = build_model(cfg.model, device="meta", seed=0)
     ctx = D.DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), created_group=False)
@@ -97,10 +108,10 @@ def test_a_units_home_may_differ_from_its_kinds_on_any_tier() -> None:
 
 
 @pytest.mark.parametrize("tier", [Tier.DEVICE, Tier.CPU])
-def test_every_units_slices_moved_by_overrides_replay_as_that_whole_kind_placement(tier: Tier, tmp_path: Path) -> None:
+def test_every_units_slices_moved_by_overrides_replay_as_that_whole_kind_placement(tier: Tier, swap: Path) -> None:
     """Byte for byte: where the step runs, what it copies, each tier's peak. Optimizer states
     moved to the device step there, taking no copy of them to the host."""
-    cfg = load_config(_raw(tmp_path, offload=ALL_CPU))
+    cfg = load_config(_raw(swap, offload=ALL_CPU))
     units = list(estimate(cfg, disk=DISK, flops=FLOPS).plan.specs)
     whole = Homes(params=tier, grads=tier, optimizer=tier)
     moved = Homes(params=Tier.NVME, grads=Tier.NVME, optimizer=Tier.NVME, units={
@@ -111,8 +122,8 @@ def test_every_units_slices_moved_by_overrides_replay_as_that_whole_kind_placeme
     assert {t: e.peak for t, e in a.tiers.items()} == {t: e.peak for t, e in b.tiers.items()}
 
 
-def test_a_stage_that_keeps_parameters_whole_refuses_one_units_parameters_elsewhere(tmp_path: Path) -> None:
-    cfg = load_config(_raw(tmp_path, offload=ALL_CPU | {"params": "device"}, stage=2))
+def test_a_stage_that_keeps_parameters_whole_refuses_one_units_parameters_elsewhere(swap: Path) -> None:
+    cfg = load_config(_raw(swap, offload=ALL_CPU | {"params": "device"}, stage=2))
     model = build_model(cfg.model, device="meta", seed=0)
     ctx = D.DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), created_group=False)
     homes = Homes(grads=Tier.CPU, optimizer=Tier.CPU, units={("blocks.0", "params"): Tier.CPU})
@@ -201,7 +212,7 @@ def test_the_optimizer_counts_in_the_step_part_when_no_element_was_counted() -> 
     assert host.step_s == 1.0 + 2.0 + 1.0
 
 
-def test_with_a_gpu_the_units_whose_states_live_on_the_device_step_at_its_rate(tmp_path: Path) -> None:
+def test_with_a_gpu_the_units_whose_states_live_on_the_device_step_at_its_rate(swap: Path) -> None:
     """Of 2,000 elements, 500 step on the device at 20,000/s and 1,500 on the host at 2,000/s:
     0.775 s. Without a GPU every unit steps on the host. The counts are the plan's: the units whose
     optimizer states `Homes` puts on the device."""
@@ -210,7 +221,7 @@ def test_with_a_gpu_the_units_whose_states_live_on_the_device_step_at_its_rate(t
     assert gpu.optimizer_s == pytest.approx(1_500 / 2_000 + 500 / 20_000)
     host = predict(result, copy_rate=1_000.0, step_rate=2_000.0, cuda=False, device_step_rate=20_000.0)
     assert host.optimizer_s == 1.0
-    cfg = load_config(_raw(tmp_path, offload=ALL_CPU))
+    cfg = load_config(_raw(swap, offload=ALL_CPU))
     units = list(estimate(cfg, disk=DISK, flops=FLOPS).plan.specs)
     homes = Homes(params=Tier.CPU, grads=Tier.CPU, optimizer=Tier.CPU, units={(units[0], "optimizer"): Tier.DEVICE})
     plan = estimate(cfg, disk=DISK, flops=FLOPS, suggest=False, homes=homes).plan
@@ -251,14 +262,14 @@ def test_a_step_part_that_steps_nothing_is_the_next_forwards_prefetch() -> None:
     ids=["stage3-in-backward", "stage3-clipped", "stage1"],
 )
 def test_the_replay_counts_each_byte_in_the_part_of_the_step_that_issues_it(
-    stage: int, clipping: float, stepped_in: tuple[str, ...], tmp_path: Path
+    stage: int, clipping: float, stepped_in: tuple[str, ...], swap: Path
 ) -> None:
     """Each unit is stepped where its stage steps it: stage 3 without clipping inside backward,
     writing every NVMe byte there; with clipping in the next forward's order (the first units
     when the step is asked for); stage 1 in the step, which reads and writes all the states
     there. The parts add up to the step's totals, and each part's units to the part's."""
     offload = {"optimizer": "nvme"} if stage == 1 else {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}
-    cfg = load_config(_raw(tmp_path, offload=offload, stage=stage, clipping=clipping))
+    cfg = load_config(_raw(swap, offload=offload, stage=stage, clipping=clipping))
     result = estimate(cfg, disk=DISK, flops=FLOPS, suggest=False)
     phases, plan = result.phases, result.plan
     assert plan is not None and list(phases) == ["forward", "backward", "step"]
@@ -278,11 +289,11 @@ def test_the_replay_counts_each_byte_in_the_part_of_the_step_that_issues_it(
 
 
 @pytest.mark.parametrize("share", [8, 4, 1], ids=["eighth", "quarter", "whole"])
-def test_the_plan_is_never_worse_than_any_whole_kind_placement(share: int, tmp_path: Path) -> None:
+def test_the_plan_is_never_worse_than_any_whole_kind_placement(share: int, swap: Path) -> None:
     """Brute force over the 27 whole-kind placements, each replayed and predicted as the planner does:
     the plan fits the budget and predicts a step no longer than the best of those that fit."""
-    cfg = load_config(_raw(tmp_path))
-    budgets = _budgets(cpu=_host_budget(tmp_path, share))
+    cfg = load_config(_raw(swap))
+    budgets = _budgets(cpu=_host_budget(swap, share))
     plan = _plan(cfg, budgets)
     rank = RankBudgets.of(budgets, cfg)
     assert not rank.shortfalls(plan.estimate)
@@ -299,16 +310,16 @@ def test_the_plan_is_never_worse_than_any_whole_kind_placement(share: int, tmp_p
         assert plan.estimate.tiers[Tier.NVME].home_total > 0
 
 
-def test_a_plan_that_cannot_fit_names_the_short_tier(tmp_path: Path) -> None:
-    cfg = load_config(_raw(tmp_path))
+def test_a_plan_that_cannot_fit_names_the_short_tier(swap: Path) -> None:
+    cfg = load_config(_raw(swap))
     with pytest.raises(PlacementError, match=r"no placement fits .* cpu short by .*raise tiers.cpu.capacity by"):
         _plan(cfg, _budgets(cpu=1 << 20))
     with pytest.raises(PlacementError, match=r"nvme short by .*point tiers.nvme.path at a disk"):
         _plan(cfg, _budgets(cpu=1 << 20, nvme=1 << 20))
 
 
-def test_budgets_are_split_among_a_machines_ranks(tmp_path: Path) -> None:
-    cfg = load_config(_raw(tmp_path))
+def test_budgets_are_split_among_a_machines_ranks(swap: Path) -> None:
+    cfg = load_config(_raw(swap))
     two = RankBudgets.of(_budgets(cpu=8 << 30, device=4 << 30), cfg, local_world_size=2)
     assert (two.cpu, two.device, two.nvme) == (4 << 30, 2 << 30, 1 << 40)  # the disk's space is each rank's file
     given = load_config(cfg, overrides={"tiers.cpu.capacity": "3GiB"})
@@ -331,10 +342,10 @@ def _trained(cfg: Any, homes: Homes) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("clipping", [0.0, 1.0], ids=["step-in-backward", "step-after-backward"])
 @pytest.mark.parametrize("moved", [Tier.CPU, Tier.DEVICE])
-def test_a_split_placement_trains_bitwise_as_whole_kinds(moved: Tier, clipping: float, tmp_path: Path) -> None:
+def test_a_split_placement_trains_bitwise_as_whole_kinds(moved: Tier, clipping: float, swap: Path) -> None:
     """Every other unit's slices on `moved`, the rest on NVMe; on the device, those units step there."""
-    cfg = load_config(_raw(tmp_path, clipping=clipping))
-    units = list(estimate(load_config(_raw(tmp_path, offload=ALL_CPU)), disk=DISK, flops=FLOPS).plan.specs)
+    cfg = load_config(_raw(swap, clipping=clipping))
+    units = list(estimate(load_config(_raw(swap, offload=ALL_CPU)), disk=DISK, flops=FLOPS).plan.specs)
     half = {(u, what): moved for u in units[::2] for what in ("params", "grads", "optimizer")}
     split = Homes(params=Tier.NVME, grads=Tier.NVME, optimizer=Tier.NVME, units=half)
     whole = _trained(cfg, Homes(params=Tier.CPU, grads=Tier.CPU, optimizer=Tier.CPU))
@@ -344,12 +355,12 @@ def test_a_split_placement_trains_bitwise_as_whole_kinds(moved: Tier, clipping: 
         assert torch.equal(whole[name], mixed[name]), name
 
 
-def test_a_checkpoint_resumes_bitwise_under_another_plan(tmp_path: Path) -> None:
+def test_a_checkpoint_resumes_bitwise_under_another_plan(tmp_path: Path, swap: Path) -> None:
     """The planner may place a resumed run otherwise (the machine's free memory, the disk's rates):
     saved with everything on NVMe, loaded with units split over the three tiers, the run goes on
     as it would have."""
-    cfg = load_config(_raw(tmp_path))
-    units = list(estimate(load_config(_raw(tmp_path, offload=ALL_CPU)), disk=DISK, flops=FLOPS).plan.specs)
+    cfg = load_config(_raw(swap))
+    units = list(estimate(load_config(_raw(swap, offload=ALL_CPU)), disk=DISK, flops=FLOPS).plan.specs)
     nvme = Homes(params=Tier.NVME, grads=Tier.NVME, optimizer=Tier.NVME)
     fields = ("params", "grads", "optimizer")
     moved = {(u, what): tier for u, tier in zip(units, itertools.cycle(Tier)) for what in fields}
@@ -376,16 +387,16 @@ def test_a_checkpoint_resumes_bitwise_under_another_plan(tmp_path: Path) -> None
         assert torch.equal(value, resumed[name]), name
 
 
-def test_tierzero_train_plans_logs_and_reports_the_placement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tierzero_train_plans_logs_and_reports_the_placement(swap: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tierzero import api
 
-    budget = _host_budget(tmp_path, 4)
+    budget = _host_budget(swap, 4)
     monkeypatch.setattr(api, "plan_placement", lambda cfg, **kw: _plan(cfg, _budgets(cpu=budget)))
     reports: list[dict[str, Any]] = []
     real = Engine.memory_report
     monkeypatch.setattr(Engine, "memory_report", lambda engine: reports.append(real(engine)) or reports[-1])
     out = io.StringIO()
-    summary = T.train(load_config(_raw(tmp_path)), progress=False, out=out)
+    summary = T.train(load_config(_raw(swap)), progress=False, out=out)
     assert summary.steps == 3
     text = out.getvalue()
     assert "placement (offload: auto), per rank:" in text and "predicted step" in text
@@ -398,7 +409,7 @@ def test_tierzero_train_plans_logs_and_reports_the_placement(tmp_path: Path, mon
     assert sum(placed["nvme"].values()) == planned["nvme_home"]
 
 
-def test_tierzero_estimate_prints_the_plan(tmp_path: Path) -> None:
+def test_tierzero_estimate_prints_the_plan(tmp_path: Path, swap: Path) -> None:
     import argparse
     import json
 
@@ -407,7 +418,7 @@ def test_tierzero_estimate_prints_the_plan(tmp_path: Path) -> None:
     from tierzero.estimate.report import add_estimate_command, run_estimate
 
     config = tmp_path / "auto.yaml"
-    config.write_text(yaml.safe_dump(_raw(tmp_path)))
+    config.write_text(yaml.safe_dump(_raw(swap)))
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"best": {"read_GBps": 2.0, "write_GBps": 3.0}}))
 
@@ -432,10 +443,10 @@ def test_tierzero_estimate_prints_the_plan(tmp_path: Path) -> None:
         cli("--set", "tiers.cpu.capacity=2MiB", "--set", "tiers.device.capacity=1MiB")
 
 
-def test_the_rates_are_measured_on_this_machine(tmp_path: Path) -> None:
+def test_the_rates_are_measured_on_this_machine(swap: Path) -> None:
     from tierzero.placement.prediction import measure_block_flops, measure_copy_rate, measure_step_rate
 
-    cfg = load_config(_raw(tmp_path))
+    cfg = load_config(_raw(swap))
     flops = measure_block_flops(cfg, seconds=0.03)
     assert flops is not None and flops.read > 1e8
     assert "one gpt block's forward and backward at 2x32 tokens" in flops.source  # a micro-batch at train.seq_len
@@ -444,12 +455,12 @@ def test_the_rates_are_measured_on_this_machine(tmp_path: Path) -> None:
 
 
 def test_the_compute_rate_is_one_block_of_the_model_trained_at_the_training_shape(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    swap: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tierzero.models import LlamaBlock, spec_from_config
     from tierzero.placement import prediction
 
-    raw = _raw(tmp_path)
+    raw = _raw(swap)
     cfg = load_config({**raw, "model": {**raw["model"], "type": "llama"}})
     passes: list[tuple[int, ...]] = []
 
@@ -469,18 +480,18 @@ def test_the_compute_rate_is_one_block_of_the_model_trained_at_the_training_shap
 
 
 def test_a_tight_device_lowers_the_prefetchers_budgets_and_the_run_keeps_within_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    swap: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tierzero import api
 
     nvme = {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}
-    result = estimate(load_config(_raw(tmp_path, offload=nvme)), disk=DISK, flops=FLOPS, suggest=False)
+    result = estimate(load_config(_raw(swap, offload=nvme)), disk=DISK, flops=FLOPS, suggest=False)
     device = result.tiers[Tier.DEVICE]
     # Under what the default prefetcher keeps; the fetched peak also holds slices that forward
     # gathers lend (world size 1), which no prefetch budget lowers: a third of it, not half.
     capacity = device.need - device.working["fetched"] // 3
     # Parameters on NVMe: in host memory, a forward's gather would be the home itself, no device byte.
-    partly = _raw(tmp_path, offload={"params": "nvme", "gradients": "auto", "optimizer": "auto"})
+    partly = _raw(swap, offload={"params": "nvme", "gradients": "auto", "optimizer": "auto"})
     raw = {**partly, "tiers": {**partly["tiers"], "device": {"capacity": capacity}}}
     budgets = _budgets(cpu=1 << 30, device=capacity)
     plan = _plan(load_config(raw), budgets)
@@ -495,14 +506,14 @@ def test_a_tight_device_lowers_the_prefetchers_budgets_and_the_run_keeps_within_
     assert summary.steps == 3 and summary.peak_tier_bytes["device"] <= capacity
 
 
-def test_nvme_slices_fill_the_device_first_then_host_memory_and_a_shortfall_shrinks_its_tier(tmp_path: Path) -> None:
+def test_nvme_slices_fill_the_device_first_then_host_memory_and_a_shortfall_shrinks_its_tier(swap: Path) -> None:
     """`fill` moves the slices that save most disk time per byte (the replay's reads and writes of
     them) first, each to the first memory tier with room: the device's, then the host's. The
     replay's shortfall of one tier shrinks that tier's share alone."""
     from tierzero.placement.candidates import FIELDS, Candidate, fill
 
     nvme = Homes(params=Tier.NVME, grads=Tier.NVME, optimizer=Tier.NVME)
-    result = estimate(load_config(_raw(tmp_path, offload=ALL_CPU)), disk=DISK, flops=FLOPS, suggest=False, homes=nvme)
+    result = estimate(load_config(_raw(swap, offload=ALL_CPU)), disk=DISK, flops=FLOPS, suggest=False, homes=nvme)
     base = Candidate(homes=nvme, label="nvme", result=result)
     sizes: dict[tuple[str, str], int] = {}
     saves: dict[tuple[str, str], float] = {}
@@ -546,15 +557,15 @@ def test_nvme_slices_fill_the_device_first_then_host_memory_and_a_shortfall_shri
 
 
 def test_a_device_budget_of_its_own_is_filled_too_and_the_run_keeps_within_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    swap: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A device tier with its own capacity (as a GPU's): the planner weighs placements that move units'
     NVMe slices into it, and its plan predicts no worse than any whole-kind placement that fits
     and trains within it."""
     from tierzero import api
 
-    state = estimate(load_config(_raw(tmp_path, offload=ALL_CPU)), disk=DISK, flops=FLOPS).tiers[Tier.CPU].home_total
-    raw = _raw(tmp_path)
+    state = estimate(load_config(_raw(swap, offload=ALL_CPU)), disk=DISK, flops=FLOPS).tiers[Tier.CPU].home_total
+    raw = _raw(swap)
     raw["tiers"]["device"] = {"capacity": state // 4}
     cfg = load_config(raw)
     # Host memory for the working set with everything on NVMe, and an eighth of the state.
@@ -590,7 +601,7 @@ def test_units_that_save_alike_are_moved_spread_over_the_step() -> None:
 
 
 def test_the_plan_takes_the_measured_compute_its_slowdown_and_forward_share(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    swap: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Unless a rate is given, the planner measures the block (`measure_compute`) and predicts with
     all three of its figures: the forward then takes its measured share of the compute."""
@@ -598,7 +609,7 @@ def test_the_plan_takes_the_measured_compute_its_slowdown_and_forward_share(
     from tierzero.placement.prediction import Compute
 
     monkeypatch.setattr(planner, "measure_compute", lambda cfg: Compute(flops=FLOPS, slowdown=1.5, forward_share=0.2))
-    cfg = load_config(_raw(tmp_path, offload="auto"))
+    cfg = load_config(_raw(swap, offload="auto"))
     plan = plan_placement(cfg, budgets=_budgets(cpu=1 << 40), disk=DISK, copy_rate=COPY, step_rate=STEP)
     given = _plan(cfg, _budgets(cpu=1 << 40))  # a given rate: a third, and no slowdown
     assert plan.homes == given.homes and plan.prediction.slowdown == 1.5 and given.prediction.slowdown == 1.0

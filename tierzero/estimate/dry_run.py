@@ -12,10 +12,14 @@ assume), the memory peaks from one whose writes land only when waited for (the m
 the engine can hold). The traffic is also counted by the part of the step it is issued
 in (`micro_step`'s marks: forward, backward, step), with the elements the optimizer
 steps in each, so that the prediction overlaps the disk only with the work beside it.
+A dry run depends on nothing but its arguments: the last `_KEPT` are kept, and one asked
+again in the process (the planner called twice, a check of its choice against every
+placement) is returned, not re-run.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +81,10 @@ class DryRun:
 _MAX_STEPS = 8
 """The most optimizer steps a dry run takes while the NVMe cache settles."""
 
+_KEPT = 64
+"""Dry runs kept, by their arguments (a meta model and a slice plan each: no tensor data)."""
+_kept: OrderedDict[str, DryRun] = OrderedDict()
+
 
 def dry_run(
     cfg: Config, *, world_size: int, local_world_size: int | None = None, homes: Homes | None = None
@@ -86,6 +94,10 @@ def dry_run(
     `homes` places the slices (default: the config's `offload`)."""
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
+    key = repr((cfg, world_size, local_world_size or world_size, homes, torch.cuda.is_available()))
+    if key in _kept:
+        _kept.move_to_end(key)
+        return _kept[key]
     # Every rank has as many peers on other nodes as rank 0, so rank 0's split is every rank's.
     topology = Topology(world_size=world_size, rank=0, local_world_size=local_world_size or world_size)
     # Two replays (see counting.py): writes that land when asked give the traffic of a disk that
@@ -93,7 +105,7 @@ def dry_run(
     fast, _ = _replay(cfg, topology=topology, homes=homes, lands_when_asked=True)
     slow, engine = _replay(cfg, topology=topology, homes=homes, lands_when_asked=False)
     peaks = slow.store.report().tiers
-    return DryRun(
+    run = DryRun(
         plan=engine.plan,
         parameters=slow.parameters,
         model=slow.model,
@@ -111,6 +123,10 @@ def dry_run(
         comm=fast.comm,
         phases=fast.phases,
     )
+    _kept[key] = run
+    while len(_kept) > _KEPT:
+        _kept.popitem(last=False)
+    return run
 
 
 @dataclass(slots=True, kw_only=True)
