@@ -278,6 +278,47 @@ def test_the_slowdown_is_the_mean_of_the_paired_windows(tmp_path: Path, monkeypa
     assert flops.read == block / 1.0  # the median of the seven passes alone
 
 
+def test_the_compute_is_planned_with_the_medians_of_the_days_measurements_of_its_block_and_disk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each measurement of a block beside a disk joins the day's of the same block beside the same
+    disk, and the plan takes the medians of each figure; another disk's, a day-old one and an
+    unreadable file take no part."""
+    import time
+    from types import SimpleNamespace
+
+    from tierzero.placement import history, prediction
+
+    now = time.time()
+    clock = [now]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    block = SimpleNamespace(what="fp32 one gpt block's forward and backward", flops=1e9)
+
+    def measured(flops: float, slowdown: float, share: float, beside: str = "beside /swap") -> prediction.Compute:
+        clock[0] += 3600.0
+        return prediction._remembered(block, flops, slowdown, share, how=f"timed at {flops:.0f}", beside=beside)
+
+    assert measured(99e9, 1.01, 0.24).flops.source == "timed at 99000000000"  # one: the measurement itself
+    measured(120e9, 1.08, 0.25)
+    other = measured(50e9, 2.0, 0.5, beside="beside /elsewhere")
+    assert (other.flops.read, other.slowdown, other.forward_share) == (50e9, 2.0, 0.5)
+    compute = measured(130e9, 1.10, 0.23)
+    assert (compute.flops.read, compute.slowdown, compute.forward_share) == (120e9, 1.08, 0.24)
+    assert compute.flops.source.startswith("the median of 3 measurements since ")
+    assert compute.flops.source.endswith(": 120 GFLOP/s, the forward 24%, 1.08x beside")
+    clock[0] += history.HISTORY_S - 2 * 3600.0  # the first two are over a day old, the third not
+    compute = measured(140e9, 1.20, 0.30)
+    assert (compute.flops.read, compute.slowdown) == (135e9, pytest.approx(1.15))
+    clock[0] += history.HISTORY_S
+    history.cache_path(prediction.COMPUTE_FILE).write_text("{not json")
+    compute = measured(110e9, 1.05, 0.26)  # an unreadable file is started anew, never trusted
+    assert (compute.flops.read, compute.slowdown, compute.flops.source) == (110e9, 1.05, "timed at 110000000000")
+    measured(111e9, 1.05, 0.26, beside="beside /elsewhere")
+    clock[0] += history.HISTORY_S + 1
+    measured(112e9, 1.05, 0.26)  # entries with nothing of the last day leave the file
+    assert len(json.loads(history.cache_path(prediction.COMPUTE_FILE).read_text())) == 1
+
+
 def test_the_compute_is_measured_alone_and_beside_the_disk(tmp_path: Path) -> None:
     from tierzero.config import load_config
     from tierzero.placement.prediction import measure_compute

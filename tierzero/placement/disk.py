@@ -30,16 +30,13 @@ and rewritten, never trusted, and a directory that is gone loses its entry at th
 
 from __future__ import annotations
 
-import json
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -47,6 +44,17 @@ import torch
 from tierzero.config import NvmeTierConfig, TiersConfig
 from tierzero.offload.base import Region
 from tierzero.offload.nvme import NvmeTier
+from tierzero.placement.history import (
+    HISTORY_S,
+    HISTORY_SAMPLES,
+    Sample,
+    cache_path,
+    kept,
+    medians,
+    read_json,
+    span_text,
+    write_json,
+)
 from tierzero.sizes import format_size
 from tierzero.slices import IO_ALIGNMENT, aligned_empty
 
@@ -68,10 +76,8 @@ PROBE_SLICES = 4
 STREAM_BYTES = 256 << 20
 #: Seconds after which `disk_rates` measures remembered rates again.
 MAX_AGE_S = 3600.0
-#: Seconds a measurement counts for in a setting's medians, and how many of them are kept: a disk
-#: whose rate moves 15% within minutes is known better by a day of its measurements than by its last.
-HISTORY_S = 86400.0
-HISTORY_SAMPLES = 12
+#: The fields of a setting's measurements (placement/history.py keeps them).
+_FIELDS = ("read_GBps", "write_GBps")
 #: Seconds between its writes and its reads: bytes read back at once after being written come
 #: at a third of the speed on a virtio disk (its host still writing them back), and a step
 #: reads what it wrote a step ago.
@@ -89,8 +95,7 @@ class DiskRates:
 
 
 def cache_file() -> Path:
-    root = os.environ.get("TIERZERO_CACHE_DIR") or Path.home() / ".cache" / "tierzero"
-    return Path(root) / "disks.json"
+    return cache_path("disks.json")
 
 
 def setting_label(*, block_size: int, queue_depth: int, threads: int, backend: str) -> str:
@@ -110,7 +115,7 @@ def remembered(path: str | os.PathLike[str], setting: str, *, max_age_s: float |
     its measurements, `remember`); None when none are (or the cache, or that entry, is
     unreadable), or when the newest was measured more than `max_age_s` seconds ago (an entry
     that does not say when is as old as can be)."""
-    by_setting = _read_cache().get(_key(path))
+    by_setting = read_json(cache_file()).get(_key(path))
     entry = by_setting.get(setting) if isinstance(by_setting, dict) else None
     try:
         read, write = float(entry["read_GBps"]), float(entry["write_GBps"])  # type: ignore[index]
@@ -131,67 +136,20 @@ def remember(path: str | os.PathLike[str], rates: dict[str, tuple[float, float]]
     last `HISTORY_S` (the newest `HISTORY_SAMPLES`), and its rates are their medians. The file is
     replaced whole, without the entries of directories that no longer exist (a run's scratch
     swap directory)."""
-    cache = {key: entry for key, entry in _read_cache().items() if os.path.isdir(key) and isinstance(entry, dict)}
+    known = read_json(cache_file())
+    cache = {key: entry for key, entry in known.items() if os.path.isdir(key) and isinstance(entry, dict)}
     now = time.time()
     entry = {k: v for k, v in cache.get(_key(path), {}).items() if isinstance(v, dict)}
     cache[_key(path)] = entry
     for setting, (read_gbs, write_gbs) in rates.items():
-        kept = [sample for sample in _samples(entry.get(setting)) if now - HISTORY_S <= sample.measured <= now]
-        entry[setting] = _medians(setting, [*kept, _Sample(read_gbs, write_gbs, how, now)][-HISTORY_SAMPLES:])
-    target = cache_file()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = target.with_suffix(f".{os.getpid()}.tmp")
-    scratch.write_text(json.dumps(cache, indent=2, sort_keys=True) + "\n")
-    os.replace(scratch, target)
-
-
-@dataclass(frozen=True, slots=True)
-class _Sample:
-    """One measurement of a setting, as the cache keeps it."""
-
-    read: float
-    """GB/s."""
-    write: float
-    how: str
-    measured: float
-    """When, in seconds since the epoch."""
-
-    def to_json(self) -> dict[str, object]:
-        return {"read_GBps": self.read, "write_GBps": self.write, "how": self.how, "measured": self.measured}
-
-
-def _samples(entry: object) -> list[_Sample]:
-    """The well-formed measurements of a setting's entry, oldest first; none from a bad one."""
-    listed = entry.get("samples") if isinstance(entry, dict) else None
-    good = []
-    for item in listed if isinstance(listed, list) else []:
-        try:
-            read, write, measured = float(item["read_GBps"]), float(item["write_GBps"]), float(item["measured"])
-            sample = _Sample(read, write, str(item["how"]), measured)
-        except (TypeError, KeyError, ValueError):
-            continue
-        if sample.read > 0 and sample.write > 0:
-            good.append(sample)
-    return sorted(good, key=lambda sample: sample.measured)
-
-
-def _medians(setting: str, samples: list[_Sample]) -> dict[str, object]:
-    """A setting's entry: the medians of its `samples` (the newest last), when the newest was
-    measured, and a source that says which measurements they are."""
-    read, write = statistics.median(s.read for s in samples), statistics.median(s.write for s in samples)
-    newest = samples[-1]
-    what = f"{newest.how} at {setting}, {_stamp(newest.measured)}"
-    if len(samples) > 1:
-        what = f"the median of {len(samples)} measurements since {_stamp(samples[0].measured)}, the last a {what}"
-    return {
-        "read_GBps": read, "write_GBps": write, "measured": newest.measured,
-        "samples": [sample.to_json() for sample in samples],
-        "source": f"{what}: {read:.2f} GB/s read, {write:.2f} GB/s write",
-    }  # fmt: skip
-
-
-def _stamp(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        measured = kept(entry.get(setting), _FIELDS, Sample(dict(zip(_FIELDS, (read_gbs, write_gbs))), how, now))
+        read, write = medians(measured).values()
+        entry[setting] = {
+            "read_GBps": read, "write_GBps": write, "measured": now,
+            "samples": [sample.to_json() for sample in measured],
+            "source": f"{span_text(measured, f' at {setting}')}: {read:.2f} GB/s read, {write:.2f} GB/s write",
+        }  # fmt: skip
+    write_json(cache_file(), cache)
 
 
 def disk_rates(path: str | os.PathLike[str], nvme: NvmeTierConfig | None = None) -> DiskRates:
@@ -363,9 +321,3 @@ def _key(path: str | os.PathLike[str]) -> str:
     return os.path.realpath(path)
 
 
-def _read_cache() -> dict[str, object]:
-    try:
-        data = json.loads(cache_file().read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -31,18 +31,15 @@ whole-part rule, the longer of disk and rest, predicted 7.77 s against 9.38-9.60
 (-18%) in session 13, when the pipeline read a unit only as its own backward began and the
 disk idled beside a run of in-memory units at the end; per unit, without overlap, 9.87 s.
 
-On the 2B preset (docs/BENCHMARKS.md, sessions 8 to 10) the planned placement's step measured
-8.3-9.7 s. Predicted from one Linear's three products it was 6.8-7.6 s (-15% to -25%); from
-a block timed once alone and once beside the disk, 7.5-11.3 s, as the machine drifted between
-the two timings; from the paired windows, -24% to +17% of the measured step in six pairs, four
-within 15% (the misses timed the block while the machine ran at another speed than its steps).
-Under a 12 GiB cgroup, with 7-8 s of disk in backward beside 8.2 s of work in the whole step,
-the step took 10.7-12.2 s against 8.58 s predicted as one part (session 10). Part by part
-(session 11): the 2B auto step -2% and -11%, the cgroup's +8% and +10%.
+On the 2B preset the step was predicted from one Linear's three products at -15% to -25% of
+the measured step, then from a block timed once alone and once beside the disk at -24% to +17%
+as the machine drifted between the timings (docs/BENCHMARKS.md, sessions 8 to 11). The block is
+now timed in pairs of windows, and planned with the medians of the day's measurements of it.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import deque
@@ -59,7 +56,8 @@ from tierzero.micro_step import PARTS
 from tierzero.models import BUILT_IN, spec_from_config
 from tierzero.offload.step_pipeline import MAX_RESIDENT_GROUPS
 from tierzero.optim import make_optimizer
-from tierzero.placement.disk import streaming
+from tierzero.placement.disk import label_of, streaming
+from tierzero.placement.history import medians, remember, span_text
 from tierzero.precision import dtype_of
 from tierzero.slices import Kind, Tier
 
@@ -69,6 +67,8 @@ __all__ = [
 ]
 
 
+#: The cache file of the block's measurements (placement/history.py).
+COMPUTE_FILE = "compute.json"
 #: The forward's share of the compute when it is not measured: 2 of the 6 x parameters x tokens FLOPs.
 FORWARD_SHARE = 1 / 3
 #: The largest units whose bytes the disk may hold read ahead of the work: the step pipeline's bound.
@@ -313,7 +313,9 @@ def measure_compute(cfg: Config, *, seconds: float = 6.0, rounds: int = 36) -> C
     Fewer pairs are not enough: the 2B preset's block, measured one call after another, read
     1.00-1.15x and 99-140 GFLOP/s from 12 pairs in 2 s, 1.04-1.10x and 118-123 from 36 in 6 s.
     A transformers model gets a square matmul's rate, and no slowdown is measured on a GPU or
-    without an NVMe path (1.0).
+    without an NVMe path (1.0). Each figure is the median of this measurement and the last day's
+    of the same block beside the same disk: the 2B plans that missed by 16% took a block timed at
+    99 GFLOP/s where the day's read 116-131, or 1.01-1.02x where the day's read 1.05-1.15x.
     """
     block = _TimedBlock.build(cfg)
     if block is None:
@@ -321,7 +323,8 @@ def measure_compute(cfg: Config, *, seconds: float = 6.0, rounds: int = 36) -> C
     shares: list[float] = []  # of the passes alone
     if torch.cuda.is_available() or cfg.tiers.nvme.path is None:
         runs = block.passes(seconds, at_least=3, shares=shares)
-        return Compute(flops=block.rate(runs), forward_share=statistics.median(shares))
+        rate = block.rate(runs)
+        return _remembered(block, rate.read, 1.0, statistics.median(shares), how=rate.source, beside="alone")
     window = seconds / (2 * rounds)
     alone: list[float] = []
     ratios: list[float] = []
@@ -335,9 +338,21 @@ def measure_compute(cfg: Config, *, seconds: float = 6.0, rounds: int = 36) -> C
         read, write = stream.rates()
     quiet_rate, slowdown, share = block.rate(alone), max(1.0, statistics.mean(ratios)), statistics.median(shares)
     beside = f"{slowdown:.2f}x slower beside the disk, which read {read:.1f} GB/s, wrote {write:.1f}"
-    source = f"{quiet_rate.source}, the forward {share:.0%} of it; {beside}"
-    return Compute(flops=Bandwidth(read=quiet_rate.read, write=quiet_rate.write, source=source), slowdown=slowdown,
-                   forward_share=share)  # fmt: skip
+    how = f"{quiet_rate.source}, the forward {share:.0%} of it; {beside}"
+    disk = f"beside {os.path.realpath(cfg.tiers.nvme.path)} at {label_of(cfg.tiers.nvme)}"
+    return _remembered(block, quiet_rate.read, slowdown, share, how=how, beside=disk)
+
+
+def _remembered(block: _TimedBlock, flops: float, slowdown: float, share: float, *, how: str, beside: str) -> Compute:
+    """The medians of this measurement and those of the last day of the same block beside the same
+    disk (placement/history.py): one measurement samples one moment of a machine whose speed drifts."""
+    measured = remember(COMPUTE_FILE, f"{block.what}, {block.flops:.0f} FLOP a pass, {beside}",
+                        {"flops": flops, "slowdown": slowdown, "forward_share": share}, how=how)  # fmt: skip
+    figures = medians(measured)
+    flops, slowdown, share = figures["flops"], figures["slowdown"], figures["forward_share"]
+    if len(measured) > 1:
+        how = f"{span_text(measured, '')}: {flops / 1e9:.0f} GFLOP/s, the forward {share:.0%}, {slowdown:.2f}x beside"
+    return Compute(flops=Bandwidth(read=flops, write=flops, source=how), slowdown=slowdown, forward_share=share)
 
 
 class _TimedBlock:

@@ -1,0 +1,120 @@
+"""Measurements of this machine kept across runs: each key's of the last day, and their medians.
+
+A shared VM's disk and cores change speed from minute to minute (docs/BENCHMARKS.md, sessions
+14-17), so one measurement samples one moment of them. The planner keeps what it measures, the
+disk's rates per directory and I/O setting (placement/disk.py) and a block's compute rate per
+shape and disk (placement/prediction.py), for `HISTORY_S`, the newest `HISTORY_SAMPLES`, and
+plans with their medians. Each kind lives in a JSON file of its own under
+`$TIERZERO_CACHE_DIR` (default `~/.cache/tierzero`); a file, an entry or a sample that cannot
+be read is ignored and rewritten, never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+__all__ = [
+    "HISTORY_S", "HISTORY_SAMPLES", "Sample", "cache_path", "kept", "medians", "read_json", "remember", "samples",
+    "span_text", "write_json",
+]  # fmt: skip
+
+#: Seconds a measurement counts for in its key's medians, and how many of them are kept: a disk
+#: whose rate moves 15% within minutes is known better by a day of its measurements than by its last.
+HISTORY_S = 86400.0
+HISTORY_SAMPLES = 12
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One measurement, as the cache keeps it: its figures (each > 0), what took it and when."""
+
+    values: dict[str, float]
+    how: str
+    measured: float
+    """Seconds since the epoch."""
+
+    def to_json(self) -> dict[str, object]:
+        return {**self.values, "how": self.how, "measured": self.measured}
+
+
+def cache_path(name: str) -> Path:
+    """`name` in `$TIERZERO_CACHE_DIR` (default `~/.cache/tierzero`)."""
+    root = os.environ.get("TIERZERO_CACHE_DIR") or Path.home() / ".cache" / "tierzero"
+    return Path(root) / name
+
+
+def read_json(path: Path) -> dict[str, object]:
+    """The mapping in `path`; empty when it is missing or is not one."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_json(path: Path, data: dict[str, object]) -> None:
+    """Replace `path` whole: a reader sees the old file or the new one, never part of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_suffix(f".{os.getpid()}.tmp")
+    scratch.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(scratch, path)
+
+
+def samples(entry: object, fields: tuple[str, ...]) -> list[Sample]:
+    """The well-formed measurements of an entry's `samples` (every one of `fields` a positive
+    number), oldest first; none from an entry that is not one."""
+    listed = entry.get("samples") if isinstance(entry, dict) else None
+    good = []
+    for item in listed if isinstance(listed, list) else []:
+        try:
+            values = {name: float(item[name]) for name in fields}
+            sample = Sample(values, str(item["how"]), float(item["measured"]))
+        except (TypeError, KeyError, ValueError):
+            continue
+        if all(value > 0 for value in values.values()):
+            good.append(sample)
+    return sorted(good, key=lambda sample: sample.measured)
+
+
+def kept(entry: object, fields: tuple[str, ...], new: Sample) -> list[Sample]:
+    """An entry's measurements of the `HISTORY_S` before `new` and `new`, the newest
+    `HISTORY_SAMPLES` of them, oldest first."""
+    earlier = [s for s in samples(entry, fields) if new.measured - HISTORY_S <= s.measured <= new.measured]
+    return [*earlier, new][-HISTORY_SAMPLES:]
+
+
+def remember(name: str, key: str, values: dict[str, float], *, how: str) -> list[Sample]:
+    """Add a measurement of `values` (each > 0), taken by `how`, to `key`'s in the cache file `name`;
+    the measurements its medians are now taken over (`kept`). Keys with none of the last
+    `HISTORY_S` are dropped from the file."""
+    path, new = cache_path(name), Sample(values, how, time.time())
+    cache = {k: entry for k, entry in read_json(path).items() if len(kept(entry, (), new)) > 1}
+    measured = kept(cache.get(key), tuple(values), new)
+    cache[key] = {"samples": [sample.to_json() for sample in measured]}
+    write_json(path, cache)
+    return measured
+
+
+def medians(measured: list[Sample]) -> dict[str, float]:
+    """Each figure's median over `measured` (not empty)."""
+    return {name: statistics.median(s.values[name] for s in measured) for name in measured[-1].values}
+
+
+def span_text(measured: list[Sample], what: str) -> str:
+    """E.g. 'the median of 5 measurements since 2026-12-02 20:35 UTC, the last a probe ...,
+    2026-12-02 21:57 UTC', or the one measurement's `how` and time, `what` after `how`."""
+    newest = measured[-1]
+    text = f"{newest.how}{what}, {_stamp(newest.measured)}"
+    if len(measured) == 1:
+        return text
+    return f"the median of {len(measured)} measurements since {_stamp(measured[0].measured)}, the last a {text}"
+
+
+def _stamp(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
