@@ -74,11 +74,11 @@ class RunSummary:
         return "\n".join(lines) + "\n"
 
     def _against_prediction(self, predicted: float) -> str:
-        """The plan's step beside the measured one: the median of the steps after the first, which
-        learns the units' order."""
+        """The plan's step beside the measured one (the median of the steps after the first, which
+        learns the units' order), and how far the prediction is from it, a share of the measured."""
         measured = statistics.median(self.step_seconds[1:])
-        off = (measured - predicted) / predicted
-        return f"predicted {predicted:.2f} s, measured {measured:.2f} s after the first step ({off:+.0%})"
+        off = (predicted - measured) / measured
+        return f"predicted {predicted:.2f} s, measured {measured:.2f} s after the first step (prediction {off:+.0%})"
 
     def _state_ratio(self) -> str:
         capacity = self.tier_capacity.get("device")

@@ -122,7 +122,7 @@ def test_summary_table_format() -> None:
     ]
     # A planned run sets the plan's step beside the median of its steps after the first.
     planned = dataclasses.replace(summary, step_seconds=[9.0, 2.2, 2.4, 2.3], predicted_step_s=2.0)
-    assert "  planned step         predicted 2.00 s, measured 2.30 s after the first step (+15%)" in (
+    assert "  planned step         predicted 2.00 s, measured 2.30 s after the first step (prediction -13%)" in (
         planned.format().splitlines()
     )
     assert "planned step" not in dataclasses.replace(planned, step_seconds=[9.0]).format()
