@@ -143,7 +143,8 @@ def remember(path: str | os.PathLike[str], rates: dict[str, tuple[float, float]]
     cache[_key(path)] = entry
     for setting, (read_gbs, write_gbs) in rates.items():
         measured = kept(entry.get(setting), _FIELDS, Sample(dict(zip(_FIELDS, (read_gbs, write_gbs))), how, now))
-        read, write = medians(measured).values()
+        figures = medians(measured)
+        read, write = figures["read_GBps"], figures["write_GBps"]
         entry[setting] = {
             "read_GBps": read, "write_GBps": write, "measured": now,
             "samples": [sample.to_json() for sample in measured],
@@ -319,5 +320,3 @@ def _seconds_moving(
 
 def _key(path: str | os.PathLike[str]) -> str:
     return os.path.realpath(path)
-
-
