@@ -18,6 +18,7 @@ import torch
 
 from tierzero.config import NvmeTierConfig
 from tierzero.offload.base import Region, TierCapacityError, TierStorage
+from tierzero.offload.busy import BusyClock
 from tierzero.offload.clean import warn_leftovers
 from tierzero.offload.nvme_backends import AiofilesBackend, ThreadBackend
 from tierzero.offload.nvme_files import (
@@ -156,6 +157,7 @@ class NvmeTier(TierStorage):
             self._checksums: dict[int, ChecksumTable] = {}
             self._pool = BouncePool(block_size=block_size, limit=queue_depth)
             self._queue = ChunkQueue(queue_depth=queue_depth, block_size=block_size)
+            self.busy = BusyClock()
             engine = self._start_engine(fd)
         except BaseException:
             if fd >= 0:
@@ -322,7 +324,14 @@ class NvmeTier(TierStorage):
             remaining=0,
             checksums=checksums,
         )
-        self._queue.submit(request, tensor.numel())
+        way = "read" if op is Op.READ else "write"
+        self.busy.started(way, tensor.numel())
+        try:
+            self._queue.submit(request, tensor.numel())
+        except BaseException:
+            self.busy.ended(way)
+            raise
+        future.add_done_callback(lambda _: self.busy.ended(way))
         return future
 
     def _check_open(self, label: str) -> None:

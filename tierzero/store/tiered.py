@@ -26,6 +26,7 @@ import torch
 
 from tierzero.config import SwapperConfig, TiersConfig
 from tierzero.offload.base import Region, TierStorage
+from tierzero.offload.busy import Busy, BusyClock
 from tierzero.offload.cpu import CpuTier, HostDeviceTier
 from tierzero.offload.memory import MemoryTier
 from tierzero.offload.tiers import tiers_from_config
@@ -47,7 +48,8 @@ class TieredStore:
         for tier, storage in tiers.items():
             assert storage.tier is tier, f"the {storage.tier.value} tier was given as {tier.value}"
         self._tiers = dict(tiers)
-        self._swapper = swapper
+        self.swapper = swapper
+        """What moves bytes between tiers."""
         self._ledger = Ledger({tier: storage.capacity for tier, storage in tiers.items()})
         self._slices: dict[SliceKey, SliceRecord] = {}
         self._scratch: dict[int, ScratchRecord] = {}
@@ -73,14 +75,8 @@ class TieredStore:
         storages = tiers_from_config(tiers, **where)
         cpu = storages[Tier.CPU]
         assert isinstance(cpu, CpuTier)
-        on_host = isinstance(storages[Tier.DEVICE], HostDeviceTier)
-        return cls(
-            tiers=storages, swapper=Swapper.from_config(swapper, host=cpu, host_device=on_host), cache=tiers.nvme.cache
-        )
-
-    @property
-    def swapper(self) -> Swapper:
-        return self._swapper
+        moves = Swapper.from_config(swapper, host=cpu, host_device=isinstance(storages[Tier.DEVICE], HostDeviceTier))
+        return cls(tiers=storages, swapper=moves, cache=tiers.nvme.cache)
 
     def _host_pool_changed(self, delta: int) -> None:
         # The swapper's staging buffers (made from the CPU tier by `from_config`) and the NVMe
@@ -146,7 +142,7 @@ class TieredStore:
             transfer = None if cache is None else cache.read(record.key, copy.buffer)
             if transfer is None:
                 storage = self._tiers[home.tier]
-                transfer = self._swapper.read(key=record.key, storage=storage, region=home, dst=copy.buffer, dst_tier=to)
+                transfer = self.swapper.read(key=record.key, storage=storage, region=home, dst=copy.buffer, dst_tier=to)
                 self._nvme_read += record.nbytes if home.tier is Tier.NVME else 0
         except BaseException:
             self._tiers[to].free(copy)
@@ -195,7 +191,7 @@ class TieredStore:
                 old, pending = None, []
             copy = self._storage(to, what=f"a copy of {key}").allocate(record.nbytes, label=f"{key} fetched")
             try:
-                moved = self._swapper.copy(key=(key, "adopt"), src=source, dst=copy.buffer[: source.numel()])
+                moved = self.swapper.copy(key=(key, "adopt"), src=source, dst=copy.buffer[: source.numel()])
             except BaseException:
                 self._tiers[to].free(copy)
                 raise
@@ -254,7 +250,7 @@ class TieredStore:
             cache = self._cache if record.home.tier is Tier.NVME else None
             transfer = None if cache is None else cache.write(key, source)
             if transfer is None:
-                transfer = self._swapper.write(
+                transfer = self.swapper.write(
                     key=key, storage=self._tiers[record.home.tier], region=record.home, src=source, src_tier=source_tier
                 )
                 self._nvme_written += record.nbytes if record.home.tier is Tier.NVME else 0
@@ -330,7 +326,7 @@ class TieredStore:
 
     def report(self) -> StoreReport:
         bounce_stats = getattr(self._tiers.get(Tier.NVME), "bounce_stats", None)
-        report = self._ledger.report(staging=self._swapper.stats(), bounce=bounce_stats() if bounce_stats else None)
+        report = self._ledger.report(staging=self.swapper.stats(), bounce=bounce_stats() if bounce_stats else None)
         for tier, storage in self._tiers.items():
             kept = getattr(storage, "kept_bytes", 0)
             if kept and tier in report.tiers:
@@ -342,6 +338,10 @@ class TieredStore:
         asked for: a cached slice's fetch and write-back are not, its eviction is."""
         with self._lock:
             return self._nvme_read, self._nvme_written
+
+    def nvme_busy(self) -> Busy:
+        """The NVMe tier's moves so far and the time they were in flight (offload/busy.py); none without one."""
+        return getattr(self._tiers.get(Tier.NVME), "busy", BusyClock()).now()
 
     def reset_peaks(self) -> None:
         self._ledger.reset_peaks()
@@ -356,7 +356,7 @@ class TieredStore:
         if self._closed:
             return
         self._closed = True
-        self._swapper.close()
+        self.swapper.close()
         with self._lock:
             records, scratch = list(self._slices.values()), list(self._scratch.values())
             self._slices.clear()
