@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from tierzero.offload.busy import Busy
 from tierzero.sizes import format_size
 
 __all__ = ["TIERS", "RunSummary"]
@@ -38,6 +39,8 @@ class RunSummary:
     """Bytes of NVMe-homed slices held in host memory at the end (tiers.nvme.cache)."""
     predicted_step_s: float | None = None
     """The step time the placement planner predicted (`offload: auto`), set beside the measured one."""
+    nvme_busy: Busy | None = None
+    """The NVMe tier's moves in the steps after the first, and the time they were in flight."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -60,6 +63,8 @@ class RunSummary:
         if self.nvme_steps and (any(self.nvme_steps[-1]) or self.nvme_cache):
             read, written = self.nvme_steps[-1]
             rows.append(("last step", f"{self.step_seconds[-1]:.1f} s, NVMe read {format_size(read)}, written {format_size(written)}"))
+        if self.nvme_busy is not None and self.nvme_busy.any_s > 0:
+            rows.append(("disk busy", self._disk_busy(self.nvme_busy)))
         if self.predicted_step_s is not None and len(self.step_seconds) >= 2:
             rows.append(("planned step", self._against_prediction(self.predicted_step_s)))
         if self.nvme_cache:
@@ -79,6 +84,15 @@ class RunSummary:
         measured = statistics.median(self.step_seconds[1:])
         off = (predicted - measured) / measured
         return f"predicted {predicted:.2f} s, measured {measured:.2f} s after the first step (prediction {off:+.0%})"
+
+    def _disk_busy(self, busy: Busy) -> str:
+        """Seconds a step the disk moved bytes, after the first step, and the rates that makes."""
+        steps = len(self.step_seconds) - 1
+        text = f"{busy.any_s / steps:.2f} s a step after the first, of {sum(self.step_seconds[1:]) / steps:.2f} s"
+        rates = busy.rates()
+        if rates is None:
+            return text
+        return f"{text}: {rates[0] / 1e9:.2f} GB/s read, {rates[1] / 1e9:.2f} GB/s write, the overlap shared"
 
     def _state_ratio(self) -> str:
         capacity = self.tier_capacity.get("device")

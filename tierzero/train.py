@@ -34,6 +34,8 @@ from tierzero.dist import roll_call_s, unanswered_ranks
 from tierzero.lora import is_peft_model, save_adapters
 from tierzero.micro_step import micro_step
 from tierzero.models import build_model, count_parameters
+from tierzero.offload.busy import Busy
+from tierzero.placement.disk import learn
 from tierzero.pretrained.export import check_export, export_engine
 from tierzero.run_summary import TIERS, RunSummary
 from tierzero.sizes import format_size
@@ -171,6 +173,9 @@ def train(
             raise
         _close(engine, ctrl_c)
         summary.interrupted = summary.interrupted or ctrl_c.count > 0
+        if world == 1 and summary.nvme_busy is not None and cfg.tiers.nvme.path is not None:
+            steps = len(summary.step_seconds) - 1
+            learn(cfg.tiers.nvme.path, cfg.tiers.nvme, summary.nvme_busy, seconds=sum(summary.step_seconds[1:]), steps=steps)
         if rank == 0:
             out.write(summary.format())
             out.flush()
@@ -208,6 +213,7 @@ def _loop(
     began = time.perf_counter()
     try:
         traffic = getattr(engine.store, "nvme_traffic", lambda: (0, 0))
+        busy, after_first = getattr(engine.store, "nvme_busy", Busy), Busy()
         for step in range(start, cfg.train.steps):
             t0, moved = time.perf_counter(), traffic()
             loss = _train_step(engine, data, step=step, accumulation=accumulation, device=device, is_hf=cfg.model.is_transformers)
@@ -217,6 +223,10 @@ def _loop(
             now = traffic()
             summary.nvme_steps.append((now[0] - moved[0], now[1] - moved[1]))
             summary.steps, summary.tokens = summary.steps + 1, summary.tokens + tokens_per_step
+            if summary.steps == 1:
+                after_first = busy()
+            else:
+                summary.nvme_busy = busy() - after_first
             summary.losses.append(loss)
             _note_memory(engine, summary, process)
             postfix = _postfix(loss, tokens_per_step / elapsed, summary, engine)

@@ -133,6 +133,50 @@ def test_a_setting_s_rates_are_the_medians_of_its_last_days_measurements(
     assert rates is not None and (rates.read, rates.write) == (8.5e9, 6.25e9)  # 3.0 to 14.0 read
 
 
+def test_the_rates_training_steps_found_are_planned_with_before_a_probes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two steps of 5 s, the disk busy 8 s of them: 6 GB read in 6 s and 3 GB written in 4 s
+    inside those 8, so 1.25 x 1 GB/s read and 1.25 x 0.75 written."""
+    import time
+
+    from tierzero.config import load_config
+    from tierzero.offload.busy import Busy
+
+    monkeypatch.setattr(disk, "probe", lambda *_, **__: pytest.fail("rates were known"))
+    nvme = load_config({"tiers": {"nvme": {"queue_depth": 8}}}).tiers.nvme
+    setting = disk.label_of(nvme)
+    disk.remember(tmp_path, {setting: (2.5, 5.0)}, how="probe")
+    assert disk.learn(tmp_path, nvme, Busy(6_000_000_000, 6.0, 3_000_000_000, 4.0, 4.9), seconds=10.0, steps=2) is None
+    assert disk.disk_rates(tmp_path, nvme).read == 2.5e9  # busy under half the steps: the compute set the pace
+    assert disk.learn(tmp_path, nvme, Busy(6_000_000_000, 6.0, 0, 0.0, 6.0), seconds=10.0, steps=2) is None
+    found = disk.learn(tmp_path, nvme, Busy(6_000_000_000, 6.0, 3_000_000_000, 4.0, 8.0), seconds=10.0, steps=2)
+    assert found is not None and (found.read, found.write) == (pytest.approx(1.25e9), pytest.approx(0.9375e9))
+    rates = disk.disk_rates(tmp_path, nvme)
+    assert (rates.read, rates.write) == (found.read, found.write)
+    assert rates.source.startswith("2 training steps, the disk busy 4.00 s of 5.00 s each, at " + setting + disk.IN_STEPS)
+    disk.remember(tmp_path, {setting: (3.0, 6.0)}, how="probe")  # a newer probe does not displace them
+    assert disk.disk_rates(tmp_path, nvme).read == pytest.approx(1.25e9)
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now + disk.MAX_AGE_S + 1)
+    monkeypatch.setattr(disk, "probe", lambda *_, **__: (2.0, 4.0))  # both an hour old: probed anew, and used
+    assert disk.disk_rates(tmp_path, nvme).read == pytest.approx(2.5e9)  # the median of 2.5, 3.0 and 2.0
+
+
+def test_rates_found_in_steps_that_cannot_be_kept_are_let_go_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierzero.config import load_config
+    from tierzero.offload.busy import Busy
+
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache's directory should be")
+    monkeypatch.setenv("TIERZERO_CACHE_DIR", str(blocker))
+    with pytest.warns(UserWarning, match="the disk's rates in these steps are not kept: cannot write"):
+        kept = disk.learn(tmp_path, load_config({}).tiers.nvme, Busy(6, 6.0, 3, 4.0, 8.0), seconds=10.0, steps=2)
+    assert kept is None
+
+
 @pytest.mark.parametrize(
     "text",
     ["not json", "[1, 2]", '{"%s": {"%d": {"read_GBps": "fast", "write_GBps": 1, "source": "x"}}}',

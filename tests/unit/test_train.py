@@ -19,6 +19,8 @@ import yaml
 
 import tierzero.train as T
 from tierzero.config import load_config
+from tierzero.offload.busy import Busy
+from tierzero.store.tiered import TieredStore
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -92,6 +94,28 @@ def test_summary_matches_what_the_loop_measured(tmp_path: Path) -> None:
     assert summary.peak_rss > 50 * MiB
     assert summary.tier_capacity["device"] == 8 * MiB and 0 < summary.peak_tier_bytes["device"] <= 8 * MiB
     assert out.getvalue().endswith(summary.format())
+
+
+def test_the_disk_s_time_in_the_steps_after_the_first_is_summed_and_learnt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The NVMe tier's clock read at the end of each step: what moved after the first step, which
+    the planner's disk rates are told of (placement/disk.py `learn`)."""
+    config, swap = _tiny_config(tmp_path, nvme=True, steps=3)
+    cfg = load_config(config)
+    told: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(T, "learn", lambda path, nvme, busy, **kw: told.append((path, nvme, busy, kw)))
+    read = TieredStore.nvme_busy
+    clocks: list[Busy] = []
+    monkeypatch.setattr(TieredStore, "nvme_busy", lambda store: clocks.append(read(store)) or clocks[-1])
+    out = io.StringIO()
+    summary = T.train(cfg, progress=False, out=out)
+    busy = summary.nvme_busy
+    assert len(clocks) == 3 and busy == clocks[2] - clocks[0]
+    assert 0 < busy.read_s <= busy.any_s and 0 < busy.write_s <= busy.any_s
+    assert busy.read_bytes > 0 and busy.write_bytes > 0
+    assert told == [(str(swap), cfg.tiers.nvme, busy, {"seconds": sum(summary.step_seconds[1:]), "steps": 2})]
+    assert re.search(r"^  disk busy +[0-9.]+ s a step after the first, of [0-9.]+ s: [0-9.]+ GB/s read, ", out.getvalue(), flags=re.M)
 
 
 def test_summary_table_format() -> None:

@@ -7,7 +7,9 @@ default setting (8 MiB, 16, 8: 2.56 GB/s read) 5% slow. So rates are remembered 
 (`setting_label`): `tierzero bench nvme` remembers every point of its sweep for the
 directory it ran in, and a probe the setting it ran at. `disk_rates(path, nvme)` returns what
 is remembered for that path at `nvme`'s setting (the config's `tiers.nvme`), else runs
-`probe` at that setting and remembers that. Rates older than `MAX_AGE_S` are measured
+`probe` at that setting and remembers that. `tierzero train` remembers, with `learn`, what
+its steps after the first found, the disk driven by the step itself beside its compute, and
+those rates come first. Rates older than `MAX_AGE_S` are measured
 again: a shared disk's speed drifts (a plan predicted 19% slow from rates an hour old,
 docs/BENCHMARKS.md, session 14). It drifts within minutes too, so a setting's rates are the
 medians of its measurements of the last `HISTORY_S`, not the newest alone.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -43,6 +46,7 @@ import torch
 
 from tierzero.config import NvmeTierConfig, TiersConfig
 from tierzero.offload.base import Region
+from tierzero.offload.busy import Busy
 from tierzero.offload.nvme import NvmeTier
 from tierzero.placement.history import (
     HISTORY_S,
@@ -59,9 +63,9 @@ from tierzero.sizes import format_size
 from tierzero.slices import IO_ALIGNMENT, aligned_empty
 
 __all__ = [
-    "HISTORY_S", "HISTORY_SAMPLES", "MAX_AGE_S", "PROBE_BYTES", "PROBE_S", "SETTLE_S", "STREAM_BYTES", "DiskRates",
-    "DiskStream", "cache_file", "disk_rates", "label_of", "probe", "remember", "remembered", "setting_label",
-    "streaming", "timed_moves",
+    "BUSY_SHARE", "HISTORY_S", "HISTORY_SAMPLES", "IN_STEPS", "MAX_AGE_S", "PROBE_BYTES", "PROBE_S", "SETTLE_S",
+    "STREAM_BYTES", "DiskRates", "DiskStream", "cache_file", "disk_rates", "label_of", "learn", "probe", "remember",
+    "remembered", "setting_label", "streaming", "timed_moves",
 ]
 
 #: Bytes `probe` spreads over the disk by default.
@@ -78,6 +82,13 @@ STREAM_BYTES = 256 << 20
 MAX_AGE_S = 3600.0
 #: The fields of a setting's measurements (placement/history.py keeps them).
 _FIELDS = ("read_GBps", "write_GBps")
+#: What the rates training steps found (`learn`) are remembered under, after the setting's label.
+#: A step drives the disk beside its compute, reading and writing at once: the 2B auto step's disk
+#: was busy 6.2-8.9 s where probes alone at its setting counted 5.9-6.9 (docs/BENCHMARKS.md,
+#: sessions 17 and 18), so the planner takes a step's rates before a probe's.
+IN_STEPS = ", in training steps"
+#: The least share of the steps' time the disk must have been busy for `learn` to remember their rates.
+BUSY_SHARE = 0.5
 #: Seconds between its writes and its reads: bytes read back at once after being written come
 #: at a third of the speed on a virtio disk (its host still writing them back), and a step
 #: reads what it wrote a step ago.
@@ -112,9 +123,14 @@ def label_of(nvme: NvmeTierConfig) -> str:
 
 def remembered(path: str | os.PathLike[str], setting: str, *, max_age_s: float | None = None) -> DiskRates | None:
     """The rates remembered for `path`'s directory at `setting` (a `setting_label`: the medians of
-    its measurements, `remember`); None when none are (or the cache, or that entry, is
-    unreadable), or when the newest was measured more than `max_age_s` seconds ago (an entry
-    that does not say when is as old as can be)."""
+    its measurements, `remember`), those training steps found (`learn`) before a probe's or a
+    benchmark's; None when none are (or the cache, or that entry, is unreadable), or when the
+    newest was measured more than `max_age_s` seconds ago (an entry that does not say when is as
+    old as can be)."""
+    return _remembered_at(path, setting + IN_STEPS, max_age_s) or _remembered_at(path, setting, max_age_s)
+
+
+def _remembered_at(path: str | os.PathLike[str], setting: str, max_age_s: float | None = None) -> DiskRates | None:
     by_setting = read_json(cache_file()).get(_key(path))
     entry = by_setting.get(setting) if isinstance(by_setting, dict) else None
     try:
@@ -163,9 +179,29 @@ def disk_rates(path: str | os.PathLike[str], nvme: NvmeTierConfig | None = None)
         return known
     read, write = probe(path, nvme)
     remember(path, {setting: (read, write)}, how=f"probe of {format_size(PROBE_BYTES)} over {PROBE_S:.0f} s")
-    found = remembered(path, setting)
+    found = _remembered_at(path, setting)
     assert found is not None
     return found
+
+
+def learn(
+    path: str | os.PathLike[str], nvme: NvmeTierConfig, busy: Busy, *, seconds: float, steps: int
+) -> DiskRates | None:
+    """Remember, for `path` at `nvme`'s setting, the rates `steps` training steps of `seconds` in all
+    found (`busy`: their NvmeTier's moves, `Busy.rates`), which `remembered` then prefers to a
+    probe's. Nothing, and None, when the disk moved bytes one way only or was busy under
+    `BUSY_SHARE` of the time: then it waited on the compute, and did not set the pace."""
+    rates = busy.rates()
+    if rates is None or busy.any_s < BUSY_SHARE * seconds:
+        return None
+    setting = label_of(nvme) + IN_STEPS
+    how = f"{steps} training steps, the disk busy {busy.any_s / steps:.2f} s of {seconds / steps:.2f} s each,"
+    try:
+        remember(path, {setting: (rates[0] / 1e9, rates[1] / 1e9)}, how=how)
+    except OSError as exc:  # the run is done; what it found is lost, nothing else
+        warnings.warn(f"the disk's rates in these steps are not kept: cannot write {cache_file()}: {exc}", stacklevel=2)
+        return None
+    return _remembered_at(path, setting)
 
 
 def probe(
