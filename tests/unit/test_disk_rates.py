@@ -150,11 +150,13 @@ def test_the_rates_training_steps_found_are_planned_with_before_a_probes(
     assert disk.learn(tmp_path, nvme, Busy(6_000_000_000, 6.0, 3_000_000_000, 4.0, 4.9), seconds=10.0, steps=2) is None
     assert disk.disk_rates(tmp_path, nvme).read == 2.5e9  # busy under half the steps: the compute set the pace
     assert disk.learn(tmp_path, nvme, Busy(6_000_000_000, 6.0, 0, 0.0, 6.0), seconds=10.0, steps=2) is None
+    small = Busy(6_000_000_000, 6.0, disk.PROBE_BYTES - 1, 4.0, 8.0)  # latency more than bandwidth
+    assert disk.learn(tmp_path, nvme, small, seconds=10.0, steps=2) is None
     found = disk.learn(tmp_path, nvme, Busy(6_000_000_000, 6.0, 3_000_000_000, 4.0, 8.0), seconds=10.0, steps=2)
     assert found is not None and (found.read, found.write) == (pytest.approx(1.25e9), pytest.approx(0.9375e9))
     rates = disk.disk_rates(tmp_path, nvme)
     assert (rates.read, rates.write) == (found.read, found.write)
-    assert rates.source.startswith("2 training steps, the disk busy 4.00 s of 5.00 s each, at " + setting + disk.IN_STEPS)
+    assert rates.source.startswith(f"steps of a training run (2 after the first, busy 4.00 s of 5.00 s each) at {setting} (in")
     disk.remember(tmp_path, {setting: (3.0, 6.0)}, how="probe")  # a newer probe does not displace them
     assert disk.disk_rates(tmp_path, nvme).read == pytest.approx(1.25e9)
     now = time.time()
@@ -173,7 +175,8 @@ def test_rates_found_in_steps_that_cannot_be_kept_are_let_go_with_a_warning(
     blocker.write_text("a file where the cache's directory should be")
     monkeypatch.setenv("TIERZERO_CACHE_DIR", str(blocker))
     with pytest.warns(UserWarning, match="the disk's rates in these steps are not kept: cannot write"):
-        kept = disk.learn(tmp_path, load_config({}).tiers.nvme, Busy(6, 6.0, 3, 4.0, 8.0), seconds=10.0, steps=2)
+        busy = Busy(6_000_000_000, 6.0, 3_000_000_000, 4.0, 8.0)
+        kept = disk.learn(tmp_path, load_config({}).tiers.nvme, busy, seconds=10.0, steps=2)
     assert kept is None
 
 

@@ -86,7 +86,7 @@ _FIELDS = ("read_GBps", "write_GBps")
 #: A step drives the disk beside its compute, reading and writing at once: the 2B auto step's disk
 #: was busy 6.2-8.9 s where probes alone at its setting counted 5.9-6.9 (docs/BENCHMARKS.md,
 #: sessions 17 and 18), so the planner takes a step's rates before a probe's.
-IN_STEPS = ", in training steps"
+IN_STEPS = " (in steps)"
 #: The least share of the steps' time the disk must have been busy for `learn` to remember their rates.
 BUSY_SHARE = 0.5
 #: Seconds between its writes and its reads: bytes read back at once after being written come
@@ -189,13 +189,14 @@ def learn(
 ) -> DiskRates | None:
     """Remember, for `path` at `nvme`'s setting, the rates `steps` training steps of `seconds` in all
     found (`busy`: their NvmeTier's moves, `Busy.rates`), which `remembered` then prefers to a
-    probe's. Nothing, and None, when the disk moved bytes one way only or was busy under
-    `BUSY_SHARE` of the time: then it waited on the compute, and did not set the pace."""
+    probe's. Nothing, and None, when the disk was busy under `BUSY_SHARE` of the time (it
+    waited on the compute, and did not set the pace) or moved under `PROBE_BYTES` either way
+    (a small model's moves, timed by their latency more than by the disk's bandwidth)."""
     rates = busy.rates()
-    if rates is None or busy.any_s < BUSY_SHARE * seconds:
+    if rates is None or busy.any_s < BUSY_SHARE * seconds or min(busy.read_bytes, busy.write_bytes) < PROBE_BYTES:
         return None
     setting = label_of(nvme) + IN_STEPS
-    how = f"{steps} training steps, the disk busy {busy.any_s / steps:.2f} s of {seconds / steps:.2f} s each,"
+    how = f"steps of a training run ({steps} after the first, busy {busy.any_s / steps:.2f} s of {seconds / steps:.2f} s each)"
     try:
         remember(path, {setting: (rates[0] / 1e9, rates[1] / 1e9)}, how=how)
     except OSError as exc:  # the run is done; what it found is lost, nothing else
