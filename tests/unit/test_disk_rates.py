@@ -156,7 +156,7 @@ def test_the_rates_training_steps_found_are_planned_with_before_a_probes(
     assert found is not None and (found.read, found.write) == (pytest.approx(1.25e9), pytest.approx(0.9375e9))
     rates = disk.disk_rates(tmp_path, nvme)
     assert (rates.read, rates.write) == (found.read, found.write)
-    assert rates.source.startswith(f"steps of a training run (2 after the first, busy 4.00 s of 5.00 s each) at {setting} (in")
+    assert rates.source.startswith(f"training run's 2 steps after its first (busy 4.00 s of 5.00 s each) at {setting} (in")
     disk.remember(tmp_path, {setting: (3.0, 6.0)}, how="probe")  # a newer probe does not displace them
     assert disk.disk_rates(tmp_path, nvme).read == pytest.approx(1.25e9)
     now = time.time()

@@ -196,7 +196,7 @@ def learn(
     if rates is None or busy.any_s < BUSY_SHARE * seconds or min(busy.read_bytes, busy.write_bytes) < PROBE_BYTES:
         return None
     setting = label_of(nvme) + IN_STEPS
-    how = f"steps of a training run ({steps} after the first, busy {busy.any_s / steps:.2f} s of {seconds / steps:.2f} s each)"
+    how = f"training run's {steps} steps after its first (busy {busy.any_s / steps:.2f} s of {seconds / steps:.2f} s each)"
     try:
         remember(path, {setting: (rates[0] / 1e9, rates[1] / 1e9)}, how=how)
     except OSError as exc:  # the run is done; what it found is lost, nothing else
