@@ -92,7 +92,7 @@ class RunSummary:
         rates = busy.rates()
         if rates is None:
             return text
-        return f"{text}: {rates[0] / 1e9:.2f} GB/s read, {rates[1] / 1e9:.2f} GB/s write, the overlap shared"
+        return f"{text}: {rates[0] / 1e9:.2f} GB/s read, {rates[1] / 1e9:.2f} GB/s write as the planner counts them"
 
     def _state_ratio(self) -> str:
         capacity = self.tier_capacity.get("device")

@@ -5,8 +5,8 @@ A step's swaps read and write at once, and a disk shares its bandwidth between t
 4.6 s of writes in flight, with the disk busy either way 6.8 s, not 10.5 (docs/BENCHMARKS.md,
 session 17). So `BusyClock` keeps three clocks, one a way and one for either, each running
 while at least one move of its kind is in flight, and `Busy.rates` turns them into rates that
-count the overlap: the NvmeTier's clock feeds the planner's disk rates from a probe and from
-the steps of a training run alike (placement/disk.py).
+count the overlap. The NvmeTier's clock, read over a training run's steps, gives the planner
+the disk's rates as a step finds them (placement/disk.py `learn`).
 """
 
 from __future__ import annotations
