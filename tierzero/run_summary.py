@@ -85,10 +85,15 @@ class RunSummary:
         off = (predicted - measured) / measured
         return f"predicted {predicted:.2f} s, measured {measured:.2f} s after the first step (prediction {off:+.0%})"
 
+    @property
+    def after_first(self) -> tuple[int, float]:
+        """The steps after the first (those `nvme_busy` covers) and their seconds in all."""
+        return len(self.step_seconds) - 1, sum(self.step_seconds[1:])
+
     def _disk_busy(self, busy: Busy) -> str:
         """Seconds a step the disk moved bytes, after the first step, and the rates that makes."""
-        steps = len(self.step_seconds) - 1
-        text = f"{busy.any_s / steps:.2f} s a step after the first, of {sum(self.step_seconds[1:]) / steps:.2f} s"
+        steps, seconds = self.after_first
+        text = f"{busy.any_s / steps:.2f} s a step after the first, of {seconds / steps:.2f} s"
         rates = busy.rates()
         if rates is None:
             return text

@@ -174,8 +174,8 @@ def train(
         _close(engine, ctrl_c)
         summary.interrupted = summary.interrupted or ctrl_c.count > 0
         if world == 1 and summary.nvme_busy is not None and cfg.tiers.nvme.path is not None:
-            steps = len(summary.step_seconds) - 1
-            learn(cfg.tiers.nvme.path, cfg.tiers.nvme, summary.nvme_busy, seconds=sum(summary.step_seconds[1:]), steps=steps)
+            steps, seconds = summary.after_first
+            learn(cfg.tiers.nvme.path, cfg.tiers.nvme, summary.nvme_busy, seconds=seconds, steps=steps)
         if rank == 0:
             out.write(summary.format())
             out.flush()

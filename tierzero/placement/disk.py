@@ -127,11 +127,17 @@ def remembered(path: str | os.PathLike[str], setting: str, *, max_age_s: float |
     benchmark's; None when none are (or the cache, or that entry, is unreadable), or when the
     newest was measured more than `max_age_s` seconds ago (an entry that does not say when is as
     old as can be)."""
-    return _remembered_at(path, setting + IN_STEPS, max_age_s) or _remembered_at(path, setting, max_age_s)
-
-
-def _remembered_at(path: str | os.PathLike[str], setting: str, max_age_s: float | None = None) -> DiskRates | None:
     by_setting = read_json(cache_file()).get(_key(path))
+    return _rates_at(by_setting, setting + IN_STEPS, max_age_s) or _rates_at(by_setting, setting, max_age_s)
+
+
+def _remembered_at(path: str | os.PathLike[str], setting: str) -> DiskRates | None:
+    """What is remembered for `path` under exactly `setting` (a probe's, or the steps'), however old."""
+    return _rates_at(read_json(cache_file()).get(_key(path)), setting, None)
+
+
+def _rates_at(by_setting: object, setting: str, max_age_s: float | None) -> DiskRates | None:
+    """The rates of a directory's cache entry (`by_setting`) under `setting`; None as `remembered` says."""
     entry = by_setting.get(setting) if isinstance(by_setting, dict) else None
     try:
         read, write = float(entry["read_GBps"]), float(entry["write_GBps"])  # type: ignore[index]
