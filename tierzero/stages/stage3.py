@@ -49,8 +49,8 @@ from tierzero.slices import Kind, SliceKey, Tier, storage_id
 from tierzero.stages.base import Stage, mark_state
 from tierzero.stages.binding import SavedView, bind, tensors_in
 from tierzero.stages.param_prefetch import ParamPrefetch
-from tierzero.stages.stage3_step import StepInTime
-from tierzero.stages.step import ForwardStep, StepAhead
+from tierzero.stages.stage3_step import StepAhead, StepInTime
+from tierzero.stages.step import ForwardStep
 from tierzero.transfer import Transfer
 from tierzero.units import Unit, UnitState, is_root
 

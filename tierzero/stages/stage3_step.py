@@ -17,14 +17,48 @@ from typing import Any
 
 import torch
 
-from tierzero.offload.step_pipeline import MAX_RESIDENT_GROUPS, Prepared
+from tierzero.offload.step_pipeline import MAX_RESIDENT_GROUPS, PendingWrite, Prepared, SliceGroup, StepPipeline
 from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages.param_prefetch import ParamPrefetch
-from tierzero.stages.step import ForwardStep, StepAhead, StepScalars, unit_step_tier
+from tierzero.stages.step import ForwardStep, Steppable, StepScalars, group_sizes, slice_group, unit_step_tier
 from tierzero.transfer import Transfer
 from tierzero.units import Unit, is_root
 
-__all__ = ["StepInTime"]
+__all__ = ["StepAhead", "StepInTime"]
+
+
+class StepAhead:
+    """The first reads of a step that waits for every gradient, started while backward ends.
+
+    With clipping or fp16 overflow checks no unit can step before backward has ended,
+    but the units that step first (the next forward's first) end their backward last:
+    their states are read as their backward starts, while it and the units after it
+    compute, so the step begins with them in memory. Reads only, the same bytes the
+    step would read: `hand_over` gives them to the step's pipeline, which adds the
+    gradients (`StepPipeline.prepare`).
+    """
+
+    def __init__(self, stage: Steppable, head: list[Unit], *, max_resident: int = MAX_RESIDENT_GROUPS) -> None:
+        """`head`: the units the step pushes first, within the step pipeline's `max_resident` groups."""
+        assert len(head) <= max_resident, head
+        self._stage = stage
+        self._head = head
+
+        def compute(group: SliceGroup, fetched: dict[Kind, torch.Tensor]) -> list[PendingWrite]:
+            raise AssertionError(f"{group.unit}: a StepAhead only reads; its step's pipeline computes")
+
+        self._pipeline = StepPipeline(stage.store, compute, max_resident=max_resident, sizes=group_sizes(stage))
+
+    def expect(self, unit: Unit) -> None:
+        """`unit`'s backward has started and is its last this step: read its states if it steps first."""
+        if unit in self._head:
+            self._pipeline.prepare(slice_group(self._stage, unit))
+
+    def hand_over(self) -> list[Prepared]:
+        return self._pipeline.hand_over()
+
+    def abort(self) -> None:
+        self._pipeline.abort()
 
 
 class StepInTime:
