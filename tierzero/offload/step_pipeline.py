@@ -43,6 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -173,6 +174,8 @@ class StepPipeline:
         self._largest = max(self._sizes.values(), default=1)
         self._bound = sum(sorted(self._sizes.values(), reverse=True)[:max_resident]) if self._sizes else max_resident
         self._writing: deque[_Writing] = deque()
+        self._outside: dict[str, frozenset[Kind]] = {}
+        """Per unit pushed, the kinds given from outside the store (`push`)."""
         self._waiting: Prepared | None = None
         self._prepared: list[Prepared] = list(prepared)
         self.report = PipelineReport(prepared=len(self._prepared))
@@ -229,10 +232,15 @@ class StepPipeline:
         held, self._prepared = self._prepared, []
         return held
 
-    def push(self, group: SliceGroup, *, given: dict[Kind, Transfer[torch.Tensor]] | None = None) -> None:
+    def push(
+        self, group: SliceGroup, *, given: dict[Kind, Transfer[Any]] | None = None, outside: frozenset[Kind] = frozenset()
+    ) -> None:
         """Start reading `group` (what `prepare` did not), then compute the group pushed before it.
-        `given`: slices already on their way to the step tier (a gradient handed over from memory)."""
+        `given`: slices already on their way to the step tier (a gradient handed over from memory);
+        `outside`: kinds of those that are not the store's copies (nothing to write back or release)."""
         given = given or {}
+        if outside:
+            self._outside[group.unit] = outside
         prepared = next((reads for held, reads in self._prepared if held == group), None)
         if prepared is not None:
             self._prepared = [(held, reads) for held, reads in self._prepared if held != group]
@@ -290,9 +298,11 @@ class StepPipeline:
 
     def _drop(self, group: SliceGroup, reads: dict[Kind, Transfer[torch.Tensor]]) -> None:
         """Release a group's fetched copies unchanged, once their reads have ended."""
+        outside = self._outside.pop(group.unit, frozenset())
         for kind, transfer in reads.items():
             transfer.future.exception()
-            self._store.release(SliceKey(group.unit, kind))
+            if kind not in outside:
+                self._store.release(SliceKey(group.unit, kind))
 
     def run(self, groups: Sequence[SliceGroup], *, drain: bool = True) -> PipelineReport:
         """Push every group in order, then flush."""
@@ -324,7 +334,10 @@ class StepPipeline:
         job = _Writing(weight=self._weight(group), sources=[w.source for w in writes])
         transfers = [w.transfer for w in writes]
         moves: list[Transfer[torch.Tensor]] = []
+        outside = self._outside.pop(group.unit, frozenset())
         for key in group.keys():
+            if key.kind in outside:
+                continue
             if self._keep_home is not None and self._keep_home(key):
                 store.release(key)
                 continue

@@ -19,6 +19,7 @@ import torch
 
 from tierzero import comm as C
 from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.stages.grad_pieces import GradPieces
 from tierzero.stages.step import BackwardStep
 from tierzero.units import Unit
 
@@ -47,6 +48,7 @@ class GradLanding:
     replica: C.CommGroup | None
     store: Any
     plan: Any
+    device: torch.device
     last_micro_step: bool
     _buckets: Any
     _backward_step: BackwardStep | None
@@ -62,12 +64,29 @@ class GradLanding:
         may wait in scratch, which bounds the gradient scratch.
         """
         if self.comm.world_size == 1 and self.replica is None:
+            pieces = self._as_pieces(unit, grads)
+            if pieces is not None:
+                assert self._backward_step is not None
+                self._backward_step.ready(unit, pieces=pieces)
+                return
             # The reduce-scatter of one rank is the identity: add each gradient into its place.
             with self._landing(unit, final=unit.pending_uses == 0) as (shard, fresh):
                 pieces = [(slot.offset, grad.reshape(-1)) for slot, grad in zip(unit.slots, grads, strict=True)]
                 add_into(shard, pieces, fresh=fresh)
             return
         self._buckets.add(unit, grads, final=unit.pending_uses == 0)
+
+    def _as_pieces(self, unit: Unit, grads: list[torch.Tensor]) -> GradPieces | None:
+        """The unit's complete gradient as the pieces its step in this backward takes in place, where
+        it can ([Note: gradient pieces]): handed over from memory to a fresh sum (no earlier micro-step's
+        to add to), in the memory the step reads it from."""
+        job = self._backward_step
+        if job is None or unit.pending_uses != 0 or not unit.grads_stale or not self._hands_over_grad(unit):
+            return None
+        tier = job.grad_tier(unit)
+        if tier is not Tier.DEVICE and self.device.type != "cpu":
+            return None  # a host step of a GPU's gradients: they cross on the copy stream
+        return GradPieces.take(unit, grads, tier=tier)
 
     def finish_reduces(self) -> None:
         self._buckets.finish()

@@ -27,6 +27,7 @@ from tierzero.offload.step_pipeline import (
 )
 from tierzero.optim import FlatOptimizer, SliceLayout
 from tierzero.slices import Kind, SliceKey, Tier, align_up
+from tierzero.stages.grad_pieces import GradPieces, book, step_pieces
 from tierzero.stages.plan import Homes, SlicePlan
 from tierzero.store.protocol import SliceStore
 from tierzero.transfer import Transfer
@@ -163,7 +164,15 @@ class BackwardStep:
     def __init__(self, stage: Steppable, scalars: StepScalars, *, written: Callable[[str], None] | None = None,
                  hand_off: HandOff | None = None) -> None:  # fmt: skip
         self._stage = stage
-        self._pipeline = _pipeline(stage, scalars, clip_coef=1.0, written=written, hand_off=hand_off)
+        self._pieces: dict[str, GradPieces] = {}
+        """Gradients handed over as pieces (`ready`), booked in the store's ledger until stepped."""
+
+        def stepped(unit: str) -> None:
+            self._unbook(unit)
+            if written is not None:
+                written(unit)
+
+        self._pipeline = _pipeline(stage, scalars, clip_coef=1.0, written=stepped, hand_off=hand_off)
 
     def expect(self, unit: Unit, *, given: dict[Kind, Transfer[torch.Tensor]] | None = None) -> None:
         """`unit`'s backward has started: read its states now, ahead of its gradient (`given`: those
@@ -190,11 +199,20 @@ class BackwardStep:
         (`Stage3._hand_down`) instead of being read from NVMe again."""
         return self._pipeline.has_room(slice_group(self._stage, unit), wait=True)
 
-    def ready(self, unit: Unit, *, grad: Transfer[torch.Tensor] | None = None) -> None:
+    def ready(
+        self, unit: Unit, *, grad: Transfer[torch.Tensor] | None = None, pieces: GradPieces | None = None
+    ) -> None:
         """`unit`'s gradient for this step is complete: start its step (`grad`: its GRAD slice already
-        on its way to the step tier, handed over from memory)."""
+        on its way to the step tier, handed over from memory; `pieces`: autograd's own tensors,
+        see [Note: gradient pieces])."""
         unit.has_grads = False
-        self._pipeline.push(slice_group(self._stage, unit), given=None if grad is None else {Kind.GRAD: grad})
+        group = slice_group(self._stage, unit)
+        if pieces is not None:
+            book(self._stage.store, pieces, held=True)
+            self._pieces[unit.name] = pieces
+            self._pipeline.push(group, given={Kind.GRAD: Transfer.ready(pieces)}, outside=frozenset({Kind.GRAD}))
+        else:
+            self._pipeline.push(group, given=None if grad is None else {Kind.GRAD: grad})
 
     def grad_tier(self, unit: Unit) -> Tier:
         """Where the unit's step takes its gradient."""
@@ -205,7 +223,16 @@ class BackwardStep:
         return self._pipeline.flush(drain=False)
 
     def abort(self) -> None:
-        self._pipeline.abort()
+        try:
+            self._pipeline.abort()
+        finally:
+            for unit in list(self._pieces):
+                self._unbook(unit)
+
+    def _unbook(self, unit: str) -> None:
+        held = self._pieces.pop(unit, None)
+        if held is not None:
+            book(self._stage.store, held, held=False)
 
 
 class ForwardStep:
@@ -316,6 +343,14 @@ def _step_unit(
     tier = unit_step_tier(stage.homes, unit.name)
     store = stage.store
     grads = fetched[Kind.GRAD]
+    lrs = stage.optimizer.group_lrs(scalars.lr_factor)
+    if isinstance(grads, GradPieces):  # [Note: gradient pieces]: one rank, its home stays stale
+        master, _ = _master(stage, unit, fetched, tier)
+        states = {kind: fetched[kind] for kind in stage.optimizer.state_kinds}
+        scale = scalars.grad_scale * clip_coef
+        step_pieces(stage.optimizer, unit, master=master, pieces=grads, states=states, scale=scale,
+                    step=scalars.step, lrs=lrs)  # fmt: skip
+        return stage.publish(unit, master)
     source = stage.grad_slice(grads, unit)
     # The GRAD slice is zeroed (or left stale) after the step, so when it already is fp32 in
     # the step tier's memory it is the optimizer's gradient itself (scaled, and used as
@@ -340,7 +375,6 @@ def _step_unit(
             offset=unit.shard_range(stage.comm.rank)[0],
             groups=[slot.group for slot in unit.slots],
         )
-        lrs = stage.optimizer.group_lrs(scalars.lr_factor)
         stage.optimizer.step(param=master, grad=g, states=states, step=scalars.step, lr=lrs, layout=layout)
         writes = stage.publish(unit, master)
         if stage.leaves_grads_stale(unit.name):

@@ -1,0 +1,127 @@
+"""A unit's gradient handed to its step as autograd's own tensors ([Note: gradient pieces])."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tierzero
+from tierzero.optim import FlatAdam, OptimizerSpec, OptimizerType
+from tierzero.slice_layout import ParamGroup, SliceLayout
+from tierzero.slices import Kind, Tier
+from tierzero.stages import grad_pieces
+from tierzero.stages.grad_pieces import GradPieces, step_pieces
+from tierzero.units import plan_units
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
+from harness import Case  # noqa: E402
+
+
+def _unit(*shapes: tuple[int, ...]) -> Any:
+    """A one-rank unit whose slots have `shapes` (odd sizes: vector tails, and padding after the last)."""
+    module = nn.Module()
+    for i, shape in enumerate(shapes):
+        module.register_parameter(f"p{i}", nn.Parameter(torch.zeros(shape)))
+    (unit,) = plan_units(module, world_size=1)
+    assert unit.padded_numel > unit.numel
+    return unit
+
+
+def test_pieces_are_taken_only_where_the_step_can_use_them_in_place() -> None:
+    unit = _unit((7, 5), (19,))
+    fresh = [torch.randn(7, 5), torch.randn(19)]
+    assert GradPieces.take(unit, fresh, tier=Tier.CPU) is not None
+    assert GradPieces.take(unit, fresh[:1], tier=Tier.CPU) is None  # a slot without its gradient
+    assert GradPieces.take(unit, [fresh[0].bfloat16(), fresh[1]], tier=Tier.CPU) is None  # not fp32
+    assert GradPieces.take(unit, [torch.randn(5, 7).t(), fresh[1]], tier=Tier.CPU) is None  # not contiguous
+    whole = torch.randn(35 + 19)
+    assert GradPieces.take(unit, [whole[:35].view(7, 5), whole[35:]], tier=Tier.CPU) is None  # one memory, shared
+    assert GradPieces.take(unit, [fresh[0], torch.randn(40)[:19]], tier=Tier.CPU) is None  # part of a larger tensor
+    twins, same = _unit((4,), (4,)), torch.randn(4)
+    assert GradPieces.take(twins, [same, same], tier=Tier.CPU) is None  # one tensor for two slots
+    assert GradPieces.take(twins, [same, same.clone()], tier=Tier.CPU) is not None
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_stepping_each_slot_gives_the_flat_steps_bits(scale: float) -> None:
+    # Two groups (decay and none), slots whose sizes leave vector tails, padding at the end.
+    unit = _unit((7, 5), (19,), (33,))
+    unit.slots = tuple(dataclasses.replace(slot, group=1) if i == 1 else slot for i, slot in enumerate(unit.slots))
+    groups = (ParamGroup(lr=1e-2, weight_decay=0.1), ParamGroup(lr=1e-2, weight_decay=0.0))
+    optimizer = FlatAdam(OptimizerSpec(type=OptimizerType.ADAMW, lr=1e-2, betas=(0.9, 0.95)), groups)
+    torch.manual_seed(0)
+    n = unit.padded_numel
+    pad = slice(unit.numel, n)
+    param, m, v = torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01
+    for t in (param, m, v):
+        t[pad] = 0.0
+    grads = [torch.randn(slot.shape) for slot in unit.slots]
+    flat = torch.zeros(n)
+    for slot, grad in zip(unit.slots, grads, strict=True):
+        slot.view(flat).copy_(grad)
+
+    expected = {"param": param.clone(), "m": m.clone(), "v": v.clone()}
+    flat.mul_(scale)
+    layout = SliceLayout.of([s.numel for s in unit.slots], groups=[s.group for s in unit.slots])
+    states = {Kind.EXP_AVG: expected["m"], Kind.EXP_AVG_SQ: expected["v"]}
+    optimizer.step(param=expected["param"], grad=flat, states=states, step=3, lr=[1e-2, 1e-2], layout=layout)
+
+    pieces = GradPieces.take(unit, [g.clone() for g in grads], tier=Tier.CPU)
+    assert pieces is not None
+    step_pieces(optimizer, unit, master=param, pieces=pieces, states={Kind.EXP_AVG: m, Kind.EXP_AVG_SQ: v},
+                scale=scale, step=3, lrs=[1e-2, 1e-2])  # fmt: skip
+    assert torch.equal(param, expected["param"])
+    assert torch.equal(m, expected["m"]) and torch.equal(v, expected["v"])
+    assert not param[pad].any() and not m[pad].any()  # the padding keeps its zeros, as a step over it would
+
+
+def _train(offload: dict[str, str], swap: Path, *, pieces: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
+    taken: list[str] = []
+    take = GradPieces.take.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[GradPieces], unit: Any, grads: Any, *, tier: Tier) -> GradPieces | None:
+        got = take(cls, unit, grads, tier=tier) if pieces else None
+        if got is not None:
+            taken.append(unit.name)
+        return got
+
+    with monkeypatch.context() as patch:
+        patch.setattr(grad_pieces.GradPieces, "take", classmethod(counted))
+        case = Case(stage=3, optimizer="adamw", steps=5, clip=0.0, accumulation=1, global_batch=4)
+        config = case.config() | {"offload": offload, "tiers": {"nvme": {"path": str(swap)}}}
+        engine = tierzero.initialize(case.model(), config)
+        losses = []
+        with engine:
+            for step in range(case.steps):
+                loss = engine(*case.batch(step))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                if step == 0:
+                    engine.store.reset_peaks()  # the first step lands its gradients in flat slices
+            params = engine.full_state_dict()
+            report = engine.store.report()
+            units = {unit.name: unit for unit in engine.units}
+    return losses, params, report, taken, units
+
+
+@pytest.mark.parametrize("offload", [{"gradients": "nvme", "optimizer": "cpu"}, {"gradients": "nvme", "optimizer": "nvme"}])
+def test_a_step_on_pieces_gives_the_bits_of_one_on_a_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offload: dict[str, str]
+) -> None:
+    copied = _train(offload, tmp_path, pieces=False, monkeypatch=monkeypatch)
+    losses, params, report, taken, units = _train(offload, tmp_path, pieces=True, monkeypatch=monkeypatch)
+    assert copied[3] == [] and len(taken) == len(units) * 4  # every unit, every step after the first
+    assert losses == copied[0]
+    assert [name for name in params if not torch.equal(params[name], copied[1][name])] == []
+    # The ledger counted each unit's pieces while its step held them (after the first step, which
+    # copies), and nothing after.
+    cpu = report.tiers[Tier.CPU]
+    largest = max(unit.numel * 4 for unit in units.values())
+    assert cpu.peak_by_kind[Kind.GRAD] >= largest and cpu.current_by_kind[Kind.GRAD] == 0

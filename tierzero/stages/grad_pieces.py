@@ -1,0 +1,86 @@
+"""A unit's gradient handed to its step as autograd produced it, without a copy into one flat slice.
+
+[Note: gradient pieces]
+On one rank, a unit whose gradient goes straight from backward to its step in memory
+(`GradLanding._hands_over_grad`: the NVMe home would be written only to be read back)
+used to have its gradients copied into a flat GRAD slice first, one pass over every
+gradient byte a step (0.6 s a step for the 2B preset's 2.05B fp32 gradients on the
+2-core VM, a pass the backward's cores had to find time for). Where the gradients are
+fp32 tensors of their own, one per parameter slot, the step takes them as they are:
+it steps each slot as a slice of its own (the optimizer's bits do not change, see
+[Note: vector lanes and scalar tails]: a slot is one of the unit's original tensors),
+and the flat slice's padding, whose gradient is zero, keeps its zero parameters and
+states as a step over it would. The store books the pieces' bytes as scratch while the
+step holds them, so that its ledger, and the estimate that replays it, still count them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tierzero.optim import FlatOptimizer
+from tierzero.slice_layout import SliceLayout
+from tierzero.slices import Kind, Tier
+from tierzero.store.protocol import SliceStore
+from tierzero.units import Unit
+
+__all__ = ["GradPieces", "book", "step_pieces"]
+
+
+@dataclass(frozen=True, slots=True)
+class GradPieces:
+    """A unit's complete fp32 gradient, one flat tensor per parameter slot, booked in `tier`."""
+
+    tensors: tuple[torch.Tensor, ...]
+    tier: Tier
+
+    @classmethod
+    def take(cls, unit: Unit, grads: Sequence[torch.Tensor], *, tier: Tier) -> GradPieces | None:
+        """The pieces of `grads` (autograd's, one per slot of `unit`) if the step can use them in place:
+        fp32, contiguous, each the sole user of its own memory (the step may scale it in place);
+        None where they must be copied into a flat slice."""
+        if len(grads) != len(unit.slots):
+            return None
+        storages = set()
+        for slot, grad in zip(unit.slots, grads, strict=True):
+            whole = grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+            if grad.dtype != torch.float32 or grad.numel() != slot.numel or not grad.is_contiguous() or not whole:
+                return None
+            storages.add(grad.untyped_storage().data_ptr())
+        if len(storages) != len(grads):
+            return None
+        return cls(tensors=tuple(grad.reshape(-1) for grad in grads), tier=tier)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def step_pieces(
+    optimizer: FlatOptimizer,
+    unit: Unit,
+    *,
+    master: torch.Tensor,
+    pieces: GradPieces,
+    states: Mapping[Kind, torch.Tensor],
+    scale: float,
+    step: int,
+    lrs: Sequence[float],
+) -> None:
+    """Step each slot of `unit` as its own slice, its gradient the slot's piece (scaled in place by `scale`)."""
+    for slot, grad in zip(unit.slots, pieces.tensors, strict=True):
+        if scale != 1.0:
+            grad.mul_(scale)
+        part = slice(slot.offset, slot.offset + slot.numel)
+        optimizer.step(
+            param=master[part], grad=grad, states={kind: state[part] for kind, state in states.items()},
+            step=step, lr=lrs, layout=SliceLayout.of([slot.numel], groups=[slot.group]),
+        )  # fmt: skip
+
+
+def book(store: SliceStore, pieces: GradPieces, *, held: bool) -> None:
+    """Count the pieces' bytes in the store's ledger while the step holds them (`held`), and no more after."""
+    store.book(pieces.tier, Kind.GRAD, pieces.nbytes if held else -pieces.nbytes)
