@@ -46,6 +46,7 @@ def test_pieces_are_taken_only_where_the_step_can_use_them_in_place() -> None:
     twins, same = _unit((4,), (4,)), torch.randn(4)
     assert GradPieces.take(twins, [same, same], tier=Tier.CPU) is None  # one tensor for two slots
     assert GradPieces.take(twins, [same, same.clone()], tier=Tier.CPU) is not None
+    assert GradPieces.take(twins, [same.to("meta"), same.to("meta")], tier=Tier.CPU) is None  # the dry run copies
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.25])
@@ -125,3 +126,4 @@ def test_a_step_on_pieces_gives_the_bits_of_one_on_a_copy(
     cpu = report.tiers[Tier.CPU]
     largest = max(unit.numel * 4 for unit in units.values())
     assert cpu.peak_by_kind[Kind.GRAD] >= largest and cpu.current_by_kind[Kind.GRAD] == 0
+

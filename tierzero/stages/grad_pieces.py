@@ -11,7 +11,11 @@ it steps each slot as a slice of its own (the optimizer's bits do not change, se
 [Note: vector lanes and scalar tails]: a slot is one of the unit's original tensors),
 and the flat slice's padding, whose gradient is zero, keeps its zero parameters and
 states as a step over it would. The store books the pieces' bytes as scratch while the
-step holds them, so that its ledger, and the estimate that replays it, still count them.
+step holds them, as the flat slice they stand in for, in the tier the copy went to: its
+ledger counts what it did before, and so does the estimate, whose dry run (meta tensors)
+still takes the copy. It predicts the copy's time too, on purpose for now: counted as
+skipped, it made a gradient homed on NVMe (never written, as it goes to the step from
+memory) look faster to the planner than one homed in memory, whose landing still copies.
 """
 
 from __future__ import annotations
@@ -36,14 +40,17 @@ class GradPieces:
 
     tensors: tuple[torch.Tensor, ...]
     tier: Tier
+    nbytes: int
+    """What the store books for them: the flat GRAD slice they stand in for, padding included,
+    as it booked the copy they replace."""
 
     @classmethod
     def take(cls, unit: Unit, grads: Sequence[torch.Tensor], *, tier: Tier) -> GradPieces | None:
         """The pieces of `grads` (autograd's, one per slot of `unit`) if the step can use them in place:
         fp32, contiguous, each the sole user of its own memory (the step may scale it in place);
         None where they must be copied into a flat slice."""
-        if len(grads) != len(unit.slots):
-            return None
+        if len(grads) != len(unit.slots) or any(grad.is_meta for grad in grads):
+            return None  # the estimate's dry run counts the copy (see the note)
         storages = set()
         for slot, grad in zip(unit.slots, grads, strict=True):
             whole = grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
@@ -52,11 +59,7 @@ class GradPieces:
             storages.add(grad.untyped_storage().data_ptr())
         if len(storages) != len(grads):
             return None
-        return cls(tensors=tuple(grad.reshape(-1) for grad in grads), tier=tier)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        return cls(tensors=tuple(grad.reshape(-1) for grad in grads), tier=tier, nbytes=unit.padded_numel * 4)
 
 
 def step_pieces(
