@@ -33,20 +33,24 @@ def _unit(*shapes: tuple[int, ...]) -> Any:
     return unit
 
 
+def _take(unit: Any, grads: list[torch.Tensor]) -> GradPieces | None:
+    return GradPieces.take(unit, grads, tier=Tier.CPU, nbytes=unit.padded_numel * 4)
+
+
 def test_pieces_are_taken_only_where_the_step_can_use_them_in_place() -> None:
     unit = _unit((7, 5), (19,))
     fresh = [torch.randn(7, 5), torch.randn(19)]
-    assert GradPieces.take(unit, fresh, tier=Tier.CPU) is not None
-    assert GradPieces.take(unit, fresh[:1], tier=Tier.CPU) is None  # a slot without its gradient
-    assert GradPieces.take(unit, [fresh[0].bfloat16(), fresh[1]], tier=Tier.CPU) is None  # not fp32
-    assert GradPieces.take(unit, [torch.randn(5, 7).t(), fresh[1]], tier=Tier.CPU) is None  # not contiguous
+    assert _take(unit, fresh) is not None
+    assert _take(unit, fresh[:1]) is None  # a slot without its gradient
+    assert _take(unit, [fresh[0].bfloat16(), fresh[1]]) is None  # not fp32
+    assert _take(unit, [torch.randn(5, 7).t(), fresh[1]]) is None  # not contiguous
     whole = torch.randn(35 + 19)
-    assert GradPieces.take(unit, [whole[:35].view(7, 5), whole[35:]], tier=Tier.CPU) is None  # one memory, shared
-    assert GradPieces.take(unit, [fresh[0], torch.randn(40)[:19]], tier=Tier.CPU) is None  # part of a larger tensor
+    assert _take(unit, [whole[:35].view(7, 5), whole[35:]]) is None  # one memory, shared
+    assert _take(unit, [fresh[0], torch.randn(40)[:19]]) is None  # part of a larger tensor
     twins, same = _unit((4,), (4,)), torch.randn(4)
-    assert GradPieces.take(twins, [same, same], tier=Tier.CPU) is None  # one tensor for two slots
-    assert GradPieces.take(twins, [same, same.clone()], tier=Tier.CPU) is not None
-    assert GradPieces.take(twins, [same.to("meta"), same.to("meta")], tier=Tier.CPU) is None  # the dry run copies
+    assert _take(twins, [same, same]) is None  # one tensor for two slots
+    assert _take(twins, [same, same.clone()]) is not None
+    assert _take(twins, [same.to("meta"), same.to("meta")]) is None  # the dry run copies
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.25])
@@ -73,7 +77,7 @@ def test_stepping_each_slot_gives_the_flat_steps_bits(scale: float) -> None:
     states = {Kind.EXP_AVG: expected["m"], Kind.EXP_AVG_SQ: expected["v"]}
     optimizer.step(param=expected["param"], grad=flat, states=states, step=3, lr=[1e-2, 1e-2], layout=layout)
 
-    pieces = GradPieces.take(unit, [g.clone() for g in grads], tier=Tier.CPU)
+    pieces = _take(unit, [g.clone() for g in grads])
     assert pieces is not None
     step_pieces(optimizer, unit, master=param, pieces=pieces, states={Kind.EXP_AVG: m, Kind.EXP_AVG_SQ: v},
                 scale=scale, step=3, lrs=[1e-2, 1e-2])  # fmt: skip
@@ -82,12 +86,14 @@ def test_stepping_each_slot_gives_the_flat_steps_bits(scale: float) -> None:
     assert not param[pad].any() and not m[pad].any()  # the padding keeps its zeros, as a step over it would
 
 
-def _train(offload: dict[str, str], swap: Path, *, pieces: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
+def _train(
+    offload: dict[str, str], swap: Path, *, pieces: bool, monkeypatch: pytest.MonkeyPatch, reduce: str | None = None
+) -> Any:
     taken: list[str] = []
     take = GradPieces.take.__func__  # type: ignore[attr-defined]
 
-    def counted(cls: type[GradPieces], unit: Any, grads: Any, *, tier: Tier) -> GradPieces | None:
-        got = take(cls, unit, grads, tier=tier) if pieces else None
+    def counted(cls: type[GradPieces], unit: Any, grads: Any, *, tier: Tier, nbytes: int) -> GradPieces | None:
+        got = take(cls, unit, grads, tier=tier, nbytes=nbytes) if pieces else None
         if got is not None:
             taken.append(unit.name)
         return got
@@ -96,6 +102,8 @@ def _train(offload: dict[str, str], swap: Path, *, pieces: bool, monkeypatch: py
         patch.setattr(grad_pieces.GradPieces, "take", classmethod(counted))
         case = Case(stage=3, optimizer="adamw", steps=5, clip=0.0, accumulation=1, global_batch=4)
         config = case.config() | {"offload": offload, "tiers": {"nvme": {"path": str(swap)}}}
+        if reduce is not None:
+            config["precision"] = config.get("precision", {}) | {"reduce_dtype": reduce}
         engine = tierzero.initialize(case.model(), config)
         losses = []
         with engine:
@@ -127,3 +135,11 @@ def test_a_step_on_pieces_gives_the_bits_of_one_on_a_copy(
     largest = max(unit.numel * 4 for unit in units.values())
     assert cpu.peak_by_kind[Kind.GRAD] >= largest and cpu.current_by_kind[Kind.GRAD] == 0
 
+
+
+def test_gradients_a_bf16_slice_would_round_are_copied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    offload = {"gradients": "nvme", "optimizer": "cpu"}
+    losses, params, _, taken, _ = _train(offload, tmp_path, pieces=True, monkeypatch=monkeypatch, reduce="bf16")
+    assert taken == []  # fp32 parameters, bf16 GRAD slices: the step takes the rounded copy
+    copied = _train(offload, tmp_path, pieces=False, monkeypatch=monkeypatch, reduce="bf16")
+    assert losses == copied[0] and all(torch.equal(params[name], copied[1][name]) for name in params)

@@ -83,10 +83,13 @@ class GradLanding:
         job = self._backward_step
         if job is None or unit.pending_uses != 0 or not unit.grads_stale or not self._hands_over_grad(unit):
             return None
+        spec = next(spec for spec in self.slice_specs(unit) if spec.kind is Kind.GRAD)
+        if spec.dtype != torch.float32:
+            return None  # the slice rounds them (`precision.reduce_dtype`): so must the step's gradient
         tier = job.grad_tier(unit)
         if tier is not Tier.DEVICE and self.device.type != "cpu":
             return None  # a host step of a GPU's gradients: they cross on the copy stream
-        return GradPieces.take(unit, grads, tier=tier)
+        return GradPieces.take(unit, grads, tier=tier, nbytes=spec.nbytes)
 
     def finish_reduces(self) -> None:
         self._buckets.finish()

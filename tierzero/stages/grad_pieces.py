@@ -45,10 +45,10 @@ class GradPieces:
     as it booked the copy they replace."""
 
     @classmethod
-    def take(cls, unit: Unit, grads: Sequence[torch.Tensor], *, tier: Tier) -> GradPieces | None:
+    def take(cls, unit: Unit, grads: Sequence[torch.Tensor], *, tier: Tier, nbytes: int) -> GradPieces | None:
         """The pieces of `grads` (autograd's, one per slot of `unit`) if the step can use them in place:
         fp32, contiguous, each the sole user of its own memory (the step may scale it in place);
-        None where they must be copied into a flat slice."""
+        None where they must be copied into a flat slice (of `nbytes`, what the store books)."""
         if len(grads) != len(unit.slots) or any(grad.is_meta for grad in grads):
             return None  # the estimate's dry run counts the copy (see the note)
         storages = set()
@@ -59,7 +59,7 @@ class GradPieces:
             storages.add(grad.untyped_storage().data_ptr())
         if len(storages) != len(grads):
             return None
-        return cls(tensors=tuple(grad.reshape(-1) for grad in grads), tier=tier, nbytes=unit.padded_numel * 4)
+        return cls(tensors=tuple(grad.reshape(-1) for grad in grads), tier=tier, nbytes=nbytes)
 
 
 def step_pieces(
