@@ -345,7 +345,8 @@ def _step_unit(
     grads = fetched[Kind.GRAD]
     lrs = stage.optimizer.group_lrs(scalars.lr_factor)
     if isinstance(grads, GradPieces):  # [Note: gradient pieces]: one rank, its home stays stale
-        master, _ = _master(stage, unit, fetched, tier)
+        master, scratch = _master(stage, unit, fetched, tier)
+        assert not scratch, "pieces are stage 3's, whose step fetches its master"
         states = {kind: fetched[kind] for kind in stage.optimizer.state_kinds}
         scale = scalars.grad_scale * clip_coef
         step_pieces(stage.optimizer, unit, master=master, pieces=grads, states=states, scale=scale,
