@@ -150,7 +150,7 @@ class Stage(GradLanding, ABC):
 
     def _fresh_grads(self, unit: Unit, key: SliceKey) -> Iterator[torch.Tensor]:
         """A stale GRAD slice (`Unit.grads_stale`) as zeros in scratch, written home in full, unread."""
-        spec = next(spec for spec in self.slice_specs(unit) if spec.kind is Kind.GRAD)
+        spec = self.plan.spec(unit.name, Kind.GRAD)
         zeros = self.scratch(unit, spec.numel, spec.dtype, kind=Kind.GRAD).zero_()
         try:
             yield zeros

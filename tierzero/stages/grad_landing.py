@@ -53,7 +53,6 @@ class GradLanding:
     _buckets: Any
     _backward_step: BackwardStep | None
     slice: Callable[..., Any]
-    slice_specs: Callable[[Unit], Any]
     scratch: Callable[..., torch.Tensor]
     note_grad: Callable[[Unit, torch.Tensor], None]
 
@@ -83,7 +82,7 @@ class GradLanding:
         job = self._backward_step
         if job is None or unit.pending_uses != 0 or not unit.grads_stale or not self._hands_over_grad(unit):
             return None
-        spec = next(spec for spec in self.slice_specs(unit) if spec.kind is Kind.GRAD)
+        spec = self.plan.spec(unit.name, Kind.GRAD)
         if spec.dtype != torch.float32:
             return None  # the slice rounds them (`precision.reduce_dtype`): so must the step's gradient
         tier = job.grad_tier(unit)
@@ -107,7 +106,7 @@ class GradLanding:
         key = SliceKey(unit.name, Kind.GRAD)
         hands_over = final and self._hands_over_grad(unit)
         if unit.grads_stale:
-            spec = next(spec for spec in self.slice_specs(unit) if spec.kind is Kind.GRAD)
+            spec = self.plan.spec(unit.name, Kind.GRAD)
             grads = self.scratch(unit, spec.numel, spec.dtype, kind=Kind.GRAD)
             try:
                 yield grads, True

@@ -101,9 +101,13 @@ class SlicePlan:
     def of(self, unit: Unit) -> tuple[SliceSpec, ...]:
         return self.specs[unit.name]
 
+    def spec(self, unit: str, kind: Kind) -> SliceSpec:
+        """`unit`'s slice of `kind`."""
+        return next(spec for spec in self.specs[unit] if spec.kind is kind)
+
     def dtype(self, unit: str, kind: Kind) -> torch.dtype:
         """The dtype of `unit`'s slice of `kind` (each unit has its own: see `plan_slices`)."""
-        return next(spec.dtype for spec in self.specs[unit] if spec.kind is kind)
+        return self.spec(unit, kind).dtype
 
     def home(self, unit: str, kind: Kind) -> Tier | None:
         """Where `unit`'s slice of `kind` lives; None when the unit keeps none (a frozen unit's grads)."""
