@@ -110,6 +110,10 @@ class Unit:
     grads_stale: bool = False
     """The GRAD slice's home holds an old gradient that counts as zeros: the step left it on NVMe
     rather than write zeros over it, and the next reduce starts from zeros instead of reading it."""
+    grads_zero: bool = False
+    """The GRAD slice's home, in memory, holds zeros: registered or zeroed, and written since by
+    nothing. Its complete gradient may then go to a step in backward as autograd left it, the home
+    left as it is ([Note: gradient pieces])."""
 
     @property
     def shard_numel(self) -> int:

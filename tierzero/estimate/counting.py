@@ -143,6 +143,9 @@ class CountingStore:
         self.by_slice: dict[SliceKey, list[int]] = {}
         """NVMe bytes [read, written], by slice."""
         self.evictions = 0
+        self.grads_in_place = 0
+        """Bytes of gradients a step took as autograd left them (booked as GRAD scratch,
+        [Note: gradient pieces]): they skip the landing pass into their GRAD slices."""
         """Slices the NVMe cache evicted since the last `reset_traffic`."""
         self._cache = CachePolicy(tiers.nvme.cache) if tiers.nvme.cache else None
 
@@ -292,7 +295,9 @@ class CountingStore:
         self._add(tier, kind, Use.SCRATCH, -nbytes, "gathered" if kind is Kind.GATHERED else "scratch")
 
     def book(self, tier: Tier, kind: Kind, nbytes: int) -> None:
-        self._add(tier, kind, Use.SCRATCH, nbytes, "activations")
+        if kind is Kind.GRAD:
+            self.grads_in_place += max(nbytes, 0)
+        self._add(tier, kind, Use.SCRATCH, nbytes, "scratch" if kind is Kind.GRAD else "activations")
 
     def kind_bytes(self) -> dict[Kind, int]:
         nbytes = self._ledger.home_bytes(KEPT_KINDS)
@@ -332,7 +337,7 @@ class CountingStore:
         return admission.cached
 
     def reset_traffic(self) -> None:
-        self.nvme_read = self.nvme_written = self.memory_copied = self.evictions = 0
+        self.nvme_read = self.nvme_written = self.memory_copied = self.evictions = self.grads_in_place = 0
         self.by_slice, self.by_phase = {}, {}
 
     def mark(self, phase: str) -> None:

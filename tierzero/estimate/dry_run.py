@@ -193,9 +193,11 @@ def _replay(cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_
             run.steps += 1
         if not torch.cuda.is_available():
             # Host memory traffic besides the compute's: each micro-step's backward writes its
-            # gradients into this rank's GRAD slices (stages/grad_landing.py), one pass over them.
+            # gradients into this rank's GRAD slices (stages/grad_landing.py), one pass over them,
+            # but for those a step took as they were ([Note: gradient pieces]).
             store.mark("backward")
-            store.copied(store.kind_bytes().get(Kind.GRAD, 0) * cfg.gradient_accumulation_steps)
+            landed = store.kind_bytes().get(Kind.GRAD, 0) * cfg.gradient_accumulation_steps
+            store.copied(landed - store.grads_in_place)
         run.read, run.written, run.copied = store.nvme_read, store.nvme_written, store.memory_copied
         run.phases = {phase: store.by_phase.get(phase, Traffic()) for phase in PARTS}
         run.by_slice = {key: (read, written) for key, (read, written) in store.by_slice.items()}

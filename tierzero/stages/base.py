@@ -128,6 +128,7 @@ class Stage(GradLanding, ABC):
                 zeros[spec.dtype] = torch.zeros(spec.numel, dtype=spec.dtype, device=values.device)
             value = initial[spec.kind].to(spec.dtype) if spec.kind in initial else zeros[spec.dtype][: spec.numel]
             self._init(SliceKey(unit.name, spec.kind), value, spec.home)
+            unit.grads_zero = unit.grads_zero or spec.kind is Kind.GRAD
 
     def _init(self, key: SliceKey, value: torch.Tensor, home: Tier) -> None:
         self.store.register(key, numel=value.numel(), dtype=value.dtype, home=home)
@@ -137,6 +138,8 @@ class Stage(GradLanding, ABC):
     def slice(self, unit: Unit, kind: Kind, *, write: bool) -> Iterator[torch.Tensor]:
         """The slice on the compute device for the duration of the block, written home if `write`."""
         key = SliceKey(unit.name, kind)
+        if kind is Kind.GRAD and write:
+            unit.grads_zero = False  # whatever the caller does with it
         if kind is Kind.GRAD and unit.grads_stale:
             yield from self._fresh_grads(unit, key)
             return
@@ -276,6 +279,7 @@ class Stage(GradLanding, ABC):
                 continue
             with self.slice(unit, Kind.GRAD, write=True) as grads:
                 grads.zero_()
+            unit.grads_zero = True
 
     def step(self, scalars: StepScalars, *, clip_coef: float, prepared: Sequence[Prepared] = ()) -> None:
         """Step every unit with gradients where the optimizer states live (stages/step.py)."""

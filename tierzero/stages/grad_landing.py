@@ -77,18 +77,30 @@ class GradLanding:
 
     def _as_pieces(self, unit: Unit, grads: list[torch.Tensor]) -> GradPieces | None:
         """The unit's complete gradient as the pieces its step in this backward takes in place, where
-        it can ([Note: gradient pieces]): handed over from memory to a fresh sum (no earlier micro-step's
-        to add to), in the memory the step reads it from."""
+        it can ([Note: gradient pieces]): on its way to the step in this backward, its home holding
+        nothing to add it to (no earlier use's or micro-step's sum), in the memory the step reads it from."""
         job = self._backward_step
-        if job is None or unit.pending_uses != 0 or not unit.grads_stale or not self._hands_over_grad(unit):
+        if job is None or not self.last_micro_step or unit.pending_uses != 0 or not self._counts_as_zeros(unit):
             return None
         spec = self.plan.spec(unit.name, Kind.GRAD)
         if spec.dtype != torch.float32:
             return None  # the slice rounds them (`precision.reduce_dtype`): so must the step's gradient
         tier = job.grad_tier(unit)
-        if tier is not Tier.DEVICE and self.device.type != "cpu":
+        if tier is not Tier.DEVICE and not self._on_host():
             return None  # a host step of a GPU's gradients: they cross on the copy stream
         return GradPieces.take(unit, grads, tier=tier, nbytes=spec.nbytes)
+
+    def _on_host(self) -> bool:
+        """Whether the gradients are in host memory: computed on the CPU, or in the estimate's dry run
+        (the meta device) standing for a machine without a GPU."""
+        return self.device.type == "cpu" or (self.device.type == "meta" and not torch.cuda.is_available())
+
+    def _counts_as_zeros(self, unit: Unit) -> bool:
+        """Whether the unit's GRAD home holds no gradient of this step: a stale NVMe home, or a memory
+        home nothing was added into since it was zeroed (`Unit.grads_zero`)."""
+        if self.plan.home(unit.name, Kind.GRAD) is Tier.NVME:
+            return unit.grads_stale
+        return unit.grads_zero
 
     def finish_reduces(self) -> None:
         self._buckets.finish()

@@ -1,21 +1,23 @@
 """A unit's gradient handed to its step as autograd produced it, without a copy into one flat slice.
 
 [Note: gradient pieces]
-On one rank, a unit whose gradient goes straight from backward to its step in memory
-(`GradLanding._hands_over_grad`: the NVMe home would be written only to be read back)
-used to have its gradients copied into a flat GRAD slice first, one pass over every
-gradient byte a step (0.6 s a step for the 2B preset's 2.05B fp32 gradients on the
-2-core VM, a pass the backward's cores had to find time for). Where the gradients are
-fp32 tensors of their own, one per parameter slot, the step takes them as they are:
-it steps each slot as a slice of its own (the optimizer's bits do not change, see
-[Note: vector lanes and scalar tails]: a slot is one of the unit's original tensors),
-and the flat slice's padding, whose gradient is zero, keeps its zero parameters and
-states as a step over it would. The store books the pieces' bytes as scratch while the
-step holds them, as the flat slice they stand in for, in the tier the copy went to: its
-ledger counts what it did before, and so does the estimate, whose dry run (meta tensors)
-still takes the copy. It predicts the copy's time too, on purpose for now: counted as
-skipped, it made a gradient homed on NVMe (never written, as it goes to the step from
-memory) look faster to the planner than one homed in memory, whose landing still copies.
+On one rank, a unit whose gradient goes straight from backward to its step (stage 3's
+step in backward) used to have its gradients copied into a flat GRAD slice first: into
+scratch where the home is on NVMe (`GradLanding._hands_over_grad`: written only to be read
+back), added into the home where it is in memory, which the step then zeroed. That is one
+pass over every gradient byte a step (0.6 s a step for the 2B preset's 2.05B fp32 gradients
+on the 2-core VM, a pass the backward's cores had to find time for), and a second for a
+memory home. Where the home holds no earlier sum (a stale NVMe home, `Unit.grads_stale`; a
+memory home nothing was added into since it was zeroed, `Unit.grads_zero`: one use and one
+micro-step) and the gradients are fp32 tensors of their own, one per parameter slot, the
+step takes them as they are: it steps each slot as a slice of its own (the optimizer's bits
+do not change, see [Note: vector lanes and scalar tails]: a slot is one of the unit's
+original tensors), the flat slice's padding, whose gradient is zero, keeps its zero
+parameters and states as a step over it would, and the home is left as it was. The store
+books the pieces' bytes as scratch while the step holds them, as a flat slice of the unit's
+in the tier the step reads the gradient from (held beside a memory home until the step).
+The estimate's dry run takes pieces as the engine does (its meta tensors told apart by
+storage, `storage_id`) and counts no landing pass for them.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 from tierzero.optim import FlatOptimizer
 from tierzero.slice_layout import SliceLayout
-from tierzero.slices import Kind, Tier
+from tierzero.slices import Kind, Tier, storage_id
 from tierzero.store.protocol import SliceStore
 from tierzero.units import Unit
 
@@ -49,14 +51,14 @@ class GradPieces:
         """The pieces of `grads` (autograd's, one per slot of `unit`) if the step can use them in place:
         fp32, contiguous, each the sole user of its own memory (the step may scale it in place);
         None where they must be copied into a flat slice (of `nbytes`, what the store books)."""
-        if len(grads) != len(unit.slots) or any(grad.is_meta for grad in grads):
-            return None  # the estimate's dry run counts the copy (see the note)
+        if len(grads) != len(unit.slots):
+            return None
         storages = set()
         for slot, grad in zip(unit.slots, grads, strict=True):
             whole = grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
             if grad.dtype != torch.float32 or grad.numel() != slot.numel or not grad.is_contiguous() or not whole:
                 return None
-            storages.add(grad.untyped_storage().data_ptr())
+            storages.add(storage_id(grad))
         if len(storages) != len(grads):
             return None
         return cls(tensors=tuple(grad.reshape(-1) for grad in grads), tier=tier, nbytes=nbytes)

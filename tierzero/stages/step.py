@@ -382,6 +382,7 @@ def _step_unit(
             unit.grads_stale = True  # the pipeline releases the slice unwritten (`keep_home`)
         else:
             grads.zero_()
+            unit.grads_zero = True
     finally:
         if not in_place:
             store.free(g)
