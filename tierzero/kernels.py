@@ -7,9 +7,11 @@ weight on every use, and on an AMD host MKL picks its generic kernels: 100-131 G
 on this machine's two cores, against 173-184 for the JIT kernels of oneDNN, which
 PyTorch ships for its compiled CPU linear (`torch.ops.mkldnn._linear_pointwise`).
 `precision.linear_kernel: onednn` runs each `nn.Linear`'s forward and its input
-gradient there; the weight gradient stays MKL's `mm`, which is as fast at these
-shapes. Both libraries compute in IEEE fp32, but they add a row's products in a
-different order, so the bits differ from PyTorch's in the last places; hence opt-in,
+gradient there; the weight gradient stays MKL's `mm` (oneDNN's, on transposed copies,
+took 16-17% off the 2B preset's 10240 x 2560 weight gradient and 5% off its block's
+forward and backward, docs/BENCHMARKS.md session 20: not yet taken). Both libraries
+compute in IEEE fp32, but they add a row's products in a different order, so the bits
+differ from PyTorch's in the last places; hence opt-in,
 and `torch` (plain `F.linear`) by default, which tierzero's bit-for-bit tests hold to.
 
 Only where both kernels compute the same thing: fp32 input and weight on the CPU,
