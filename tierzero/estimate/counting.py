@@ -143,10 +143,10 @@ class CountingStore:
         self.by_slice: dict[SliceKey, list[int]] = {}
         """NVMe bytes [read, written], by slice."""
         self.evictions = 0
+        """Slices the NVMe cache evicted since the last `reset_traffic`."""
         self.grads_in_place = 0
         """Bytes of gradients a step took as autograd left them (booked as GRAD scratch,
-        [Note: gradient pieces]): they skip the landing pass into their GRAD slices."""
-        """Slices the NVMe cache evicted since the last `reset_traffic`."""
+        [Note: gradient pieces]) since the last `reset_traffic`: they skip the landing pass."""
         self._cache = CachePolicy(tiers.nvme.cache) if tiers.nvme.cache else None
 
     # ---- the SliceStore protocol ----------------------------------------------------
