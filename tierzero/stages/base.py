@@ -128,7 +128,8 @@ class Stage(GradLanding, ABC):
                 zeros[spec.dtype] = torch.zeros(spec.numel, dtype=spec.dtype, device=values.device)
             value = initial[spec.kind].to(spec.dtype) if spec.kind in initial else zeros[spec.dtype][: spec.numel]
             self._init(SliceKey(unit.name, spec.kind), value, spec.home)
-            unit.grads_zero = unit.grads_zero or spec.kind is Kind.GRAD
+            if spec.kind is Kind.GRAD:
+                unit.grads_zero = True  # registered as zeros
 
     def _init(self, key: SliceKey, value: torch.Tensor, home: Tier) -> None:
         self.store.register(key, numel=value.numel(), dtype=value.dtype, home=home)

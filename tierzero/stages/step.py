@@ -344,7 +344,7 @@ def _step_unit(
     store = stage.store
     grads = fetched[Kind.GRAD]
     lrs = stage.optimizer.group_lrs(scalars.lr_factor)
-    if isinstance(grads, GradPieces):  # [Note: gradient pieces]: one rank, its home stays stale
+    if isinstance(grads, GradPieces):  # [Note: gradient pieces]: one rank, its home left as it was
         master, scratch = _master(stage, unit, fetched, tier)
         assert not scratch, "pieces are stage 3's, whose step fetches its master"
         states = {kind: fetched[kind] for kind in stage.optimizer.state_kinds}
