@@ -38,6 +38,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
+    args.process_ends = argv is None  # the command line, not a caller: see train's `process_ends`
     try:
         return int(args.func(args) or 0)
     except (ValueError, TierCapacityError, OSError) as exc:

@@ -11,7 +11,6 @@ prints the summary so far and exits 130; pressing it again changes nothing.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import os
 import signal
@@ -55,7 +54,7 @@ def add_train_command(subparsers: Any) -> None:
         "--resume", nargs="?", const=True, default=False, type=int, metavar="STEP",
         help="continue from the newest complete checkpoint, or from the one of STEP",
     )
-    parser.set_defaults(func=run_train)
+    parser.set_defaults(func=run_train, process_ends=False)
 
 
 def add_demo_command(subparsers: Any) -> None:
@@ -63,7 +62,7 @@ def add_demo_command(subparsers: Any) -> None:
     parser = subparsers.add_parser("demo", help=f"train the demo model ({DEMO_CONFIG}), swapping to ./{DEMO_SWAP}")
     parser.add_argument("--config", default=None, help=f"another config to run instead of {DEMO_CONFIG}")
     _add_run_flags(parser)
-    parser.set_defaults(func=run_demo, resume=False)
+    parser.set_defaults(func=run_demo, resume=False, process_ends=False)
 
 
 def _add_run_flags(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +84,8 @@ def run_train(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     cfg = load_config(args.config, overrides=overrides)
     step = None if isinstance(args.resume, bool) else args.resume
     summary = train(
-        cfg, resume=args.resume is not False, resume_step=step, progress=not args.no_progress, out=out or sys.stdout, export=args.export
+        cfg, resume=args.resume is not False, resume_step=step, progress=not args.no_progress, out=out or sys.stdout, export=args.export,
+        process_ends=args.process_ends,
     )
     if summary.interrupted:
         print("tierzero: interrupted", file=sys.stderr)
@@ -123,13 +123,15 @@ def _demo_config() -> Path:
 
 def train(
     cfg: Any, *, resume: bool = False, resume_step: int | None = None, progress: bool = True, out: TextIO | None = None,
-    export: str | os.PathLike[str] | None = None,
+    export: str | os.PathLike[str] | None = None, process_ends: bool = False,
 ) -> RunSummary:  # fmt: skip
     """Train `cfg.model` on `cfg.data` for `cfg.train.steps` optimizer steps; rank 0 reports to `out`.
 
     `resume`: continue from the newest complete checkpoint under checkpoint.dir, or the one of `resume_step`.
     `export`: after the last step, write that directory for transformers' `from_pretrained`
     (tierzero/pretrained/export.py); refused before training when the run cannot make it.
+    `process_ends`: the process exits after this call (the command line), so Ctrl-C pressed
+    once the run was interrupted stays ignored rather than handed back to the caller.
     """
     out, resume = out or sys.stdout, resume or resume_step is not None
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir is not None else None
@@ -146,7 +148,7 @@ def train(
     model = build_model(cfg.model, device=device, seed=cfg.train.seed)
     check_vocab(cfg, model)  # before the engine: a model that cannot embed the data's ids is refused in seconds
     summary = RunSummary(planned_steps=cfg.train.steps, parameters=count_parameters(model))
-    with _CtrlC() as ctrl_c:
+    with _CtrlC(ignore_after=process_ends) as ctrl_c:
         engine = initialize(model, cfg)
         rank, world = _rank_and_world()
         if engine.placement is not None:
@@ -255,11 +257,18 @@ class _CtrlC:
     run winds down) would break the clean-up itself, leaving swap files and the checkpoint
     lock behind, with tracebacks. Once `closing` (set by `_close`) even the first only counts.
     It does nothing outside the main thread, or where SIGINT is ignored (a background job).
+
+    On the way out the caller's handler comes back, unless `ignore_after` and Ctrl-C was
+    pressed: then the process is about to exit, the user may still be pressing, and a
+    KeyboardInterrupt raised while Python shuts down (joining threads, running finalizers)
+    prints a traceback after the run's last line; so SIGINT is ignored from then on, set in
+    one call in place of the counting handler, leaving no moment for a press to land between.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, ignore_after: bool = False) -> None:
         self.count = 0
         self.closing = False
+        self.ignore_after = ignore_after
         self._previous: Any = None
 
     def __enter__(self) -> _CtrlC:
@@ -269,11 +278,7 @@ class _CtrlC:
 
     def __exit__(self, *exc: object) -> None:
         if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            if self.count:
-                # The user is still pressing it as the process ends: at exit torch's finalizers run,
-                # and a KeyboardInterrupt there prints a traceback after the run's last line.
-                atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN if self.count and self.ignore_after else self._previous)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         self.count += 1
