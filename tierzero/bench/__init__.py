@@ -70,7 +70,8 @@ def _run_zero(args: argparse.Namespace) -> int:
 def _run_placement(args: argparse.Namespace) -> int:
     bench_placement(
         nvme_path=args.nvme_path, preset=args.preset, device_share=args.device_share, cpu_share=args.cpu_share,
-        rounds=args.rounds, steps=args.steps, batch=args.batch, seq=args.seq, out=sys.stdout,
+        rounds=args.rounds, steps=args.steps, batch=args.batch, seq=args.seq, finalists=args.finalists,
+        builds=args.builds, out=sys.stdout,
     )  # fmt: skip
     return 0
 
@@ -163,7 +164,8 @@ def add_bench_commands(subparsers: Any) -> None:
     zero.set_defaults(func=_run_zero)
     placement = commands.add_parser(
         "placement", help="offload: auto beside every whole-kind placement that fits the same budgets",
-        description="Stage 3 on a built-in GPT, one engine per placement, in rounds: median step of each against auto's.",
+        description="Stage 3 on a built-in GPT, one engine per placement, in rounds: median step of each against auto's; "
+        "then the fastest, and the device for everything, beside auto again in pairs built anew.",
     )
     placement.add_argument("--nvme-path", required=True, help="directory for the contenders' swap directories")
     placement.add_argument("--preset", default="30m", help="built-in GPT size (default 30m)")
@@ -173,6 +175,8 @@ def add_bench_commands(subparsers: Any) -> None:
     placement.add_argument("--steps", type=int, default=3, help="timed steps of each contender per round (default 3)")
     placement.add_argument("--batch", type=int, default=1, help="micro-batch (default 1, as the oversized preset)")
     placement.add_argument("--seq", type=int, default=64, help="sequence length (default 64, as the oversized preset)")
+    placement.add_argument("--finalists", type=int, default=2, help="fastest placements set beside auto again (default 2)")
+    placement.add_argument("--builds", type=int, default=5, help="fresh pairs of auto and each finalist (default 5)")
     placement.set_defaults(func=_run_placement)
     check = commands.add_parser(
         "gpu-check", help="tests/gpu and bench train --device cuda in one run, one JSON of results (make gpu-check)",

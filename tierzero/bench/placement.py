@@ -14,6 +14,15 @@ auto's in the same round (and auto beside the best one likewise), which cancels 
 machine's drift from round to round: on the 2-core VM the medians of two engines of nearly
 the same placement came 6% apart in one run (docs/BENCHMARKS.md, session 14).
 
+All contenders alive in one process also differ by where each landed in memory: two engines of
+one placement, built anew, stepped 0.95-1.04x each other from build to build (session 21), and
+in the screening above auto, built first of 28, ran 0.87-0.94x the in-memory placements beside
+it. So the screening only picks the finalists: the `finalists` fastest beside auto, and the
+device for everything where it fits (`offload: device`, what auto should match when all fits).
+In the final each is set beside auto in `builds` fresh pairs, both engines built anew each time
+(auto planned anew too), alternately first, the rest closed; the median of the builds' ratios
+is the figure, with its range as the noise beside it.
+
 The default shape, one sequence of 64 tokens, is the oversized preset's: a step whose traffic
 counts beside its compute, as it does where offloading is needed at all. At 4 x 128 tokens
 the 30M step's compute on the 2-core VM (0.7-0.9 s) hides every placement's disk traffic,
@@ -25,9 +34,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from time import perf_counter
 from typing import Any, TextIO
 
 from tierzero.bench.contenders import EngineTraining, Placement, engine_config, gpt, token_batch
@@ -37,7 +46,9 @@ from tierzero.models import PRESETS, count_parameters
 from tierzero.sizes import format_size
 from tierzero.slices import Tier
 
-__all__ = ["Contender", "bench_placement"]
+__all__ = ["Contender", "Final", "bench_placement"]
+
+EVERYTHING_ON_DEVICE = "device/device/device"
 
 
 @dataclass(slots=True, kw_only=True)
@@ -59,6 +70,26 @@ class Contender:
         """This contender's steps over `other`'s, round by round: the median of the ratios."""
         return statistics.median(mine / theirs for mine, theirs in zip(self.rounds, other.rounds, strict=True))
 
+    def fresh(self) -> Contender:
+        """The same contender, not built and not yet timed."""
+        return Contender(name=self.name, config=self.config, label=self.label)
+
+
+@dataclass(slots=True, kw_only=True)
+class Final:
+    """Auto beside one finalist, each pair built anew: auto's steps over the finalist's, build by build."""
+
+    name: str
+    ratios: list[float] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ratios)
+
+    def describe(self) -> str:
+        low, high = min(self.ratios), max(self.ratios)
+        return f"auto {self.ratio:.3f}x {self.name} (builds {low:.3f}-{high:.3f})"
+
 
 def bench_placement(
     *,
@@ -70,9 +101,12 @@ def bench_placement(
     steps: int = 3,
     batch: int = 1,
     seq: int = 64,
+    finalists: int = 2,
+    builds: int = 5,
     out: TextIO,
-) -> list[Contender]:
-    """Train every contender `rounds` x `steps` steps (after one warm-up step each); their step times."""
+) -> list[Final]:
+    """Screen every contender (`rounds` x `steps` steps after one warm-up step each), then set the
+    finalists beside auto in `builds` fresh pairs; the finals, the one auto fares worst against first."""
     base = _base_config(nvme_path, preset=preset, seq=seq, batch=batch)
     state = _state_bytes(base)
     capacities = {}
@@ -103,15 +137,56 @@ def bench_placement(
             if placement is not None:
                 contender.label, contender.predicted_s = placement.label, placement.prediction.step_s
             _steps(contender, 1, batch=batch, seq=seq, record=False)
-        for r in range(rounds):
-            for i in range(len(contenders)):
-                _steps(contenders[(r + i) % len(contenders)], steps, batch=batch, seq=seq, record=True)
+        _rounds(contenders, rounds, steps=steps, batch=batch, seq=seq)
     finally:
-        for contender in contenders:
-            if contender.training is not None:
-                contender.training.close()
+        _close(contenders)
     _report(contenders, out=out)
-    return contenders
+    chosen = _finalists(contenders, finalists)
+    out.write(f"final: auto beside each of {', '.join(c.name for c in chosen)} in {builds} fresh pairs\n")
+    finals = []
+    for contender in chosen:
+        final = Final(name=contender.name)
+        for build in range(builds):
+            pair = [contenders[0].fresh(), contender.fresh()]
+            final.ratios.append(_pair(pair if build % 2 == 0 else pair[::-1], preset, rounds, steps=steps, batch=batch, seq=seq))
+        out.write(f"  {final.describe()}\n")
+        finals.append(final)
+    finals.sort(key=lambda f: f.ratio, reverse=True)
+    _report_finals(finals, out=out)
+    return finals
+
+
+def _rounds(contenders: list[Contender], rounds: int, *, steps: int, batch: int, seq: int) -> None:
+    """Each round every contender takes `steps` steps, the round starting one contender later than the last."""
+    for r in range(rounds):
+        for i in range(len(contenders)):
+            _steps(contenders[(r + i) % len(contenders)], steps, batch=batch, seq=seq, record=True)
+
+
+def _close(contenders: list[Contender]) -> None:
+    for contender in contenders:
+        if contender.training is not None:
+            contender.training.close()
+            contender.training = None
+
+
+def _finalists(contenders: list[Contender], n: int) -> list[Contender]:
+    """The `n` whole-kind placements that stepped fastest beside auto, and the device for everything where it fits."""
+    whole = sorted(contenders[1:], key=lambda c: c.against(contenders[0]))
+    return whole[:n] + [c for c in whole[n:] if c.name == EVERYTHING_ON_DEVICE]
+
+
+def _pair(pair: list[Contender], preset: str, rounds: int, *, steps: int, batch: int, seq: int) -> float:
+    """Build both anew in this order, warm each, step them in rounds: auto's steps over the other's."""
+    try:
+        for contender in pair:
+            contender.training = EngineTraining(preset, contender.config)
+            _steps(contender, 1, batch=batch, seq=seq, record=False)
+        _rounds(pair, rounds, steps=steps, batch=batch, seq=seq)
+    finally:
+        _close(pair)
+    auto, other = pair if pair[0].name == "auto" else pair[::-1]
+    return auto.against(other)
 
 
 def _base_config(nvme_path: str | Path, *, preset: str, seq: int, batch: int) -> dict[str, Any]:
@@ -142,9 +217,9 @@ def _steps(contender: Contender, n: int, *, batch: int, seq: int, record: bool) 
     times = []
     for step in range(n):
         tokens, targets = token_batch(step, batch=batch, seq=seq)
-        began = time.perf_counter()
+        began = perf_counter()
         float(contender.training.step(tokens, targets))
-        times.append(time.perf_counter() - began)
+        times.append(perf_counter() - began)
     if record:
         contender.times += times
         contender.rounds.append(statistics.mean(times))
@@ -170,5 +245,20 @@ def _report(contenders: list[Contender], *, out: TextIO) -> None:
         best = max(whole, key=auto.against)
         out.write(
             f"auto {auto.median_s:.3f} s against the best whole-kind placement ({best.name}) {best.median_s:.3f} s: "
-            f"{auto.against(best):.3f}x, the median of {len(auto.rounds)} rounds' ratios\n"
+            f"{auto.against(best):.3f}x, the median of {len(auto.rounds)} rounds' ratios (screening)\n"
         )
+
+
+def _report_finals(finals: list[Final], *, out: TextIO) -> None:
+    """The final's verdicts: auto against the best of the finalists, and against the device for everything."""
+    if not finals:
+        return
+    worst = finals[0]
+    n = len(worst.ratios)
+    out.write(
+        f"auto against the best whole-kind placement in the final ({worst.name}): {worst.ratio:.3f}x, "
+        f"the median of {n} fresh pairs' ratios\n"
+    )
+    for final in finals:
+        if final.name == EVERYTHING_ON_DEVICE:
+            out.write(f"auto against offload: device (everything on the device): {final.describe()}\n")
