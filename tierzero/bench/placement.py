@@ -14,10 +14,10 @@ auto's in the same round (and auto beside the best one likewise), which cancels 
 machine's drift from round to round: on the 2-core VM the medians of two engines of nearly
 the same placement came 6% apart in one run (docs/BENCHMARKS.md, session 14).
 
-All contenders alive in one process also differ by where each landed in memory: two engines of
-one placement, built anew, stepped 0.95-1.04x each other from build to build (session 21), and
-in the screening above auto, built first of 28, ran 0.87-0.94x the in-memory placements beside
-it. So the screening only picks the finalists: the `finalists` fastest beside auto, and the
+Engines also differ one from another for their whole life: two of one placement, built anew
+six times, stepped 0.95-1.04x each other from build to build (docs/BENCHMARKS.md, session 21),
+and in the screening above auto, built first of 28, ran 0.83-0.95x most in-memory placements
+and 1.20x the fastest, which tied it in fresh pairs. So the screening only picks the finalists: the `finalists` fastest beside auto, and the
 device for everything where it fits (`offload: device`, what auto should match when all fits).
 In the final each is set beside auto in `builds` fresh pairs, both engines built anew each time
 (auto planned anew too), alternately first, the rest closed; the median of the builds' ratios
