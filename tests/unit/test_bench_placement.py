@@ -90,3 +90,9 @@ def test_the_final_reports_auto_against_the_finalist_it_fares_worst_against_and_
         f"auto against the best whole-kind placement in the final ({EVERYTHING_ON_DEVICE}): 1.000x, the median of 3 fresh pairs' ratios",
         f"auto against offload: device (everything on the device): auto 1.000x {EVERYTHING_ON_DEVICE} (builds 0.950-1.040)",
     ]
+
+
+@pytest.mark.parametrize(("builds", "finalists"), [(0, 2), (5, -1)])
+def test_a_final_without_pairs_is_refused_before_anything_is_built(builds: int, finalists: int) -> None:
+    with pytest.raises(ValueError, match=rf"--builds of at least 1 and --finalists of at least 0, not {builds} and {finalists}"):
+        P.bench_placement(nvme_path="/nonexistent", builds=builds, finalists=finalists, out=io.StringIO())

@@ -17,8 +17,9 @@ the same placement came 6% apart in one run (docs/BENCHMARKS.md, session 14).
 Engines also differ one from another for their whole life: two of one placement, built anew
 six times, stepped 0.95-1.04x each other from build to build (docs/BENCHMARKS.md, session 21),
 and in the screening above auto, built first of 28, ran 0.83-0.95x most in-memory placements
-and 1.20x the fastest, which tied it in fresh pairs. So the screening only picks the finalists: the `finalists` fastest beside auto, and the
-device for everything where it fits (`offload: device`, what auto should match when all fits).
+and 1.20x the fastest, which tied it in fresh pairs. So the screening only picks the
+finalists: the `finalists` fastest beside auto, and the device for everything where it fits
+(`offload: device`, what auto should match when all fits).
 In the final each is set beside auto in `builds` fresh pairs, both engines built anew each time
 (auto planned anew too), alternately first, the rest closed; the median of the builds' ratios
 is the figure, with its range as the noise beside it.
@@ -107,6 +108,8 @@ def bench_placement(
 ) -> list[Final]:
     """Screen every contender (`rounds` x `steps` steps after one warm-up step each), then set the
     finalists beside auto in `builds` fresh pairs; the finals, the one auto fares worst against first."""
+    if builds < 1 or finalists < 0:
+        raise ValueError(f"bench placement needs --builds of at least 1 and --finalists of at least 0, not {builds} and {finalists}")
     base = _base_config(nvme_path, preset=preset, seq=seq, batch=batch)
     state = _state_bytes(base)
     capacities = {}
@@ -148,7 +151,8 @@ def bench_placement(
         final = Final(name=contender.name)
         for build in range(builds):
             pair = [contenders[0].fresh(), contender.fresh()]
-            final.ratios.append(_pair(pair if build % 2 == 0 else pair[::-1], preset, rounds, steps=steps, batch=batch, seq=seq))
+            pair = pair if build % 2 == 0 else pair[::-1]
+            final.ratios.append(_pair(pair, preset, rounds, steps=steps, batch=batch, seq=seq))
         out.write(f"  {final.describe()}\n")
         finals.append(final)
     finals.sort(key=lambda f: f.ratio, reverse=True)
