@@ -19,10 +19,10 @@ six times, stepped 0.95-1.04x each other from build to build (docs/BENCHMARKS.md
 and in the screening above auto, built first of 28, ran 0.83-0.95x most in-memory placements
 and 1.20x the fastest, which tied it in fresh pairs. So the screening only picks the
 finalists: the `finalists` fastest beside auto, and the device for everything where it fits
-(`offload: device`, what auto should match when all fits).
-In the final each is set beside auto in `builds` fresh pairs, both engines built anew each time
-(auto planned anew too), alternately first, the rest closed; the median of the builds' ratios
-is the figure, with its range as the noise beside it.
+(`offload: device`, what auto should match when all fits). In the final each is set beside
+auto in `builds` fresh pairs, both engines built anew each time (auto planned anew too),
+alternately first, the rest closed; the median of the builds' ratios is the figure, with its
+range as the noise beside it.
 
 The default shape, one sequence of 64 tokens, is the oversized preset's: a step whose traffic
 counts beside its compute, as it does where offloading is needed at all. At 4 x 128 tokens
