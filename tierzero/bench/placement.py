@@ -88,8 +88,10 @@ class Final:
         return statistics.median(self.ratios)
 
     def describe(self) -> str:
-        low, high = min(self.ratios), max(self.ratios)
-        return f"auto {self.ratio:.3f}x {self.name} (builds {low:.3f}-{high:.3f})"
+        return f"auto {self.ratio:.3f}x {self.name} ({self.spread()})"
+
+    def spread(self) -> str:
+        return f"builds {min(self.ratios):.3f}-{max(self.ratios):.3f}"
 
 
 def bench_placement(
@@ -265,4 +267,4 @@ def _report_finals(finals: list[Final], *, out: TextIO) -> None:
     )
     for final in finals:
         if final.name == EVERYTHING_ON_DEVICE:
-            out.write(f"auto against offload: device (everything on the device): {final.describe()}\n")
+            out.write(f"auto against offload: device (everything on the device): {final.ratio:.3f}x ({final.spread()})\n")
