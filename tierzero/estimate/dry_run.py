@@ -31,6 +31,7 @@ from tierzero.config import Config
 from tierzero.dist import DistContext
 from tierzero.engine import Engine
 from tierzero.estimate.counting import CountingStore, Traffic
+from tierzero.estimate.shapes import ShapesOnly
 from tierzero.mesh import build_mesh
 from tierzero.micro_step import PARTS, micro_step
 from tierzero.models import build_model, count_parameters
@@ -161,7 +162,15 @@ class _CountedOptimizer:
 
 
 def _replay(cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_asked: bool) -> tuple[_Replay, Engine]:
-    """Set-up and two steps on a fresh meta model and counting store; the bytes each step moved."""
+    """Set-up and two steps on a fresh meta model and counting store; the bytes each step moved.
+    The model's costliest functions run as shapes only (estimate/shapes.py)."""
+    with ShapesOnly():
+        return _replay_shapes(cfg, topology=topology, homes=homes, lands_when_asked=lands_when_asked)
+
+
+def _replay_shapes(
+    cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_asked: bool
+) -> tuple[_Replay, Engine]:
     model = build_model(cfg.model, device="meta", seed=cfg.train.seed)
     store = CountingStore(cfg.tiers, cfg.swapper, cuda=torch.cuda.is_available(), lands_when_asked=lands_when_asked)
     world_size = topology.world_size
