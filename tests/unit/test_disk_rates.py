@@ -114,23 +114,50 @@ def test_a_setting_s_rates_are_the_medians_of_its_last_days_measurements(
     clock = [now - 12 * 3600.0 - disk.HISTORY_S - 60]  # one measurement, then one an hour from over a day later
     monkeypatch.setattr(time, "time", lambda: clock[0])
     disk.remember(tmp_path, {DEFAULT: (9.0, 9.0)}, how="bench nvme")
-    for hour in range(13):
+    for hour in range(13):  # read 10, 11, 12, 10, ...; written 20, 21, 20, ...: within the noise
         clock[0] = now - 3600.0 * (12 - hour)
-        disk.remember(tmp_path, {DEFAULT: (1.0 + hour, 10.0 - hour / 2)}, how="probe")
-        if hour == 4:  # the day-old 9.0 is gone: 1.0 to 5.0 read, 10.0 to 8.0 written
+        disk.remember(tmp_path, {DEFAULT: (10.0 + hour % 3, 20.0 + hour % 2)}, how="probe")
+        if hour == 4:  # the day-old 9.0 is gone: 10, 11, 12, 10, 11 read, 20, 21, 20, 21, 20 written
             rates = disk.remembered(tmp_path, DEFAULT)
-            assert rates is not None and (rates.read, rates.write) == (3.0e9, 9.0e9)
-    # only the newest 12 are kept: 2.0 to 13.0
+            assert rates is not None and (rates.read, rates.write) == (11.0e9, 20.0e9)
+    # only the newest 12 are kept: hours 1 to 12, four of each read, six of each written
     rates = disk.remembered(tmp_path, DEFAULT, max_age_s=disk.MAX_AGE_S)
-    assert rates is not None and (rates.read, rates.write) == (7.5e9, 6.75e9)
+    assert rates is not None and (rates.read, rates.write) == (11.0e9, 20.5e9)
     assert rates.source.startswith(f"the median of {disk.HISTORY_SAMPLES} measurements since ")
-    assert f", the last a probe at {DEFAULT}, " in rates.source and "7.50 GB/s read, 6.75 GB/s write" in rates.source
+    assert f", the last a probe at {DEFAULT}, " in rates.source and "11.00 GB/s read, 20.50 GB/s write" in rates.source
     entry = json.loads(disk.cache_file().read_text())[str(tmp_path.resolve())][DEFAULT]
     entry["samples"][0]["read_GBps"] = "fast"  # a sample that cannot be read is dropped, never trusted
     disk.cache_file().write_text(json.dumps({str(tmp_path.resolve()): {DEFAULT: entry}}))
-    disk.remember(tmp_path, {DEFAULT: (14.0, 4.0)}, how="probe")
+    disk.remember(tmp_path, {DEFAULT: (30.0, 4.0)}, how="probe")  # far off, but alone: noise, kept among the rest
     rates = disk.remembered(tmp_path, DEFAULT)
-    assert rates is not None and (rates.read, rates.write) == (8.5e9, 6.25e9)  # 3.0 to 14.0 read
+    assert rates is not None and (rates.read, rates.write) == (11.0e9, 20.0e9)  # hours 2 to 12 and it
+    samples = json.loads(disk.cache_file().read_text())[str(tmp_path.resolve())][DEFAULT]["samples"]
+    assert len(samples) == 12 and samples[-1]["read_GBps"] == 30.0
+
+
+@pytest.mark.parametrize(
+    ("newest", "kept"),
+    [((1.30, 1.25), 2), ((0.80, 0.70), 2), ((1.30, 0.70), 6), ((1.30, 1.10), 6), ((1.10, 1.30), 6)],
+    ids=["both-faster", "both-slower", "opposite-sides", "second-within", "first-within"],
+)
+def test_two_measurements_far_off_on_one_side_say_the_machine_changed(
+    newest: tuple[float, float], kept: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The newest two each more than 15% off the median of those before them, on one side: the
+    earlier ones are dropped and the rates are the new ones' medians; otherwise the day's."""
+    import time
+
+    clock = [time.time()]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    for factor in (1.0, 1.05, 0.97, 1.02, *newest):
+        clock[0] += 600.0
+        disk.remember(tmp_path, {DEFAULT: (2.5 * factor, 2.0)}, how="probe")
+    entry = json.loads(disk.cache_file().read_text())[str(tmp_path.resolve())][DEFAULT]
+    assert len(entry["samples"]) == kept
+    rates = disk.remembered(tmp_path, DEFAULT)
+    assert rates is not None and rates.write == 2.0e9
+    if kept == 2:
+        assert rates.read == pytest.approx(2.5e9 * sum(newest) / 2)
 
 
 def test_the_rates_training_steps_found_are_planned_with_before_a_probes(
@@ -343,7 +370,8 @@ def test_the_compute_is_planned_with_the_medians_of_the_days_measurements_of_its
 
     def measured(flops: float, slowdown: float, share: float, beside: str = "beside /swap") -> prediction.Compute:
         clock[0] += 3600.0
-        return prediction._remembered(block, flops, slowdown, share, how=f"timed at {flops:.0f}", beside=beside)
+        compute, _ = prediction._remembered(block, flops, slowdown, share, how=f"timed at {flops:.0f}", beside=beside)
+        return compute
 
     assert measured(99e9, 1.01, 0.24).flops.source == "timed at 99000000000"  # one: the measurement itself
     measured(120e9, 1.08, 0.25)
@@ -391,3 +419,36 @@ def test_a_stream_that_fails_raises_when_its_block_ends(tmp_path: Path, monkeypa
     with pytest.raises(OSError, match="No space left on device"):
         with disk.streaming(tmp_path, nbytes=4 << 20):
             pass
+
+
+def test_a_block_rate_far_off_the_days_is_measured_again_and_two_alike_replace_the_day(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first plan of a slow afternoon: its measurement alone is off the fast morning's median,
+    so it is measured again; the second confirms the change and the plan takes the afternoon's."""
+    from types import SimpleNamespace
+
+    from tierzero.config import load_config
+    from tierzero.placement import prediction
+
+    block = SimpleNamespace(what="fp32 one gpt block's forward and backward", flops=1e9)
+    lone = SimpleNamespace(what="fp32 another block", flops=1e9)  # one earlier measurement tells no side: none again
+    assert [prediction._remembered(lone, f, 1.1, 0.24, how="t", beside="b")[1] for f in (137e9, 90e9)] == [False, False]
+    for flops in (137e9, 130e9, 135e9):
+        prediction._remembered(block, flops, 1.1, 0.24, how="morning", beside="beside /swap")
+    afternoon = iter([100e9, 97e9, 125e9, 99e9])
+    calls = []
+
+    def measured(cfg: object, timed: object, *, seconds: float, rounds: int) -> tuple[prediction.Compute, bool]:
+        calls.append(timed)
+        return prediction._remembered(block, next(afternoon), 1.1, 0.24, how="afternoon", beside="beside /swap")
+
+    monkeypatch.setattr(prediction, "_measured", measured)
+    monkeypatch.setattr(prediction._TimedBlock, "build", classmethod(lambda cls, cfg: block))
+    model = {"type": "gpt", "n_layer": 1, "n_head": 2, "d_model": 64, "d_ff": 256, "max_seq_len": 32}
+    cfg = load_config({"model": model, "train": {"seq_len": 32}})
+    compute = prediction.measure_compute(cfg)
+    assert len(calls) == 2 and compute.flops.read == pytest.approx(98.5e9)  # the two afternoon ones' median
+    # An odd one (125, 27% above 98.5) is measured again, and the second (99) says it was noise: kept among the rest.
+    compute = prediction.measure_compute(cfg)
+    assert len(calls) == 4 and compute.flops.read == pytest.approx(99.5e9)

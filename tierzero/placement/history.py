@@ -4,7 +4,12 @@ A shared VM's disk and cores change speed from minute to minute (docs/BENCHMARKS
 14-17), so one measurement samples one moment of them. The planner keeps what it measures, the
 disk's rates per directory and I/O setting (placement/disk.py) and a block's compute rate per
 shape and disk (placement/prediction.py), for `HISTORY_S`, the newest `HISTORY_SAMPLES`, and
-plans with their medians. Each kind lives in a JSON file of its own under
+plans with their medians. When the machine changes speed for good (a slow afternoon after a
+fast morning: the 2B block read 97-109 GFLOP/s against 137, the disk 2.2-2.5 GB/s against
+2.7-2.9, and the first plan of the afternoon, on the day's medians, missed by 25%), its newest
+`CONFIRM` measurements all lie more than `SHIFT` off the median of those before them, on one
+side: the earlier ones are dropped (`since_shift`), and the medians are the new ones'. One
+measurement that far off alone is taken for noise. Each kind lives in a JSON file of its own under
 `$TIERZERO_CACHE_DIR` (default `~/.cache/tierzero`); a file, an entry or a sample that cannot
 be read is ignored and rewritten, never trusted.
 """
@@ -20,14 +25,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 __all__ = [
-    "HISTORY_S", "HISTORY_SAMPLES", "Sample", "cache_path", "kept", "medians", "read_json", "remember", "samples",
-    "span_text", "write_json",
+    "CONFIRM", "HISTORY_S", "HISTORY_SAMPLES", "SHIFT", "Sample", "cache_path", "kept", "medians", "off_median",
+    "read_json", "remember", "samples", "since_shift", "span_text", "write_json",
 ]  # fmt: skip
 
 #: Seconds a measurement counts for in its key's medians, and how many of them are kept: a disk
 #: whose rate moves 15% within minutes is known better by a day of its measurements than by its last.
 HISTORY_S = 86400.0
 HISTORY_SAMPLES = 12
+#: How far off the median of the earlier measurements, in one figure, the newest `CONFIRM` must all
+#: lie, on one side, for the machine to count as changed: above the 15% a disk moves within minutes.
+SHIFT = 0.15
+CONFIRM = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +93,34 @@ def samples(entry: object, fields: tuple[str, ...]) -> list[Sample]:
 
 def kept(entry: object, fields: tuple[str, ...], new: Sample) -> list[Sample]:
     """An entry's measurements of the `HISTORY_S` before `new` and `new`, the newest
-    `HISTORY_SAMPLES` of them, oldest first."""
+    `HISTORY_SAMPLES` of them, oldest first: from the change, if they show one (`since_shift`)."""
     earlier = [s for s in samples(entry, fields) if new.measured - HISTORY_S <= s.measured <= new.measured]
-    return [*earlier, new][-HISTORY_SAMPLES:]
+    return since_shift([*earlier, new], fields)[-HISTORY_SAMPLES:]
+
+
+def _off(sample: Sample, before: list[Sample], name: str) -> float:
+    """`sample`'s figure `name` over its median in `before`, less one: +0.2 for 20% above."""
+    return sample.values[name] / statistics.median(s.values[name] for s in before) - 1.0
+
+
+def off_median(measured: list[Sample], fields: tuple[str, ...]) -> bool:
+    """Whether the newest of `measured` lies more than `SHIFT` off the median of those before it (at
+    least `CONFIRM`) in one of `fields`: noise, or the first sign of a change that a next
+    measurement would confirm (`since_shift`)."""
+    return len(measured) > CONFIRM and any(abs(_off(measured[-1], measured[:-1], name)) > SHIFT for name in fields)
+
+
+def since_shift(measured: list[Sample], fields: tuple[str, ...]) -> list[Sample]:
+    """`measured` (oldest first), or its newest `CONFIRM` alone when each of them lies more than
+    `SHIFT` off the median of the (at least `CONFIRM`) before them, on one side, in one of `fields`."""
+    before, newest = measured[:-CONFIRM], measured[-CONFIRM:]
+    if len(before) < CONFIRM:  # too few to tell which side is the odd one
+        return measured
+    for name in fields:
+        offs = [_off(sample, before, name) for sample in newest]
+        if all(off > SHIFT for off in offs) or all(off < -SHIFT for off in offs):
+            return newest
+    return measured
 
 
 def remember(name: str, key: str, values: dict[str, float], *, how: str) -> list[Sample]:

@@ -57,7 +57,7 @@ from tierzero.models import BUILT_IN, spec_from_config
 from tierzero.offload.step_pipeline import MAX_RESIDENT_GROUPS
 from tierzero.optim import make_optimizer
 from tierzero.placement.disk import label_of, streaming
-from tierzero.placement.history import medians, remember, span_text
+from tierzero.placement.history import medians, off_median, remember, span_text
 from tierzero.precision import dtype_of
 from tierzero.slices import Kind, Tier
 
@@ -315,11 +315,21 @@ def measure_compute(cfg: Config, *, seconds: float = 6.0, rounds: int = 36) -> C
     A transformers model gets a square matmul's rate, and no slowdown is measured on a GPU or
     without an NVMe path (1.0). Each figure is the median of this measurement and the last day's
     of the same block beside the same disk: the 2B plans that missed by 16% took a block timed at
-    99 GFLOP/s where the day's read 116-131, or 1.01-1.02x where the day's read 1.05-1.15x.
+    99 GFLOP/s where the day's read 116-131, or 1.01-1.02x where the day's read 1.05-1.15x. A rate
+    more than `SHIFT` off the day's median is measured again: two that far off on one side say
+    the machine changed, and the day's earlier measurements are dropped (placement/history.py).
     """
     block = _TimedBlock.build(cfg)
     if block is None:
         return Compute(flops=measure_flops(cfg.precision.param_dtype))
+    compute, off = _measured(cfg, block, seconds=seconds, rounds=rounds)
+    if off:  # noise, or the machine changed: a second measurement tells (placement/history.py)
+        compute, _ = _measured(cfg, block, seconds=seconds, rounds=rounds)
+    return compute
+
+
+def _measured(cfg: Config, block: _TimedBlock, *, seconds: float, rounds: int) -> tuple[Compute, bool]:
+    """One measurement of `measure_compute`'s, remembered; and whether it lies off the day's median."""
     shares: list[float] = []  # of the passes alone
     if torch.cuda.is_available() or cfg.tiers.nvme.path is None:
         runs = block.passes(seconds, at_least=3, shares=shares)
@@ -343,16 +353,20 @@ def measure_compute(cfg: Config, *, seconds: float = 6.0, rounds: int = 36) -> C
     return _remembered(block, quiet_rate.read, slowdown, share, how=how, beside=disk)
 
 
-def _remembered(block: _TimedBlock, flops: float, slowdown: float, share: float, *, how: str, beside: str) -> Compute:
+def _remembered(
+    block: _TimedBlock, flops: float, slowdown: float, share: float, *, how: str, beside: str
+) -> tuple[Compute, bool]:
     """The medians of this measurement and those of the last day of the same block beside the same
-    disk (placement/history.py): one measurement samples one moment of a machine whose speed drifts."""
+    disk (placement/history.py): one measurement samples one moment of a machine whose speed drifts.
+    And whether this one lies off the earlier ones' median."""
     measured = remember(COMPUTE_FILE, f"{block.what}, {block.flops:.0f} FLOP a pass, {beside}",
                         {"flops": flops, "slowdown": slowdown, "forward_share": share}, how=how)  # fmt: skip
     figures = medians(measured)
     flops, slowdown, share = figures["flops"], figures["slowdown"], figures["forward_share"]
     if len(measured) > 1:
         how = f"{span_text(measured, '')}: {flops / 1e9:.0f} GFLOP/s, the forward {share:.0%}, {slowdown:.2f}x beside"
-    return Compute(flops=Bandwidth(read=flops, write=flops, source=how), slowdown=slowdown, forward_share=share)
+    compute = Compute(flops=Bandwidth(read=flops, write=flops, source=how), slowdown=slowdown, forward_share=share)
+    return compute, off_median(measured, ("flops",))
 
 
 class _TimedBlock:
