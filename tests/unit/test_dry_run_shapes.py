@@ -44,8 +44,10 @@ def _counts(run: D.DryRun) -> dict[str, Any]:
         {"stage": 3, "offload": NVME, "model": "llama", "gradient_accumulation_steps": 2},
         {"stage": 2, "offload": {"optimizer": "nvme"}},
         {"stage": 1, "offload": {"optimizer": "cpu"}, "precision": {"param_dtype": "bf16"}},
+        {"stage": 3, "offload": NVME, "activations": {"checkpoint": 1}},
+        {"stage": 3, "offload": NVME, "activations": {"offload": "cpu"}},
     ],
-    ids=["stage3-nvme", "stage3-clipped", "llama-accumulated", "stage2", "stage1-bf16"],
+    ids=["stage3-nvme", "stage3-clipped", "llama-accumulated", "stage2", "stage1-bf16", "checkpointed", "offloaded"],
 )
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_dry_run_counts_as_it_does_through_the_meta_kernels(

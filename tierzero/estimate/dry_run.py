@@ -19,6 +19,7 @@ placement) is returned, not re-run.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -163,8 +164,10 @@ class _CountedOptimizer:
 
 def _replay(cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_asked: bool) -> tuple[_Replay, Engine]:
     """Set-up and two steps on a fresh meta model and counting store; the bytes each step moved.
-    The model's costliest functions run as shapes only (estimate/shapes.py)."""
-    with ShapesOnly():
+    The model's costliest functions run as shapes only (estimate/shapes.py), but where the run
+    books its saved activations (tierzero/activations.py): those count what the meta kernels save."""
+    acts = cfg.activations
+    with ShapesOnly() if acts.checkpoint == 0 and acts.offload == "none" else contextlib.nullcontext():
         return _replay_shapes(cfg, topology=topology, homes=homes, lands_when_asked=lands_when_asked)
 
 

@@ -14,6 +14,8 @@ units finish, is the one the decomposed ops build (within one function its input
 may land in another order, a linear's weight before its bias; the replay's counts are the same,
 tests/unit/test_dry_run_shapes.py). Any other function, and these on a tensor off the meta
 device, take torch's own path. (Autocast leaves meta tensors' dtypes as they are: so do these rules.)
+The node saves nothing for backward: a run that books its saved activations
+(tierzero/activations.py) is replayed without it.
 """
 
 from __future__ import annotations
