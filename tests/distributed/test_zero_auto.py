@@ -14,7 +14,7 @@ from tierzero import api
 from tierzero.config import TiersConfig
 from tierzero.estimate import Bandwidth
 from tierzero.placement import disk, planner
-from tierzero.placement.prediction import Compute
+from tierzero.placement.compute import Compute
 
 
 def _rank_job(rank: int, world_size: int, swap_dir: str) -> list[Any]:

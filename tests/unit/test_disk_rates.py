@@ -305,7 +305,7 @@ def test_the_slowdown_is_the_mean_of_the_paired_windows(tmp_path: Path, monkeypa
     from contextlib import contextmanager
 
     from tierzero.config import load_config
-    from tierzero.placement import prediction
+    from tierzero.placement import compute as block_timing
 
     class Stream:
         running = True
@@ -337,12 +337,12 @@ def test_the_slowdown_is_the_mean_of_the_paired_windows(tmp_path: Path, monkeypa
         seconds = next(alone)
         return next(share) * seconds, seconds
 
-    monkeypatch.setattr(prediction, "streaming", streaming)
-    monkeypatch.setattr(prediction, "_timed_pass", timed)
+    monkeypatch.setattr(block_timing, "streaming", streaming)
+    monkeypatch.setattr(block_timing, "_timed_pass", timed)
     Stream.running = False  # the warm-up pass
     model = {"type": "gpt", "n_layer": 1, "n_head": 2, "d_model": 64, "d_ff": 256, "max_seq_len": 32}
     raw = {"model": model, "train": {"micro_batch_size": 2, "seq_len": 32}, "tiers": {"nvme": {"path": str(tmp_path)}}}
-    compute = prediction.measure_compute(load_config(raw), seconds=0.0, rounds=7)
+    compute = block_timing.measure_compute(load_config(raw), seconds=0.0, rounds=7)
     flops, slowdown = compute.flops, compute.slowdown
     assert slowdown == pytest.approx((6 * 1.25 + 4.0) / 7)
     assert compute.forward_share == pytest.approx(0.3)  # the median of the passes alone
@@ -361,16 +361,17 @@ def test_the_compute_is_planned_with_the_medians_of_the_days_measurements_of_its
     import time
     from types import SimpleNamespace
 
-    from tierzero.placement import history, prediction
+    from tierzero.placement import compute as block_timing
+    from tierzero.placement import history
 
     now = time.time()
     clock = [now]
     monkeypatch.setattr(time, "time", lambda: clock[0])
     block = SimpleNamespace(what="fp32 one gpt block's forward and backward", flops=1e9)
 
-    def measured(flops: float, slowdown: float, share: float, beside: str = "beside /swap") -> prediction.Compute:
+    def measured(flops: float, slowdown: float, share: float, beside: str = "beside /swap") -> block_timing.Compute:
         clock[0] += 3600.0
-        compute, _ = prediction._remembered(block, flops, slowdown, share, how=f"timed at {flops:.0f}", beside=beside)
+        compute, _ = block_timing._remembered(block, flops, slowdown, share, how=f"timed at {flops:.0f}", beside=beside)
         return compute
 
     assert measured(99e9, 1.01, 0.24).flops.source == "timed at 99000000000"  # one: the measurement itself
@@ -385,18 +386,18 @@ def test_the_compute_is_planned_with_the_medians_of_the_days_measurements_of_its
     compute = measured(140e9, 1.20, 0.30)
     assert (compute.flops.read, compute.slowdown) == (135e9, pytest.approx(1.15))
     clock[0] += history.HISTORY_S
-    history.cache_path(prediction.COMPUTE_FILE).write_text("{not json")
+    history.cache_path(block_timing.COMPUTE_FILE).write_text("{not json")
     compute = measured(110e9, 1.05, 0.26)  # an unreadable file is started anew, never trusted
     assert (compute.flops.read, compute.slowdown, compute.flops.source) == (110e9, 1.05, "timed at 110000000000")
     measured(111e9, 1.05, 0.26, beside="beside /elsewhere")
     clock[0] += history.HISTORY_S + 1
     measured(112e9, 1.05, 0.26)  # entries with nothing of the last day leave the file
-    assert len(json.loads(history.cache_path(prediction.COMPUTE_FILE).read_text())) == 1
+    assert len(json.loads(history.cache_path(block_timing.COMPUTE_FILE).read_text())) == 1
 
 
 def test_the_compute_is_measured_alone_and_beside_the_disk(tmp_path: Path) -> None:
     from tierzero.config import load_config
-    from tierzero.placement.prediction import measure_compute
+    from tierzero.placement.compute import measure_compute
 
     swap = tmp_path / "swap"
     swap.mkdir()
@@ -429,26 +430,26 @@ def test_a_block_rate_far_off_the_days_is_measured_again_and_two_alike_replace_t
     from types import SimpleNamespace
 
     from tierzero.config import load_config
-    from tierzero.placement import prediction
+    from tierzero.placement import compute as block_timing
 
     block = SimpleNamespace(what="fp32 one gpt block's forward and backward", flops=1e9)
     lone = SimpleNamespace(what="fp32 another block", flops=1e9)  # one earlier measurement tells no side: none again
-    assert [prediction._remembered(lone, f, 1.1, 0.24, how="t", beside="b")[1] for f in (137e9, 90e9)] == [False, False]
+    assert [block_timing._remembered(lone, f, 1.1, 0.24, how="t", beside="b")[1] for f in (137e9, 90e9)] == [False, False]
     for flops in (137e9, 130e9, 135e9):
-        prediction._remembered(block, flops, 1.1, 0.24, how="morning", beside="beside /swap")
+        block_timing._remembered(block, flops, 1.1, 0.24, how="morning", beside="beside /swap")
     afternoon = iter([100e9, 97e9, 125e9, 99e9])
     calls = []
 
-    def measured(cfg: object, timed: object, *, seconds: float, rounds: int) -> tuple[prediction.Compute, bool]:
+    def measured(cfg: object, timed: object, *, seconds: float, rounds: int) -> tuple[block_timing.Compute, bool]:
         calls.append(timed)
-        return prediction._remembered(block, next(afternoon), 1.1, 0.24, how="afternoon", beside="beside /swap")
+        return block_timing._remembered(block, next(afternoon), 1.1, 0.24, how="afternoon", beside="beside /swap")
 
-    monkeypatch.setattr(prediction, "_measured", measured)
-    monkeypatch.setattr(prediction._TimedBlock, "build", classmethod(lambda cls, cfg: block))
+    monkeypatch.setattr(block_timing, "_measured", measured)
+    monkeypatch.setattr(block_timing._TimedBlock, "build", classmethod(lambda cls, cfg: block))
     model = {"type": "gpt", "n_layer": 1, "n_head": 2, "d_model": 64, "d_ff": 256, "max_seq_len": 32}
     cfg = load_config({"model": model, "train": {"seq_len": 32}})
-    compute = prediction.measure_compute(cfg)
+    compute = block_timing.measure_compute(cfg)
     assert len(calls) == 2 and compute.flops.read == pytest.approx(98.5e9)  # the two afternoon ones' median
     # An odd one (125, 27% above 98.5) is measured again, and the second (99) says it was noise: kept among the rest.
-    compute = prediction.measure_compute(cfg)
+    compute = block_timing.measure_compute(cfg)
     assert len(calls) == 4 and compute.flops.read == pytest.approx(99.5e9)

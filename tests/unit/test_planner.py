@@ -448,7 +448,8 @@ def test_tierzero_estimate_prints_the_plan(tmp_path: Path, swap: Path) -> None:
 
 
 def test_the_rates_are_measured_on_this_machine(swap: Path) -> None:
-    from tierzero.placement.prediction import measure_block_flops, measure_copy_rate, measure_step_rate
+    from tierzero.placement.compute import measure_block_flops
+    from tierzero.placement.prediction import measure_copy_rate, measure_step_rate
 
     cfg = load_config(_raw(swap))
     flops = measure_block_flops(cfg, seconds=0.03)
@@ -462,7 +463,7 @@ def test_the_compute_rate_is_one_block_of_the_model_trained_at_the_training_shap
     swap: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tierzero.models import LlamaBlock, spec_from_config
-    from tierzero.placement import prediction
+    from tierzero.placement import compute
 
     raw = _raw(swap)
     cfg = load_config({**raw, "model": {**raw["model"], "type": "llama"}})
@@ -474,13 +475,13 @@ def test_the_compute_rate_is_one_block_of_the_model_trained_at_the_training_shap
         passes.append((*x.shape, len(extra)))
         return 0.2, 0.5
 
-    monkeypatch.setattr(prediction, "_timed_pass", timed)
-    flops = prediction.measure_block_flops(cfg, seconds=0.0)
+    monkeypatch.setattr(compute, "_timed_pass", timed)
+    flops = compute.measure_block_flops(cfg, seconds=0.0)
     block = sum(p.numel() for p in LlamaBlock(spec_from_config(cfg.model)).parameters())
     assert flops is not None and flops.read == 6.0 * block * 2 * 32 / 0.5  # 6 x a block's parameters x tokens / median
     assert passes == [(2, 32, 128, 2)] * 4  # a warm-up and three timed passes, with the rotary tables
     transformers = {"type": "transformers", "transformers_class": "GPT2LMHeadModel", "transformers_config": {}}
-    assert prediction.measure_block_flops(load_config({**raw, "model": transformers})) is None
+    assert compute.measure_block_flops(load_config({**raw, "model": transformers})) is None
 
 
 def test_a_tight_device_lowers_the_prefetchers_budgets_and_the_run_keeps_within_it(
@@ -611,7 +612,7 @@ def test_the_plan_takes_the_measured_compute_its_slowdown_and_forward_share(
     """Unless a rate is given, the planner measures the block (`measure_compute`) and predicts with
     all three of its figures: the forward then takes its measured share of the compute."""
     from tierzero.placement import planner
-    from tierzero.placement.prediction import Compute
+    from tierzero.placement.compute import Compute
 
     monkeypatch.setattr(planner, "measure_compute", lambda cfg: Compute(flops=FLOPS, slowdown=1.5, forward_share=0.2))
     cfg = load_config(_raw(swap, offload="auto"))

@@ -237,7 +237,7 @@ def measure_flops(param_dtype: str, *, seconds: float = 1.0) -> Bandwidth:
     best of `_WINDOWS` windows: other work on the machine only ever slows a window down, and on a
     shared 2-core VM a 0.3 s measurement of three windows read 79 to 136 GFLOP/s in one hour's
     runs (127 to 147 alone). The placement planner times one of a built-in model's blocks
-    instead (tierzero.placement.prediction)."""
+    instead (tierzero.placement.compute)."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     side = 4096 if device.type == "cuda" else 1024
     dtype = dtype_of(param_dtype)

@@ -3,7 +3,7 @@
 A shared VM's disk and cores change speed from minute to minute (docs/BENCHMARKS.md, sessions
 14-17), so one measurement samples one moment of them. The planner keeps what it measures, the
 disk's rates per directory and I/O setting (placement/disk.py) and a block's compute rate per
-shape and disk (placement/prediction.py), for `HISTORY_S`, the newest `HISTORY_SAMPLES`, and
+shape and disk (placement/compute.py), for `HISTORY_S`, the newest `HISTORY_SAMPLES`, and
 plans with their medians. When the machine changes speed for good (a slow afternoon after a
 fast morning: the 2B block read 97-109 GFLOP/s against 137, the disk 2.2-2.5 GB/s against
 2.7-2.9, and the first plan of the afternoon, on the day's medians, missed by 25%), its newest

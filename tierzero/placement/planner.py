@@ -40,9 +40,8 @@ from tierzero.estimate.estimator import Bandwidth, Estimate, estimate
 from tierzero.placement.budgets import MachineBudgets, machine_budgets
 from tierzero.placement.candidates import FIELDS, Candidate, fill, whole_kind
 from tierzero.placement.disk import disk_rates
-from tierzero.placement.prediction import (
-    Compute, Prediction, measure_compute, measure_copy_rate, measure_step_rate, predict,
-)
+from tierzero.placement.compute import Compute, measure_compute
+from tierzero.placement.prediction import Prediction, measure_copy_rate, measure_step_rate, predict
 from tierzero.sizes import format_size
 from tierzero.slices import Tier
 from tierzero.stages.plan import Homes
