@@ -42,7 +42,6 @@ class Compute:
     forward_share: float = FORWARD_SHARE
 
 
-
 def measure_block_flops(cfg: Config, *, seconds: float = 1.5) -> Bandwidth | None:
     """The rate one block of `cfg`'s built-in model trains at, in the compute dtype on the compute
     device: forward and backward of a micro-batch at `train.seq_len`, its weight gradients added
@@ -59,7 +58,8 @@ def measure_compute(cfg: Config, *, seconds: float = 6.0, rounds: int = 36) -> C
     forward's share of the block's time (the median over the passes alone).
 
     A built-in model's block (`measure_block_flops`), built once and timed in `rounds` pairs of
-    windows within about `seconds`: alone, then beside a stream to `tiers.nvme.path`
+    windows within about `seconds` (each a pass at least: the 2B block's pass takes 1.3 s on a
+    2-core Zen 1 VM, where the 36 pairs took 124 s): alone, then beside a stream to `tiers.nvme.path`
     (`streaming`, paused for the first of each pair). Without a GPU the swaps' threads,
     interrupts and memory traffic take from the cores. The slowdown is the mean of the pairs'
     ratios (at least 1.0): a machine whose speed drifts meanwhile slows both halves of a pair
