@@ -168,12 +168,13 @@ def _replay(cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_
     books its saved activations (tierzero/activations.py): those count what the meta kernels save."""
     acts = cfg.activations
     with ShapesOnly() if acts.checkpoint == 0 and acts.offload == "none" else contextlib.nullcontext():
-        return _replay_shapes(cfg, topology=topology, homes=homes, lands_when_asked=lands_when_asked)
+        return _set_up_and_step(cfg, topology=topology, homes=homes, lands_when_asked=lands_when_asked)
 
 
-def _replay_shapes(
+def _set_up_and_step(
     cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_asked: bool
 ) -> tuple[_Replay, Engine]:
+    """`_replay`'s work, under whichever mode it chose."""
     model = build_model(cfg.model, device="meta", seed=cfg.train.seed)
     store = CountingStore(cfg.tiers, cfg.swapper, cuda=torch.cuda.is_available(), lands_when_asked=lands_when_asked)
     world_size = topology.world_size
