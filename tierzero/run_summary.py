@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
+
+import torch
 
 from tierzero.offload.busy import Busy
 from tierzero.sizes import format_size
 
-__all__ = ["TIERS", "RunSummary"]
+__all__ = ["TIERS", "PartClock", "RunSummary"]
 
 TIERS = ("device", "cpu", "nvme")
 
@@ -39,6 +42,10 @@ class RunSummary:
     """Bytes of NVMe-homed slices held in host memory at the end (tiers.nvme.cache)."""
     predicted_step_s: float | None = None
     """The step time the placement planner predicted (`offload: auto`), set beside the measured one."""
+    predicted_parts: dict[str, float] = field(default_factory=dict)
+    """The planner's prediction of each part of the step (forward, backward, step), by name."""
+    part_seconds: list[dict[str, float]] = field(default_factory=list)
+    """Each step's seconds in each part (`PartClock`)."""
     nvme_busy: Busy | None = None
     """The NVMe tier's moves in the steps after the first, and the time they were in flight."""
 
@@ -67,6 +74,8 @@ class RunSummary:
             rows.append(("disk busy", self._disk_busy(self.nvme_busy)))
         if self.predicted_step_s is not None and len(self.step_seconds) >= 2:
             rows.append(("planned step", self._against_prediction(self.predicted_step_s)))
+            if self.predicted_parts and len(self.part_seconds) >= 2:
+                rows.append(("by part", self._parts_against_prediction()))
         if self.nvme_cache:
             rows.append(("NVMe cache", f"{format_size(self.nvme_cache)} of NVMe-homed slices in host memory"))
         lines = ["", "tierzero train summary", *(f"  {k:<20} {v}" for k, v in rows)]
@@ -85,6 +94,15 @@ class RunSummary:
         off = (predicted - measured) / measured
         return f"predicted {predicted:.2f} s, measured {measured:.2f} s after the first step (prediction {off:+.0%})"
 
+    def _parts_against_prediction(self) -> str:
+        """Each part's predicted seconds beside its measured ones (the median of the steps after the
+        first): where a prediction that misses misses."""
+        shown = []
+        for part, predicted in self.predicted_parts.items():
+            measured = statistics.median(seconds.get(part, 0.0) for seconds in self.part_seconds[1:])
+            shown.append(f"{part} {predicted:.2f} s predicted, {measured:.2f} s measured")
+        return "; ".join(shown)
+
     @property
     def after_first(self) -> tuple[int, float]:
         """The steps after the first (those `nvme_busy` covers) and their seconds in all."""
@@ -102,3 +120,32 @@ class RunSummary:
     def _state_ratio(self) -> str:
         capacity = self.tier_capacity.get("device")
         return f" ({self.state_bytes / capacity:.1f}x the device capacity)" if capacity else ""
+
+
+class PartClock:
+    """Seconds of each part of a step (`micro_step`'s marks: forward, backward, step), summed over
+    its micro-steps. On a GPU the marks are events on the compute stream, read once the step has
+    synchronized, so that timing adds no wait; on the host, the wall clock."""
+
+    def __init__(self, *, cuda: bool) -> None:
+        self._cuda = cuda
+        self._marks: list[tuple[str, object]] = []
+
+    def mark(self, part: str) -> None:
+        """`part` begins now; "" ends the part under way (the end of a micro-step)."""
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append((part, event))
+        else:
+            self._marks.append((part, time.perf_counter()))
+
+    def step_done(self) -> dict[str, float]:
+        """The seconds of each part since the last call, by name; call it after the step synchronized."""
+        seconds: dict[str, float] = {}
+        for (part, began), (_, ended) in zip(self._marks, self._marks[1:]):
+            if part:
+                took = began.elapsed_time(ended) / 1e3 if self._cuda else ended - began
+                seconds[part] = seconds.get(part, 0.0) + took
+        self._marks.clear()
+        return seconds

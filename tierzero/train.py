@@ -36,7 +36,7 @@ from tierzero.models import build_model, count_parameters
 from tierzero.offload.busy import Busy
 from tierzero.placement.disk import learn
 from tierzero.pretrained.export import check_export, export_engine
-from tierzero.run_summary import TIERS, RunSummary
+from tierzero.run_summary import TIERS, PartClock, RunSummary
 from tierzero.sizes import format_size
 
 __all__ = ["RunSummary", "add_demo_command", "add_train_command", "run_demo", "run_train", "train"]
@@ -153,6 +153,7 @@ def train(
         rank, world = _rank_and_world()
         if engine.placement is not None:
             summary.predicted_step_s = engine.placement.prediction.step_s
+            summary.predicted_parts = engine.placement.prediction.part_seconds()
             if rank == 0:
                 out.write("\n".join(engine.placement.lines()) + "\n")
         try:
@@ -216,12 +217,16 @@ def _loop(
     try:
         traffic = getattr(engine.store, "nvme_traffic", lambda: (0, 0))
         busy, after_first = getattr(engine.store, "nvme_busy", Busy), Busy()
+        clock = PartClock(cuda=device.type == "cuda")
         for step in range(start, cfg.train.steps):
             t0, moved = time.perf_counter(), traffic()
-            loss = _train_step(engine, data, step=step, accumulation=accumulation, device=device, is_hf=cfg.model.is_transformers)
+            loss = _train_step(
+                engine, data, step=step, accumulation=accumulation, device=device, is_hf=cfg.model.is_transformers, clock=clock
+            )  # fmt: skip
             ctrl_c.check()
             elapsed = time.perf_counter() - t0
             summary.step_seconds.append(elapsed)
+            summary.part_seconds.append(clock.step_done())
             now = traffic()
             summary.nvme_steps.append((now[0] - moved[0], now[1] - moved[1]))
             summary.steps, summary.tokens = summary.steps + 1, summary.tokens + tokens_per_step
@@ -336,14 +341,18 @@ def _checkpoint_due(cfg: Any, steps_done: int) -> bool:
     return cfg.checkpoint.dir is not None and (steps_done == cfg.train.steps or (every > 0 and steps_done % every == 0))
 
 
-def _train_step(engine: Any, data: Any, *, step: int, accumulation: int, device: torch.device, is_hf: bool) -> float:
-    """One optimizer step over `accumulation` micro-batches; the mean loss over them and over ranks."""
+def _train_step(
+    engine: Any, data: Any, *, step: int, accumulation: int, device: torch.device, is_hf: bool, clock: PartClock
+) -> float:
+    """One optimizer step over `accumulation` micro-batches; the mean loss over them and over ranks.
+    `clock` hears each micro-step's parts begin and end."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     for micro in range(accumulation):
         # Pinned, the copies to a GPU are asynchronous indeed (from pageable memory they block).
         batch = data.batch(step * accumulation + micro)
         x, y = (t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t for t in batch)
-        total += micro_step(engine, x, y, is_hf=is_hf).float()
+        total += micro_step(engine, x, y, is_hf=is_hf, mark=clock.mark).float()
+        clock.mark("")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
         total /= torch.distributed.get_world_size()

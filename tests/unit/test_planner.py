@@ -406,6 +406,11 @@ def test_tierzero_train_plans_logs_and_reports_the_placement(swap: Path, monkeyp
     assert "placement (offload: auto), per rank:" in text and "predicted step" in text
     assert summary.predicted_step_s == reports[-1]["planned"]["predicted_step_s"]
     assert f"planned step         predicted {summary.predicted_step_s:.2f} s, measured " in text
+    assert f"  by part              forward {summary.predicted_parts['forward']:.2f} s predicted, " in text
+    # Each step's parts (forward, backward, step) lie within it, and take most of it.
+    for parts, step in zip(summary.part_seconds, summary.step_seconds, strict=True):
+        assert list(parts) == ["forward", "backward", "step"]
+        assert 0.5 * step < sum(parts.values()) <= step
     planned = reports[-1]["planned"]
     placed = reports[-1]["placement"]
     assert planned["predicted_step_s"] > 0 and planned["nvme_home"] > 0

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 import tierzero.train as T
+from tierzero import run_summary
 from tierzero.config import load_config
 from tierzero.offload.busy import Busy
 from tierzero.store.tiered import TieredStore
@@ -150,6 +151,28 @@ def test_summary_table_format() -> None:
         planned.format().splitlines()
     )
     assert "planned step" not in dataclasses.replace(planned, step_seconds=[9.0]).format()
+    # ... and each part's prediction beside the median of its measured seconds after the first step.
+    parts = [{"forward": 5.0, "backward": 3.0}, {"forward": 0.5, "backward": 1.5, "step": 0.25}]
+    parts += [{"forward": 0.75, "backward": 1.25, "step": 0.5}, {"forward": 0.5, "backward": 1.75, "step": 0.75}]
+    by_part = dataclasses.replace(planned, predicted_parts={"forward": 0.6, "backward": 1.4, "step": 0.0}, part_seconds=parts)
+    assert (
+        "  by part              forward 0.60 s predicted, 0.50 s measured; backward 1.40 s predicted, 1.50 s measured; "
+        "step 0.00 s predicted, 0.50 s measured"
+    ) in by_part.format().splitlines()
+    assert "by part" not in planned.format()
+
+
+def test_part_clock_sums_each_part_over_the_micro_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = iter([10.0, 11.0, 13.5, 14.0, 20.0, 20.5, 21.0, 21.25, 21.5])
+    monkeypatch.setattr(run_summary.time, "perf_counter", lambda: next(now))
+    clock = run_summary.PartClock(cuda=False)
+    for part in ("forward", "backward", "step", ""):  # a micro-step: 1 s, 2.5 s, 0.5 s
+        clock.mark(part)
+    for part in ("forward", "backward", "step", ""):  # the next, after 6 s outside any part
+        clock.mark(part)
+    assert clock.step_done() == {"forward": 1.5, "backward": 3.0, "step": 0.75}
+    clock.mark("forward")
+    assert clock.step_done() == {}  # a part not yet ended has no time
 
 
 @pytest.fixture
