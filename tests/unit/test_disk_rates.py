@@ -352,6 +352,52 @@ def test_the_slowdown_is_the_mean_of_the_paired_windows(tmp_path: Path, monkeypa
     assert flops.read == block / 1.0  # the median of the seven passes alone
 
 
+def test_a_slow_block_is_timed_in_fewer_pairs_once_the_limit_has_passed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass of 2 s alone and 3 s beside the disk (the 2B block on a slow host): the pairs stop at
+    the first that starts past `limit` seconds, but never before `MIN_ROUNDS` of them."""
+    from contextlib import contextmanager
+
+    from tierzero.config import load_config
+    from tierzero.placement import compute as block_timing
+
+    clock, beside, passes = [0.0], [False], []
+
+    class Stream:
+        @contextmanager
+        def paused(self):  # type: ignore[no-untyped-def]
+            beside[0] = False
+            yield
+            beside[0] = True
+
+        def rates(self) -> tuple[float, float]:
+            return 1.7, 1.7
+
+    @contextmanager
+    def streaming(path: object, nvme: object):  # type: ignore[no-untyped-def]
+        beside[0] = True
+        yield Stream()
+        beside[0] = False
+
+    def timed(*_: object) -> tuple[float, float]:
+        seconds = 3.0 if beside[0] else 2.0
+        clock[0] += seconds
+        passes.append(beside[0])
+        return 0.2 * seconds, seconds
+
+    monkeypatch.setattr(block_timing, "streaming", streaming)
+    monkeypatch.setattr(block_timing, "_timed_pass", timed)
+    monkeypatch.setattr(block_timing.time, "perf_counter", lambda: clock[0])
+    model = {"type": "gpt", "n_layer": 1, "n_head": 2, "d_model": 64, "d_ff": 256, "max_seq_len": 32}
+    raw = {"model": model, "train": {"micro_batch_size": 2, "seq_len": 32}, "tiers": {"nvme": {"path": str(tmp_path)}}}
+    for limit, pairs in ((30.0, block_timing.MIN_ROUNDS), (100.0, 21), (1000.0, 36)):
+        passes.clear()
+        compute = block_timing.measure_compute(load_config(raw), seconds=0.0, rounds=36, limit=limit)
+        assert passes == [False] + [False, True] * pairs  # the warm-up, then the pairs
+        assert compute.slowdown == pytest.approx(1.5)
+
+
 def test_the_compute_is_planned_with_the_medians_of_the_days_measurements_of_its_block_and_disk(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -440,7 +486,7 @@ def test_a_block_rate_far_off_the_days_is_measured_again_and_two_alike_replace_t
     afternoon = iter([100e9, 97e9, 125e9, 99e9])
     calls = []
 
-    def measured(cfg: object, timed: object, *, seconds: float, rounds: int) -> tuple[block_timing.Compute, bool]:
+    def measured(cfg: object, timed: object, *, seconds: float, rounds: int, limit: float) -> tuple[block_timing.Compute, bool]:
         calls.append(timed)
         return block_timing._remembered(block, next(afternoon), 1.1, 0.24, how="afternoon", beside="beside /swap")
 

@@ -30,6 +30,8 @@ __all__ = ["COMPUTE_FILE", "Compute", "measure_block_flops", "measure_compute"]
 
 #: The cache file of the block's measurements (placement/history.py).
 COMPUTE_FILE = "compute.json"
+#: The pairs of windows `measure_compute` times at least, however slow the block's pass.
+MIN_ROUNDS = 8
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,14 +55,15 @@ def measure_block_flops(cfg: Config, *, seconds: float = 1.5) -> Bandwidth | Non
     return None if block is None else block.rate(block.passes(seconds, at_least=3))
 
 
-def measure_compute(cfg: Config, *, seconds: float = 6.0, rounds: int = 36) -> Compute:
+def measure_compute(cfg: Config, *, seconds: float = 6.0, rounds: int = 36, limit: float = 30.0) -> Compute:
     """The compute rate for the prediction, how much slower it runs while the disk streams, and the
     forward's share of the block's time (the median over the passes alone).
 
     A built-in model's block (`measure_block_flops`), built once and timed in `rounds` pairs of
-    windows within about `seconds` (each a pass at least: the 2B block's pass takes 1.3 s on a
-    2-core Zen 1 VM, where the 36 pairs took 124 s): alone, then beside a stream to `tiers.nvme.path`
-    (`streaming`, paused for the first of each pair). Without a GPU the swaps' threads,
+    windows within about `seconds` (each a pass at least, so a block whose pass is slow takes
+    longer: no more pairs start after `limit` seconds once `MIN_ROUNDS` are done; the 2B block's
+    pass takes 0.25 s on the 2-core VM, 1.3 s on a 2-core Zen 1 VM, where 36 pairs took 124 s):
+    alone, then beside a stream to `tiers.nvme.path` (`streaming`, paused for the first of each pair). Without a GPU the swaps' threads,
     interrupts and memory traffic take from the cores. The slowdown is the mean of the pairs'
     ratios (at least 1.0): a machine whose speed drifts meanwhile slows both halves of a pair
     alike (timed once alone and then once beside, the 2B preset read 1.03-1.74x within a day),
@@ -79,13 +82,13 @@ def measure_compute(cfg: Config, *, seconds: float = 6.0, rounds: int = 36) -> C
     block = _TimedBlock.build(cfg)
     if block is None:
         return Compute(flops=measure_flops(cfg.precision.param_dtype))
-    compute, off = _measured(cfg, block, seconds=seconds, rounds=rounds)
+    compute, off = _measured(cfg, block, seconds=seconds, rounds=rounds, limit=limit)
     if off:  # noise, or the machine changed: a second measurement tells (placement/history.py)
-        compute, _ = _measured(cfg, block, seconds=seconds, rounds=rounds)
+        compute, _ = _measured(cfg, block, seconds=seconds, rounds=rounds, limit=limit)
     return compute
 
 
-def _measured(cfg: Config, block: _TimedBlock, *, seconds: float, rounds: int) -> tuple[Compute, bool]:
+def _measured(cfg: Config, block: _TimedBlock, *, seconds: float, rounds: int, limit: float) -> tuple[Compute, bool]:
     """One measurement of `measure_compute`'s, remembered; and whether it lies off the day's median."""
     shares: list[float] = []  # of the passes alone
     if torch.cuda.is_available() or cfg.tiers.nvme.path is None:
@@ -95,8 +98,11 @@ def _measured(cfg: Config, block: _TimedBlock, *, seconds: float, rounds: int) -
     window = seconds / (2 * rounds)
     alone: list[float] = []
     ratios: list[float] = []
+    began = time.perf_counter()
     with streaming(cfg.tiers.nvme.path, cfg.tiers.nvme) as stream:
-        for _ in range(rounds):
+        for done in range(rounds):
+            if done >= MIN_ROUNDS and time.perf_counter() - began > limit:
+                break
             with stream.paused():
                 quiet = block.passes(window, at_least=1, shares=shares)
             busy = block.passes(window, at_least=1)
