@@ -21,7 +21,7 @@ from tierzero.micro_step import micro_step
 from tierzero.models import build_model
 from tierzero.placement import MachineBudgets, TierBudget
 from tierzero.placement.planner import PlacementError, RankBudgets, plan_placement
-from tierzero.placement.prediction import predict
+from tierzero.placement.prediction import Part, predict
 from tierzero.slices import Kind, SliceKey, Tier, align_up
 from tierzero.stages.plan import KIND_HOMES as KIND_FIELD
 from tierzero.stages.plan import Homes
@@ -231,13 +231,18 @@ def test_with_a_gpu_the_units_whose_states_live_on_the_device_step_at_its_rate(s
 
 
 def test_the_rest_slows_for_as_long_as_the_disk_works_beside_it() -> None:
-    """Measured 1.2x slower beside the disk: backward's 3.5 s of rest with 3 s of disk slows for
-    6/7 of it (3.5 x (1 + 0.2 x 3/3.5) = 4.1 s), after 1 s of forward with no disk beside it;
-    under 9 s of disk, all of it (4.2 s, and the disk bounds backward); with no disk, none. A
-    GPU's compute does not share the host's cores."""
+    """Measured 1.2x slower beside the disk: backward's 3.5 s of rest does 2.5 s of its work in
+    the 3 s the disk works beside it, the last 1 s after (4.0 s), after 1 s of forward with no
+    disk beside it; under 9 s of disk, all of it (4.2 s, and the disk bounds backward); with no
+    disk, none. A GPU's compute does not share the host's cores."""
     kw = {"copy_rate": 1_000.0, "step_rate": 2_000.0, "slowdown": 1.2}
     result = _replayed(forward=Traffic(), backward=Traffic(read=3_000, copied=500, stepped=2_000))
-    assert predict(result, cuda=False, **kw).step_s == pytest.approx(5.1)
+    assert predict(result, cuda=False, **kw).step_s == pytest.approx(5.0)
+    assert predict(result, cuda=False, **{**kw, "slowdown": 3.5}).step_s == pytest.approx(1.0 + 3.5 + 3 * (1 - 1 / 3.5))
+    # A disk that outlasts the rest slows all of it, and no more: 3.5 s of work at 1/1.2 speed take
+    # 4.2 s, here after the one unit's 9 s of disk (the rest's work waits for its unit's bytes).
+    part = Part(name="backward", io_s=9.0, compute_s=2.0, optimizer_s=1.0, copy_s=0.5, units=((9.0, 1.0, 10),))
+    assert part.seconds(cuda=False, slowdown=1.2) == pytest.approx(9.0 + 4.2)
     gpu = predict(result, cuda=True, **kw)
     assert (gpu.step_s, gpu.slowdown) == (4.0, 1.0)
     result = _replayed(forward=Traffic(), backward=Traffic(read=9_000, copied=500, stepped=2_000))

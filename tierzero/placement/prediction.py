@@ -9,7 +9,11 @@ whatever computes, so the step is the longer of the disk and the rest. With a GP
 overlaps too (the GPU's compute, the copy stream and the host's optimizer), and the longest
 part bounds the step; without one, compute, optimizer and copies take the same cores and add
 up, and run slower for as long as the disk works beside them (the block timed in pairs of
-windows, alone and beside a disk stream: 1.13-1.26x on the 2-core VM).
+windows, alone and beside a disk stream: 1.13-1.26x on the 2-core VM, 1.5-1.7x on a 2-core Zen 1
+VM). In the disk's seconds the rest does only 1/slowdown seconds of its work each, so the part
+takes the disk's seconds x (1 - 1/slowdown) longer; taken as the disk's seconds x (slowdown - 1),
+as if the work beside the disk stretched, the 2B backward on the Zen 1 VM was predicted 25.0 s
+against 22.9 s measured, now 23.3 s (docs/BENCHMARKS.md, session 23).
 
 The disk overlaps only the work of the same part of the step: the replay counts each byte in
 the part that issues it (forward, backward or the step after it) and each element the
@@ -81,8 +85,8 @@ class Part:
     def seconds(self, *, cuda: bool, slowdown: float) -> float:
         """The part's time: its units' disk and their shares of the rest, pipelined (see the module note)."""
         rest = self._rest(cuda=cuda)
-        if not cuda and rest > 0:
-            rest *= 1.0 + (slowdown - 1.0) * min(1.0, self.io_s / rest)
+        if not cuda:  # in the disk's seconds the rest does 1/slowdown of their work; all of it slowed at most
+            rest += min(self.io_s, rest * slowdown) * (1.0 - 1.0 / slowdown)
         if not self.units:
             return max(self.io_s, rest)
         alone = max(0.0, rest * (1.0 - sum(share for _, share, _ in self.units)))
