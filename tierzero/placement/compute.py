@@ -62,8 +62,9 @@ def measure_compute(cfg: Config, *, seconds: float = 6.0, rounds: int = 36, limi
     A built-in model's block (`measure_block_flops`), built once and timed in `rounds` pairs of
     windows within about `seconds` (each a pass at least, so a block whose pass is slow takes
     longer: no more pairs start after `limit` seconds once `MIN_ROUNDS` are done; the 2B block's
-    pass takes 0.25 s on the 2-core VM, 1.3 s on a 2-core Zen 1 VM, where 36 pairs took 124 s):
-    alone, then beside a stream to `tiers.nvme.path` (`streaming`, paused for the first of each pair). Without a GPU the swaps' threads,
+    pass takes about 0.25 s on the 2-core VM, 0.85-1.3 s on a 2-core Zen 1 VM, where 36 pairs
+    took 124 s and the bounded ones 35 s): alone, then beside a stream to `tiers.nvme.path`
+    (`streaming`, paused for the first of each pair). Without a GPU the swaps' threads,
     interrupts and memory traffic take from the cores. The slowdown is the mean of the pairs'
     ratios (at least 1.0): a machine whose speed drifts meanwhile slows both halves of a pair
     alike (timed once alone and then once beside, the 2B preset read 1.03-1.74x within a day),
