@@ -45,7 +45,7 @@ class RunSummary:
     predicted_parts: dict[str, float] = field(default_factory=dict)
     """The planner's prediction of each part of the step (forward, backward, step), by name."""
     part_seconds: list[dict[str, float]] = field(default_factory=list)
-    """Each step's seconds in each part (`PartClock`)."""
+    """Each step's seconds in each part (`PartClock`), where `predicted_parts` are set."""
     nvme_busy: Busy | None = None
     """The NVMe tier's moves in the steps after the first, and the time they were in flight."""
 

@@ -217,7 +217,8 @@ def _loop(
     try:
         traffic = getattr(engine.store, "nvme_traffic", lambda: (0, 0))
         busy, after_first = getattr(engine.store, "nvme_busy", Busy), Busy()
-        clock = PartClock(cuda=device.type == "cuda")
+        # Parts are timed only where a plan predicted them: the summary sets the two side by side.
+        clock = PartClock(cuda=device.type == "cuda") if summary.predicted_parts else None
         for step in range(start, cfg.train.steps):
             t0, moved = time.perf_counter(), traffic()
             loss = _train_step(
@@ -226,7 +227,8 @@ def _loop(
             ctrl_c.check()
             elapsed = time.perf_counter() - t0
             summary.step_seconds.append(elapsed)
-            summary.part_seconds.append(clock.step_done())
+            if clock is not None:
+                summary.part_seconds.append(clock.step_done())
             now = traffic()
             summary.nvme_steps.append((now[0] - moved[0], now[1] - moved[1]))
             summary.steps, summary.tokens = summary.steps + 1, summary.tokens + tokens_per_step
@@ -342,17 +344,20 @@ def _checkpoint_due(cfg: Any, steps_done: int) -> bool:
 
 
 def _train_step(
-    engine: Any, data: Any, *, step: int, accumulation: int, device: torch.device, is_hf: bool, clock: PartClock
+    engine: Any, data: Any, *, step: int, accumulation: int, device: torch.device, is_hf: bool, clock: PartClock | None
 ) -> float:
     """One optimizer step over `accumulation` micro-batches; the mean loss over them and over ranks.
-    `clock` hears each micro-step's parts begin and end."""
+    `clock`, if any, hears each micro-step's parts begin and end."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     for micro in range(accumulation):
         # Pinned, the copies to a GPU are asynchronous indeed (from pageable memory they block).
         batch = data.batch(step * accumulation + micro)
         x, y = (t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t for t in batch)
-        total += micro_step(engine, x, y, is_hf=is_hf, mark=clock.mark).float()
-        clock.mark("")
+        if clock is None:
+            total += micro_step(engine, x, y, is_hf=is_hf).float()
+        else:
+            total += micro_step(engine, x, y, is_hf=is_hf, mark=clock.mark).float()
+            clock.mark("")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
         total /= torch.distributed.get_world_size()

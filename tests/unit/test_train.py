@@ -94,6 +94,7 @@ def test_summary_matches_what_the_loop_measured(tmp_path: Path) -> None:
     assert summary.tokens == 3 * 4 * 64
     assert summary.peak_rss > 50 * MiB
     assert summary.tier_capacity["device"] == 8 * MiB and 0 < summary.peak_tier_bytes["device"] <= 8 * MiB
+    assert summary.part_seconds == []  # no plan predicted the parts: none are timed
     assert out.getvalue().endswith(summary.format())
 
 
