@@ -9,7 +9,7 @@ whatever computes, so the step is the longer of the disk and the rest. With a GP
 overlaps too (the GPU's compute, the copy stream and the host's optimizer), and the longest
 part bounds the step; without one, compute, optimizer and copies take the same cores and add
 up, and run slower for as long as the disk works beside them (the block timed in pairs of
-windows, alone and beside a disk stream: 1.13-1.26x on the 2-core VM, 1.5-1.7x on a 2-core Zen 1
+windows, alone and beside a disk stream: 1.13-1.26x on the 2-core VM, 1.5-2.0x on a 2-core Zen 1
 VM). In the disk's seconds the rest does only 1/slowdown seconds of its work each, so the part
 takes the disk's seconds x (1 - 1/slowdown) longer; taken as the disk's seconds x (slowdown - 1),
 as if the work beside the disk stretched, the 2B backward on the Zen 1 VM was predicted 25.0 s
