@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from tierzero.data import ByteBatches, ByteCorpus, find_files, load_corpus, stdlib_dir
+from tierzero.data import ByteBatches, ByteCorpus, find_files, load_corpus, stdlib_dir, stdlib_sources
 
 
 def _write(tmp_path: Path, texts: dict[str, bytes]) -> list[Path]:
@@ -31,6 +32,18 @@ def test_stdlib_fallback_finds_python_sources() -> None:
     assert len(files) > 100
     assert all(f.suffix == ".py" and f.is_relative_to(stdlib_dir()) for f in files)
     assert stdlib_dir() / "os.py" in files
+
+
+def test_the_stdlib_is_listed_once_a_process_as_a_sorted_glob_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    listed = stdlib_sources()
+    assert list(listed) == sorted(p for p in stdlib_dir().rglob("*.py") if p.is_file())
+
+    def walk(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the standard library was walked a second time")
+
+    monkeypatch.setattr(os, "walk", walk)
+    assert stdlib_sources() is listed
+    assert find_files(None) == list(listed)
 
 
 def test_path_forms_file_directory_and_glob(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ batches.py holds the `Batches` protocol both follow and `batches_from_config`.
 from tierzero.data.batches import Batches, batches_from_config
 from tierzero.data.bytes import ByteBatches, ByteCorpus, load_corpus
 from tierzero.data.packing import PackedBatches
-from tierzero.data.sources import Format, Source, find_files, find_sources, read_documents, stdlib_dir
+from tierzero.data.sources import Format, Source, find_files, find_sources, read_documents, stdlib_dir, stdlib_sources
 from tierzero.data.tokenizer import TextTokenizer, check_vocab, load_tokenizer
 from tierzero.data.tokens import TokenStream, default_cache_dir, token_stream
 
@@ -33,5 +33,6 @@ __all__ = [
     "load_tokenizer",
     "read_documents",
     "stdlib_dir",
+    "stdlib_sources",
     "token_stream",
 ]

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from tierzero.checkpoint.format import TensorEntry, dtype_name
-from tierzero.data import stdlib_dir
+from tierzero.data import stdlib_dir, stdlib_sources
 from tierzero.pretrained.export import (
     DEFAULT_MAX_SHARD_SIZE,
     EXPORT_DTYPES,
@@ -203,14 +203,13 @@ def train_tokenizer(*, vocab_size: int, corpus_bytes: int) -> Any:
 def _corpus(limit: int) -> Iterator[str]:
     """The first `limit` bytes of the standard library's *.py files, file by file in path order."""
     left = limit
-    for path in sorted(stdlib_dir().rglob("*.py")):
+    for path in stdlib_sources():
         if left <= 0:
             return
-        if path.is_file():
-            with open(path, "rb") as f:
-                raw = f.read(left)
-            left -= len(raw)
-            yield raw.decode("utf-8", errors="replace")
+        with open(path, "rb") as f:
+            raw = f.read(left)
+        left -= len(raw)
+        yield raw.decode("utf-8", errors="replace")
 
 
 def _save_tokenizer(tokenizer: Any, out: Path, *, max_length: int) -> None:
