@@ -92,11 +92,13 @@ class ShapesOnly(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        if func in _INITS and tensors[0].device.type == "meta":
-            return tensors[0]
         rule = _RULES.get(func)
-        if rule is None or any(t.device.type != "meta" for t in tensors):
+        if rule is None and func not in _INITS:
+            return func(*args, **kwargs)  # nearly every call of a dry run: the engine's own copies and views
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if rule is None:
+            return tensors[0] if tensors[0].device.type == "meta" else func(*args, **kwargs)
+        if any(t.device.type != "meta" for t in tensors):
             return func(*args, **kwargs)
         shape = rule(*args, **kwargs)
         if shape is None:
