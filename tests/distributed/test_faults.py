@@ -20,6 +20,8 @@ import pytest
 from harness import tiny_train_config
 from test_checkpoint_resume import launch
 
+pytestmark = pytest.mark.serial  # timed to a second or two: `make test` runs it alone on the cores
+
 TIMEOUT_S = 4.0
 #: Start-up (fork, group, engine) and the step before the fault, on a loaded 2-core machine.
 SLACK_S = 20.0

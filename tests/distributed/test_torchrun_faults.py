@@ -29,6 +29,8 @@ import pytest
 from harness import tiny_train_config
 from test_torchrun_nodes import torchrun
 
+pytestmark = pytest.mark.serial  # timed to a second or two: `make test` runs it alone on the cores
+
 TIMEOUT_S = 5.0
 EXIT_SLACK_S = 0.5
 """From the end of the roll call to the exit time a survivor writes: the engine's close and the

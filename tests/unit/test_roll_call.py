@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from tierzero.dist import roll_call_s, setup, unanswered_ranks
 
+pytestmark = pytest.mark.serial  # timed to a second or two: `make test` runs it alone on the cores
+
 
 def _port() -> int:
     with socket.socket() as s:
