@@ -21,8 +21,9 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/tierzero demo
 
-# Two workers share the cores for all but the tests timed to the second (marked serial),
-# which then run alone: 6-7 min on a 2-core VM, against 8-10 min in one process.
+# Two workers share the cores for all but the tests timed to the second or measuring peaks
+# that hang on the I/O threads' timing (marked serial), which then run alone: 6-7 min on a
+# 2-core VM, against 8-10 min in one process.
 TEST_WORKERS ?= 2
 
 test: install
