@@ -24,7 +24,7 @@ def _write(tmp_path: Path, texts: dict[str, bytes]) -> list[Path]:
 
 def _corpus(n: int = 4096) -> ByteCorpus:
     data = bytes((i * 7 + i // 256) % 256 for i in range(n))
-    return ByteCorpus(tokens=torch.tensor(list(data), dtype=torch.uint8), files=[], total_bytes=n)
+    return ByteCorpus(tokens=torch.tensor(list(data), dtype=torch.uint8), files=[])
 
 
 def test_stdlib_fallback_finds_python_sources() -> None:
@@ -67,7 +67,7 @@ def test_corpus_is_the_files_end_to_end_in_seeded_order(tmp_path: Path) -> None:
     texts = {f"f{i}.txt": bytes([65 + i]) * (10 + i) for i in range(5)}
     files = _write(tmp_path, texts)
     corpus = load_corpus(files, max_bytes=1 << 20, seed=3)
-    assert sorted(corpus.files) == files and corpus.total_bytes == sum(len(t) for t in texts.values())
+    assert sorted(corpus.files) == files and len(corpus) == sum(len(t) for t in texts.values())
     expected = b"".join(f.read_bytes() for f in corpus.files)
     assert bytes(corpus.tokens.tolist()) == expected
     assert load_corpus(files, max_bytes=1 << 20, seed=3).files == corpus.files
@@ -81,6 +81,17 @@ def test_corpus_is_bounded_and_reads_only_a_prefix_of_the_last_file(tmp_path: Pa
     assert len(corpus) == 1000 and corpus.tokens.dtype == torch.uint8
     expected = b"".join(f.read_bytes() for f in corpus.files)[:1000]
     assert bytes(corpus.tokens.tolist()) == expected
+
+
+def test_corpus_looks_only_at_the_files_it_takes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    files = _write(tmp_path, {f"f{i:02}.txt": bytes([i]) * 100 for i in range(40)})
+    looked: list[str] = []
+    real = os.path.getsize
+    monkeypatch.setattr(os.path, "getsize", lambda p: looked.append(str(p)) or real(p))
+    corpus = load_corpus(files, max_bytes=250, seed=5)
+    assert len(corpus) == 250 and len(corpus.files) == 3
+    assert looked == [str(f) for f in corpus.files]
+    assert bytes(corpus.tokens.tolist()) == b"".join(f.read_bytes() for f in corpus.files)[:250]
 
 
 def test_batches_are_shifted_windows_of_the_corpus() -> None:
@@ -132,7 +143,7 @@ def test_stdlib_corpus_is_text_and_trains_from_config() -> None:
         train=SimpleNamespace(seq_len=64, micro_batch_size=2, seed=0),
     )
     data = ByteBatches.from_config(cfg, rank=1, world_size=2)
-    assert len(data.corpus) == 1 << 20 and data.corpus.total_bytes > 1 << 20
+    assert len(data.corpus) == 1 << 20 and len(data.corpus.files) < len(stdlib_sources())
     assert all(f.suffix == ".py" for f in data.corpus.files)
     x, _ = data.batch(0)
     assert x.shape == (2, 64)
