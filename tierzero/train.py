@@ -35,6 +35,7 @@ from tierzero.micro_step import micro_step
 from tierzero.models import build_model, count_parameters
 from tierzero.offload.busy import Busy
 from tierzero.placement.disk import learn
+from tierzero.placement.progress import said_to
 from tierzero.pretrained.export import check_export, export_engine
 from tierzero.run_summary import TIERS, PartClock, RunSummary
 from tierzero.sizes import format_size
@@ -149,7 +150,8 @@ def train(
     check_vocab(cfg, model)  # before the engine: a model that cannot embed the data's ids is refused in seconds
     summary = RunSummary(planned_steps=cfg.train.steps, parameters=count_parameters(model))
     with _CtrlC(ignore_after=process_ends) as ctrl_c:
-        engine = initialize(model, cfg)
+        with said_to(out):  # a plan's minute of measuring, said as it goes (only rank 0 plans)
+            engine = initialize(model, cfg)
         rank, world = _rank_and_world()
         if engine.placement is not None:
             summary.predicted_step_s = engine.placement.prediction.step_s

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -423,7 +424,7 @@ def test_tierzero_train_plans_logs_and_reports_the_placement(swap: Path, monkeyp
     assert sum(placed["nvme"].values()) == planned["nvme_home"]
 
 
-def test_tierzero_estimate_prints_the_plan(tmp_path: Path, swap: Path) -> None:
+def test_tierzero_estimate_prints_the_plan(tmp_path: Path, swap: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
     import json
 
@@ -447,6 +448,10 @@ def test_tierzero_estimate_prints_the_plan(tmp_path: Path, swap: Path) -> None:
     rc, table = cli()
     assert rc == 0 and "placement (offload: auto), per rank:" in table and "predicted step" in table
     assert "by part, each its disk beside the rest: forward " in table
+    # What the planner does meanwhile goes to stderr, beside the report: the rates are given, so only the replays.
+    said = capsys.readouterr().err.splitlines()
+    assert said[0] == "planning: replaying the step for each candidate placement" and len(said) == 2
+    assert re.fullmatch(r"planning: \d+ replays of \d+ placements in \d+\.\d s", said[1])
     rc, text = cli("--json")
     placement = json.loads(text)["placement"]
     assert rc == 0 and placement["predicted_step_s"] > 0

@@ -13,6 +13,7 @@ from tierzero.estimate.estimator import Bandwidth, Estimate, estimate, measure_f
 from tierzero.placement import MachineBudgets, machine_budgets
 from tierzero.placement.disk import label_of
 from tierzero.placement.planner import plan_placement
+from tierzero.placement.progress import said_to
 from tierzero.sizes import format_size
 from tierzero.slices import KEPT_KINDS, shown_kinds
 
@@ -207,7 +208,8 @@ def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
     budgets = machine_budgets(cfg.tiers)
     if cfg.offload.planned:
         shares = {} if local is None else {"local_world_size": local}  # a machine's memory is shared by its ranks
-        plan = plan_placement(cfg, world_size=args.world_size, budgets=budgets, disk=disk, flops=flops, **shares)
+        with said_to(sys.stderr):  # beside the report, not in it: --json's output stays JSON
+            plan = plan_placement(cfg, world_size=args.world_size, budgets=budgets, disk=disk, flops=flops, **shares)
         result = plan.estimate
         if args.json:
             out.write(json.dumps({**to_json(result, budgets=budgets), "placement": plan.summary()}, indent=2) + "\n")

@@ -9,6 +9,7 @@ takes their medians (placement/history.py).
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
@@ -22,11 +23,13 @@ from tierzero.estimate.estimator import Bandwidth, measure_flops
 from tierzero.kernels import use_linear_kernel
 from tierzero.models import BUILT_IN, spec_from_config
 from tierzero.placement.disk import label_of, streaming
-from tierzero.placement.history import medians, off_median, remember, span_text
+from tierzero.placement.history import SHIFT, medians, off_median, remember, span_text
 from tierzero.placement.prediction import FORWARD_SHARE
 from tierzero.precision import dtype_of
 
 __all__ = ["COMPUTE_FILE", "Compute", "measure_block_flops", "measure_compute"]
+
+log = logging.getLogger(__name__)
 
 #: The cache file of the block's measurements (placement/history.py).
 COMPUTE_FILE = "compute.json"
@@ -85,6 +88,7 @@ def measure_compute(cfg: Config, *, seconds: float = 6.0, rounds: int = 36, limi
         return Compute(flops=measure_flops(cfg.precision.param_dtype))
     compute, off = _measured(cfg, block, seconds=seconds, rounds=rounds, limit=limit)
     if off:  # noise, or the machine changed: a second measurement tells (placement/history.py)
+        log.info("timing it again: the rate lies more than %.0f%% off the day's median", SHIFT * 100)
         compute, _ = _measured(cfg, block, seconds=seconds, rounds=rounds, limit=limit)
     return compute
 
@@ -92,14 +96,17 @@ def measure_compute(cfg: Config, *, seconds: float = 6.0, rounds: int = 36, limi
 def _measured(cfg: Config, block: _TimedBlock, *, seconds: float, rounds: int, limit: float) -> tuple[Compute, bool]:
     """One measurement of `measure_compute`'s, remembered; and whether it lies off the day's median."""
     shares: list[float] = []  # of the passes alone
+    began = time.perf_counter()
     if torch.cuda.is_available() or cfg.tiers.nvme.path is None:
+        log.info("timing %s, about %.0f s", block.what, seconds)
         runs = block.passes(seconds, at_least=3, shares=shares)
         rate = block.rate(runs)
+        log.info("%.0f GFLOP/s, in %.1f s", rate.read / 1e9, time.perf_counter() - began)
         return _remembered(block, rate.read, 1.0, statistics.median(shares), how=rate.source, beside="alone")
+    log.info("timing %s, alone and beside the disk, up to about %.0f s", block.what, limit)
     window = seconds / (2 * rounds)
     alone: list[float] = []
     ratios: list[float] = []
-    began = time.perf_counter()
     with streaming(cfg.tiers.nvme.path, cfg.tiers.nvme) as stream:
         for done in range(rounds):
             if done >= MIN_ROUNDS and time.perf_counter() - began > limit:
@@ -111,6 +118,7 @@ def _measured(cfg: Config, block: _TimedBlock, *, seconds: float, rounds: int, l
             ratios.append(statistics.median(busy) / statistics.median(quiet))
         read, write = stream.rates()
     quiet_rate, slowdown, share = block.rate(alone), max(1.0, statistics.mean(ratios)), statistics.median(shares)
+    log.info("%.0f GFLOP/s alone, %.2fx slower beside the disk, in %.1f s", quiet_rate.read / 1e9, slowdown, time.perf_counter() - began)
     beside = f"{slowdown:.2f}x slower beside the disk, which read {read:.1f} GB/s, wrote {write:.1f}"
     how = f"{quiet_rate.source}, the forward {share:.0%} of it; {beside}"
     disk = f"beside {os.path.realpath(cfg.tiers.nvme.path)} at {label_of(cfg.tiers.nvme)}"

@@ -32,6 +32,7 @@ and rewritten, never trusted, and a directory that is gone loses its entry at th
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -67,6 +68,8 @@ __all__ = [
     "STREAM_BYTES", "DiskRates", "DiskStream", "cache_file", "disk_rates", "label_of", "learn", "probe", "remember",
     "remembered", "setting_label", "streaming", "timed_moves",
 ]
+
+log = logging.getLogger(__name__)
 
 #: Bytes `probe` spreads over the disk by default.
 PROBE_BYTES = 1 << 30
@@ -183,7 +186,10 @@ def disk_rates(path: str | os.PathLike[str], nvme: NvmeTierConfig | None = None)
     known = remembered(path, setting, max_age_s=MAX_AGE_S)
     if known is not None:
         return known
+    log.info("probing the disk at %s for %.0f s at %s: none of its rates there are from the last %.0f min",
+             os.path.realpath(path), PROBE_S, setting, MAX_AGE_S / 60)  # fmt: skip
     read, write = probe(path, nvme)
+    log.info("the disk read %.2f GB/s, wrote %.2f", read, write)
     remember(path, {setting: (read, write)}, how=f"probe of {format_size(PROBE_BYTES)} over {PROBE_S:.0f} s")
     found = _remembered_at(path, setting)
     assert found is not None

@@ -30,6 +30,8 @@ host memory and shares the cpu budget with the activations.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,8 @@ from tierzero.slices import Tier
 from tierzero.stages.plan import Homes
 
 __all__ = ["PlacementError", "PlacementPlan", "RankBudgets", "plan_placement"]
+
+log = logging.getLogger(__name__)
 
 #: Whole-kind placements whose split is tried: the best this many that leave state on NVMe.
 SPLIT_BASES = 4
@@ -238,8 +242,10 @@ def plan_placement(
     device_step_rate = measure_step_rate(cfg, device="cuda") if cuda else None
 
     specs: dict[str, Any] = {}
+    replays: list[Homes] = []
 
     def replay(homes: Homes, overrides: dict[str, int]) -> Estimate:
+        replays.append(homes)
         replayed = load_config(free, overrides=overrides) if overrides else free
         return estimate(
             replayed, world_size=world_size, local_world_size=local_world_size, disk=disk, flops=flops,
@@ -268,6 +274,8 @@ def plan_placement(
         )  # fmt: skip
         return candidate
 
+    log.info("replaying the step for each candidate placement")
+    began = time.perf_counter()
     whole = [judge(c) for c in whole_kind(cfg)]
     fitting = sorted((c for c in whole if not c.short), key=_rank)
     bases = [c for c in fitting if c.result is not None and c.result.nvme_file][:SPLIT_BASES]
@@ -277,6 +285,7 @@ def plan_placement(
         for split in fill(base, rank_budgets.memory_rooms(base.result), judge, disk=disk, auto=auto)
     ]  # fmt: skip
     ranked = sorted((c for c in whole + splits if not c.short), key=_rank)
+    log.info("%d replays of %d placements in %.1f s", len(replays), len(whole) + len(splits), time.perf_counter() - began)
     if not ranked:
         raise PlacementError(_refusal(cfg, whole))
     best = ranked[0]
