@@ -242,10 +242,11 @@ def plan_placement(
     device_step_rate = measure_step_rate(cfg, device="cuda") if cuda else None
 
     specs: dict[str, Any] = {}
-    replays: list[Homes] = []
+    replays = 0
 
     def replay(homes: Homes, overrides: dict[str, int]) -> Estimate:
-        replays.append(homes)
+        nonlocal replays
+        replays += 1
         replayed = load_config(free, overrides=overrides) if overrides else free
         return estimate(
             replayed, world_size=world_size, local_world_size=local_world_size, disk=disk, flops=flops,
@@ -285,7 +286,7 @@ def plan_placement(
         for split in fill(base, rank_budgets.memory_rooms(base.result), judge, disk=disk, auto=auto)
     ]  # fmt: skip
     ranked = sorted((c for c in whole + splits if not c.short), key=_rank)
-    log.info("%d replays of %d placements in %.1f s", len(replays), len(whole) + len(splits), time.perf_counter() - began)
+    log.info("%d replays of %d placements in %.1f s", replays, len(whole) + len(splits), time.perf_counter() - began)
     if not ranked:
         raise PlacementError(_refusal(cfg, whole))
     best = ranked[0]
