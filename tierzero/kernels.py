@@ -4,15 +4,23 @@
 PyTorch computes an fp32 `nn.Linear` on the CPU with MKL's sgemm. At the few tokens of
 an offloaded fine-tuning step (64 on the oversized preset) that call packs the whole
 weight on every use, and on an AMD host MKL picks its generic kernels: 100-131 GFLOP/s
-on this machine's two cores, against 173-184 for the JIT kernels of oneDNN, which
+on one dev machine's two cores, against 173-184 for the JIT kernels of oneDNN, which
 PyTorch ships for its compiled CPU linear (`torch.ops.mkldnn._linear_pointwise`).
-`precision.linear_kernel: onednn` runs each `nn.Linear`'s forward and its input
-gradient there; the weight gradient stays MKL's `mm` (oneDNN's, on transposed copies,
-took 16-17% off the 2B preset's 10240 x 2560 weight gradient and 5% off its block's
-forward and backward, docs/BENCHMARKS.md session 20: not yet taken). Both libraries
-compute in IEEE fp32, but they add a row's products in a different order, so the bits
-differ from PyTorch's in the last places; hence opt-in,
-and `torch` (plain `F.linear`) by default, which tierzero's bit-for-bit tests hold to.
+`precision.linear_kernel: onednn` runs each `nn.Linear`'s forward there.
+
+The backward's two products go to whichever library this host runs faster at their
+shape: the input gradient on oneDNN (against the transposed weight) or PyTorch's `mm`,
+the weight gradient on `mm` or oneDNN (on transposed copies). Which one wins depends on
+the CPU: on a Zen 1 host oneDNN took 83-193 ms for the 2B preset's input gradients where
+`mm` took 54-64, and the block's forward and backward ran 58 GFLOP/s against 41; on a
+later EPYC oneDNN won. So, as `torch.backends.cudnn.benchmark` does on a GPU, the first
+backward of each shape times both (`_fastest`: the best of a few alternating runs) and
+the process keeps the faster for that shape; `chosen()` says what was kept.
+
+Both libraries compute in IEEE fp32, but they add a row's products in a different
+order, so the bits differ from PyTorch's in the last places, and two processes whose
+timings chose differently differ from each other there too; hence opt-in, and `torch`
+(plain `F.linear`) by default, which tierzero's bit-for-bit tests hold to.
 
 Only where both kernels compute the same thing: fp32 input and weight on the CPU,
 outside autocast (which lowers the layer to bf16, where PyTorch already uses oneDNN).
@@ -24,7 +32,10 @@ activation checkpointing included.
 
 from __future__ import annotations
 
+import logging
+import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +44,14 @@ from torch import nn
 
 from tierzero.config.precision import LINEAR_KERNELS
 
-__all__ = ["OneDnnLinear", "onednn_available", "use_linear_kernel"]
+__all__ = ["OneDnnLinear", "chosen", "onednn_available", "use_linear_kernel"]
+
+log = logging.getLogger(__name__)
+
+#: Timed runs of each candidate product, alternating, before `_fastest` keeps the best.
+ROUNDS = 3
+
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def onednn_available() -> bool:
@@ -50,8 +68,77 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _input_grad_onednn(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _onednn(grad, weight.t(), None)
+
+
+def _input_grad_mm(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return grad.mm(weight)
+
+
+def _weight_grad_mm(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return grad.t().mm(x)
+
+
+def _weight_grad_onednn(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return _onednn(grad.t().contiguous(), x.t().contiguous(), None)
+
+
+#: The candidates of each product of the backward, by name: (a, b) -> the product.
+CANDIDATES: dict[str, dict[str, Product]] = {
+    "input gradient": {"onednn": _input_grad_onednn, "mm": _input_grad_mm},
+    "weight gradient": {"mm": _weight_grad_mm, "onednn": _weight_grad_onednn},
+}
+
+_Key = tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype]
+#: (product, a's shape, b's shape, dtype) -> the candidate this process keeps, and each one's best time.
+_kept: dict[_Key, tuple[str, dict[str, float]]] = {}
+
+
+def chosen() -> dict[str, str]:
+    """What the backward runs in this process, by product and shape: 'input gradient 64x10240 @
+    10240x2560' -> 'mm 54.1 ms, onednn 160.3 ms'."""
+    return dict(_said(key, kept) for key, kept in _kept.items())
+
+
+def _said(key: _Key, kept: tuple[str, dict[str, float]]) -> tuple[str, str]:
+    (product, a, b, _), (name, seconds) = key, kept
+    times = [name] + [other for other in seconds if other != name]
+    return (
+        f"{product} {'x'.join(map(str, a))} @ {'x'.join(map(str, b))}",
+        ", ".join(f"{other} {1e3 * seconds[other]:.1f} ms" for other in times),
+    )
+
+
+def _fastest(product: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`product` of two 2-D tensors on the candidate this process keeps for their shapes, timed
+    at first sight (see the note)."""
+    key = (product, tuple(a.shape), tuple(b.shape), a.dtype)
+    kept = _kept.get(key)
+    if kept is None:
+        kept = _kept[key] = _timed(product, a, b)
+        log.info("linear %s: %s", *_said(key, kept))
+    return CANDIDATES[product][kept[0]](a, b)
+
+
+def _timed(product: str, a: torch.Tensor, b: torch.Tensor) -> tuple[str, dict[str, float]]:
+    """The fastest candidate of `product` and each one's best time, after a warm-up run each."""
+    candidates = CANDIDATES[product]
+    best = {}
+    for name, run in candidates.items():
+        run(a, b)
+        best[name] = float("inf")
+    for _ in range(ROUNDS):
+        for name, run in candidates.items():
+            began = time.perf_counter()
+            run(a, b)
+            best[name] = min(best[name], time.perf_counter() - began)
+    return min(best, key=best.__getitem__), best
+
+
 class OneDnnLinear(torch.autograd.Function):
-    """`F.linear(x, weight, bias)` with the forward and the input gradient on oneDNN (see the note)."""
+    """`F.linear(x, weight, bias)` with the forward on oneDNN and each gradient on the faster
+    library at its shape (see the note)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -62,11 +149,11 @@ class OneDnnLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _onednn(grad, weight.t(), None)
         flat = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[0]:
+            grad_x = _fastest("input gradient", flat, weight).view(*grad.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:
-            grad_weight = flat.t().mm(x.reshape(-1, x.shape[-1]))
+            grad_weight = _fastest("weight gradient", flat, x.reshape(-1, x.shape[-1]))
         if ctx.needs_input_grad[2]:  # False for a None bias
             grad_bias = flat.sum(0)
         return grad_x, grad_weight, grad_bias

@@ -4,6 +4,7 @@ engine's steps with it against plain PyTorch with the same kernel, bit for bit."
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierzero.bench.contenders import LR, PLACEMENTS, EngineTraining, engine_config, gpt, token_batch
-from tierzero.kernels import OneDnnLinear, onednn_available, use_linear_kernel
+from tierzero import kernels
+from tierzero.kernels import CANDIDATES, ROUNDS, OneDnnLinear, chosen, onednn_available, use_linear_kernel
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN")
 
@@ -40,6 +42,45 @@ def test_forward_and_gradients_match_the_float64_linear(shape: tuple[int, ...], 
     for got, want in [(y, y64), (x.grad, x64.grad), (w.grad, w64.grad)] + ([(b.grad, b64.grad)] if bias else []):
         assert got is not None and want is not None and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize(("product", "name"), [(p, n) for p, names in CANDIDATES.items() for n in names])
+def test_every_candidate_of_the_backward_computes_its_product(product: str, name: str) -> None:
+    torch.manual_seed(2)
+    grad, weight, x = torch.randn(9, 200), torch.randn(200, 300), torch.randn(9, 300)
+    a, b, want = (
+        (grad, weight, grad.double() @ weight.double())
+        if product == "input gradient"
+        else (grad, x, grad.double().t() @ x.double())
+    )
+    got = CANDIDATES[product][name](a, b)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-4)
+
+
+def test_the_backward_keeps_the_faster_candidate_per_shape_timed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    def product(name: str, pause: float):
+        def run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            calls.append(name)
+            time.sleep(pause)
+            return a.mm(b)
+
+        return run
+
+    monkeypatch.setattr(kernels, "_kept", {})
+    monkeypatch.setitem(CANDIDATES, "input gradient", {"slow": product("slow", 0.02), "quick": product("quick", 0.0)})
+    a, b = torch.randn(4, 6), torch.randn(6, 5)
+    torch.testing.assert_close(kernels._fastest("input gradient", a, b), a.mm(b))
+    assert calls.count("slow") == 1 + ROUNDS and calls.count("quick") == 1 + ROUNDS + 1
+    calls.clear()
+    kernels._fastest("input gradient", a, b)
+    assert calls == ["quick"]  # kept, not timed again
+    kernels._fastest("input gradient", torch.randn(3, 6), b)  # a new shape is timed anew
+    assert calls.count("slow") == 1 + ROUNDS
+    said = chosen()["input gradient 4x6 @ 6x5"]
+    assert said.startswith("quick ") and ", slow " in said
 
 
 def test_non_contiguous_inputs_and_a_weight_inside_a_flat_buffer() -> None:
