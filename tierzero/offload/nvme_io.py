@@ -12,7 +12,6 @@ from __future__ import annotations
 import enum
 import math
 import threading
-import zlib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -20,17 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from xxhash import xxh3_64_intdigest
 
 from tierzero.offload.base import ChecksumError
 from tierzero.slices import IO_ALIGNMENT, align_up, aligned_empty
 
-try:
-    # CRC-32C with the SSE4.2/ARMv8 instructions: measured 3.6-6.0 GiB/s against zlib's
-    # 1.2-1.3 GiB/s on the dev machine; both drop the GIL on large buffers. Checksums
-    # live only in memory, so the choice of function never has to match across runs.
-    from crc32c import crc32c as checksum
-except ImportError:
-    checksum = zlib.crc32
+# XXH3-64: 9.8 GiB/s on one thread of the Zen 1 dev VM against 6.1 for CRC-32C, 18.9 against
+# 11.9 on two: both drop the GIL on large buffers, so the I/O threads checksum side by side.
+# Checksums live only in memory, so the function never has to match across runs.
+checksum = xxh3_64_intdigest
 
 _ZEROS = memoryview(bytes(IO_ALIGNMENT))
 
@@ -280,7 +277,7 @@ class ChunkIO:
             if bad is not None:
                 raise ChecksumError(
                     f"checksum mismatch reading {req.label}: {self.path} at offset {req.offset - req.start + bad.start} "
-                    f"({bad.length} bytes) has checksum {bad.actual:08x}, {bad.expected:08x} was written; "
+                    f"({bad.length} bytes) has checksum {bad.actual:016x}, {bad.expected:016x} was written; "
                     "the swap file was changed behind the tier or the disk returned bad data"
                 )
 
