@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 import types
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +45,7 @@ from torch import nn
 
 from tierzero.config.precision import LINEAR_KERNELS
 
-__all__ = ["OneDnnLinear", "chosen", "onednn_available", "use_linear_kernel"]
+__all__ = ["OneDnnLinear", "chosen", "chosen_text", "onednn_available", "use_linear_kernel"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,20 @@ def chosen() -> dict[str, str]:
     """What the backward runs in this process, by product and shape: 'input gradient 64x10240 @
     10240x2560' -> 'mm 54.1 ms, onednn 160.3 ms'."""
     return dict(_said(key, kept) for key, kept in _kept.items())
+
+
+def chosen_text() -> str | None:
+    """Where the backward's products ran in this process, in one line: 'input gradient on mm (4
+    shapes); weight gradient on onednn (3 shapes), mm (1)'; None before a backward chose any."""
+    kept: dict[str, Counter[str]] = {}
+    for (product, *_), (name, _) in _kept.items():
+        kept.setdefault(product, Counter())[name] += 1
+    parts = []
+    for product, names in kept.items():
+        (first, n), *rest = names.most_common()
+        shapes = f"{n} shape{'s' if n > 1 else ''}"
+        parts.append(f"{product} on {first} ({shapes})" + "".join(f", {name} ({k})" for name, k in rest))
+    return "; ".join(parts) or None
 
 
 def _said(key: _Key, kept: tuple[str, dict[str, float]]) -> tuple[str, str]:

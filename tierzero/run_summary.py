@@ -48,6 +48,8 @@ class RunSummary:
     """Each step's seconds in each part (`PartClock`), where `predicted_parts` are set."""
     nvme_busy: Busy | None = None
     """The NVMe tier's moves in the steps after the first, and the time they were in flight."""
+    linear_gradients: str | None = None
+    """Where the linear layers' gradients ran (`kernels.chosen_text`), with the onednn kernel."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -76,6 +78,8 @@ class RunSummary:
             rows.append(("planned step", self._against_prediction(self.predicted_step_s)))
             if self.predicted_parts and len(self.part_seconds) >= 2:
                 rows.append(("by part", self._parts_against_prediction()))
+        if self.linear_gradients:
+            rows.append(("linear gradients", self.linear_gradients))
         if self.nvme_cache:
             rows.append(("NVMe cache", f"{format_size(self.nvme_cache)} of NVMe-homed slices in host memory"))
         lines = ["", "tierzero train summary", *(f"  {k:<20} {v}" for k, v in rows)]

@@ -30,6 +30,7 @@ from tierzero.config import load_config
 from tierzero.config.cli import parse_overrides
 from tierzero.data import batches_from_config, check_vocab
 from tierzero.dist import roll_call_s, unanswered_ranks
+from tierzero.kernels import chosen_text
 from tierzero.lora import is_peft_model, save_adapters
 from tierzero.micro_step import micro_step
 from tierzero.models import build_model, count_parameters
@@ -181,6 +182,8 @@ def train(
         if world == 1 and summary.nvme_busy is not None and cfg.tiers.nvme.path is not None:
             steps, seconds = summary.after_first
             learn(cfg.tiers.nvme.path, cfg.tiers.nvme, summary.nvme_busy, seconds=seconds, steps=steps)
+        if cfg.precision.linear_kernel == "onednn":
+            summary.linear_gradients = chosen_text()
         if rank == 0:
             out.write(summary.format())
             out.flush()

@@ -14,7 +14,15 @@ from torch import nn
 
 from tierzero.bench.contenders import LR, PLACEMENTS, EngineTraining, engine_config, gpt, token_batch
 from tierzero import kernels
-from tierzero.kernels import CANDIDATES, ROUNDS, OneDnnLinear, chosen, onednn_available, use_linear_kernel
+from tierzero.kernels import (
+    CANDIDATES,
+    ROUNDS,
+    OneDnnLinear,
+    chosen,
+    chosen_text,
+    onednn_available,
+    use_linear_kernel,
+)
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN")
 
@@ -81,6 +89,21 @@ def test_the_backward_keeps_the_faster_candidate_per_shape_timed_once(monkeypatc
     assert calls.count("slow") == 1 + ROUNDS
     said = chosen()["input gradient 4x6 @ 6x5"]
     assert said.startswith("quick ") and ", slow " in said
+
+
+def test_what_the_backward_kept_is_said_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "_kept", {})
+    assert chosen_text() is None
+    f32 = torch.float32
+    kernels._kept.update({
+        ("input gradient", (64, 2560), (2560, 10240), f32): ("mm", {"mm": 0.06, "onednn": 0.2}),
+        ("weight gradient", (64, 2560), (64, 10240), f32): ("onednn", {"mm": 0.06, "onednn": 0.05}),
+        ("input gradient", (64, 10240), (10240, 2560), f32): ("mm", {"mm": 0.05, "onednn": 0.08}),
+        ("weight gradient", (64, 10240), (64, 2560), f32): ("mm", {"mm": 0.05, "onednn": 0.06}),
+        ("weight gradient", (64, 7680), (64, 2560), f32): ("onednn", {"mm": 0.04, "onednn": 0.03}),
+    })  # fmt: skip
+    assert chosen_text() == "input gradient on mm (2 shapes); weight gradient on onednn (2 shapes), mm (1)"
+    assert chosen()["weight gradient 64x2560 @ 64x10240"] == "onednn 50.0 ms, mm 60.0 ms"
 
 
 def test_non_contiguous_inputs_and_a_weight_inside_a_flat_buffer() -> None:

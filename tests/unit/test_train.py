@@ -18,8 +18,9 @@ import pytest
 import yaml
 
 import tierzero.train as T
-from tierzero import run_summary
+from tierzero import kernels, run_summary
 from tierzero.config import load_config
+from tierzero.kernels import chosen, onednn_available
 from tierzero.offload.busy import Busy
 from tierzero.store.tiered import TieredStore
 
@@ -96,6 +97,23 @@ def test_summary_matches_what_the_loop_measured(tmp_path: Path) -> None:
     assert summary.tier_capacity["device"] == 8 * MiB and 0 < summary.peak_tier_bytes["device"] <= 8 * MiB
     assert summary.part_seconds == []  # no plan predicted the parts: none are timed
     assert out.getvalue().endswith(summary.format())
+    assert summary.linear_gradients is None and "linear gradients" not in out.getvalue()  # PyTorch's kernel
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN")
+def test_the_summary_says_where_the_onednn_kernel_s_gradients_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "_kept", {})  # what this process's other tests chose stays out
+    config, _ = _tiny_config(tmp_path, nvme=False, steps=2)
+    cfg = load_config(config, overrides={"precision.linear_kernel": "onednn"})
+    out = io.StringIO()
+    summary = T.train(cfg, progress=False, out=out)
+    row = re.search(r"^  linear gradients +(.+)$", out.getvalue(), flags=re.M)
+    assert row is not None and row[1] == summary.linear_gradients
+    # 4 x 64 tokens through the attention's in-projection (64 -> 192), its out-projection and the MLP's two
+    assert {"input gradient 256x192 @ 192x64", "weight gradient 256x192 @ 256x64"} <= chosen().keys()
+    for product in ("input gradient", "weight gradient"):
+        counted = re.search(rf"{product} on (mm|onednn) \((\d) shapes?\)(, (mm|onednn) \((\d)\))?", row[1])
+        assert counted is not None and int(counted[2]) + int(counted[5] or 0) == 4
 
 
 def test_the_disk_s_time_in_the_steps_after_the_first_is_summed_and_learnt(
