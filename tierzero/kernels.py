@@ -14,8 +14,10 @@ the weight gradient on `mm` or oneDNN (on transposed copies). Which one wins dep
 the CPU: on a Zen 1 host oneDNN took 83-193 ms for the 2B preset's input gradients where
 `mm` took 54-64, and the block's forward and backward ran 58 GFLOP/s against 41; on a
 later EPYC oneDNN won. So, as `torch.backends.cudnn.benchmark` does on a GPU, the first
-backward of each shape times both (`_fastest`: the best of a few alternating runs) and
-the process keeps the faster for that shape; `chosen()` says what was kept.
+backward of each layer shape times both (`_fastest`: the best of a few alternating runs)
+and the process keeps the faster for that shape; `chosen()` says what was kept. The token
+counts go in powers of two (33-64 tokens are one shape), so a run whose batches vary in
+length times each layer a few times, not once per length.
 
 Both libraries compute in IEEE fp32, but they add a row's products in a different
 order, so the bits differ from PyTorch's in the last places, and two processes whose
@@ -91,20 +93,22 @@ CANDIDATES: dict[str, dict[str, Product]] = {
     "weight gradient": {"mm": _weight_grad_mm, "onednn": _weight_grad_onednn},
 }
 
-_Key = tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype]
-#: (product, a's shape, b's shape, dtype) -> the candidate this process keeps, and each one's best time.
+_Key = tuple[str, int, int, int, torch.dtype]
+#: (product, in features, out features, tokens rounded up to a power of two, dtype) -> the
+#: candidate this process keeps, and each one's best time.
 _kept: dict[_Key, tuple[str, dict[str, float]]] = {}
 
 
 def chosen() -> dict[str, str]:
-    """What the backward runs in this process, by product and shape: 'input gradient 64x10240 @
-    10240x2560' -> 'mm 54.1 ms, onednn 160.3 ms'."""
+    """What the backward runs in this process, by product and layer shape: 'input gradient of 2560
+    -> 10240 at 33-64 tokens' -> 'mm 54.1 ms, onednn 160.3 ms'."""
     return dict(_said(key, kept) for key, kept in _kept.items())
 
 
 def chosen_text() -> str | None:
     """Where the backward's products ran in this process, in one line: 'input gradient on mm (4
-    shapes); weight gradient on onednn (3 shapes), mm (1)'; None before a backward chose any."""
+    shapes); weight gradient on onednn (3 shapes), mm (1)' (a shape: `chosen()`'s); None before a
+    backward chose any."""
     kept: dict[str, Counter[str]] = {}
     for (product, *_), (name, _) in _kept.items():
         kept.setdefault(product, Counter())[name] += 1
@@ -117,18 +121,19 @@ def chosen_text() -> str | None:
 
 
 def _said(key: _Key, kept: tuple[str, dict[str, float]]) -> tuple[str, str]:
-    (product, a, b, _), (name, seconds) = key, kept
+    (product, inputs, outputs, tokens, _), (name, seconds) = key, kept
     times = [name] + [other for other in seconds if other != name]
     return (
-        f"{product} {'x'.join(map(str, a))} @ {'x'.join(map(str, b))}",
+        f"{product} of {inputs} -> {outputs} at {tokens // 2 + 1}-{tokens} tokens",
         ", ".join(f"{other} {1e3 * seconds[other]:.1f} ms" for other in times),
     )
 
 
 def _fastest(product: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`product` of two 2-D tensors on the candidate this process keeps for their shapes, timed
-    at first sight (see the note)."""
-    key = (product, tuple(a.shape), tuple(b.shape), a.dtype)
+    """`product` of `a`, the output gradient (tokens x out features), and `b`, the weight (input
+    gradient) or the input (weight gradient), both 2-D, on the candidate this process keeps for
+    the layer's shape, timed at first sight (see the note)."""
+    key = (product, b.shape[1], a.shape[1], 1 << (a.shape[0] - 1).bit_length(), a.dtype)
     kept = _kept.get(key)
     if kept is None:
         kept = _kept[key] = _timed(product, a, b)
