@@ -11,9 +11,9 @@ PyTorch ships for its compiled CPU linear (`torch.ops.mkldnn._linear_pointwise`)
 The backward's two products go to whichever library this host runs faster at their
 shape: the input gradient on oneDNN (against the transposed weight) or PyTorch's `mm`,
 the weight gradient on `mm` or oneDNN (on transposed copies). Which one wins depends on
-the CPU: on a Zen 1 host oneDNN took 83-193 ms for the 2B preset's input gradients where
-`mm` took 54-64, and the block's forward and backward ran 58 GFLOP/s against 41; on a
-later EPYC oneDNN won. So, as `torch.backends.cudnn.benchmark` does on a GPU, the first
+the CPU: on a Zen 1 host oneDNN took 61-193 ms for the 2B preset's input gradients where
+`mm` took 40-64, and the block's forward and backward ran 58 GFLOP/s against 41
+(docs/BENCHMARKS.md, session 26); on a later EPYC oneDNN won. So, as `torch.backends.cudnn.benchmark` does on a GPU, the first
 backward of each layer shape times both (`_fastest`: the best of a few alternating runs)
 and the process keeps the faster for that shape; `chosen()` says what was kept. The token
 counts go in powers of two (33-64 tokens are one shape), so a run whose batches vary in
@@ -107,8 +107,8 @@ def chosen() -> dict[str, str]:
 
 def chosen_text() -> str | None:
     """Where the backward's products ran in this process, in one line: 'input gradient on mm (4
-    shapes); weight gradient on onednn (3 shapes), mm (1)' (a shape: `chosen()`'s); None before a
-    backward chose any."""
+    shapes); weight gradient on onednn (3 shapes), mm (1)', shapes as `chosen()` counts them;
+    None before a backward chose any."""
     kept: dict[str, Counter[str]] = {}
     for (product, *_), (name, _) in _kept.items():
         kept.setdefault(product, Counter())[name] += 1
