@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import os
 import signal
 import sys
@@ -76,6 +78,10 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar; log lines only")
     parser.add_argument("--export", default=None, metavar="DIR", help="after the last step, write DIR for transformers' from_pretrained")
+    parser.add_argument(
+        "--summary-json", default=None, metavar="PATH",
+        help="also write the summary as JSON (losses, each step's seconds, the plan's prediction, peak RSS)",
+    )  # fmt: skip
 
 
 def run_train(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
@@ -89,6 +95,8 @@ def run_train(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
         cfg, resume=args.resume is not False, resume_step=step, progress=not args.no_progress, out=out or sys.stdout, export=args.export,
         process_ends=args.process_ends,
     )
+    if args.summary_json is not None and _rank_and_world()[0] == 0:
+        Path(args.summary_json).write_text(json.dumps(dataclasses.asdict(summary), indent=1))
     if summary.interrupted:
         print("tierzero: interrupted", file=sys.stderr)
         return 130

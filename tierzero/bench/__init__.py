@@ -2,8 +2,9 @@
 CPU Adam (`adam`), an offloaded training step against plain PyTorch (`train`, on the CPU
 or `--device cuda`), the ZeRO stages against plain PyTorch and DistributedDataParallel
 (`zero`), and a pretrained checkpoint streamed into the engine (`load`), activation
-checkpointing with and without offload (`activations`), and the CUDA tests and bench in
-one report (`gpu-check`).
+checkpointing with and without offload (`activations`), the CUDA tests and bench in one
+report (`gpu-check`), and `offload: auto` beside the oversized preset's own placement, each
+run a `tierzero train` of its own (`oversized`).
 
 matplotlib is imported only when a plot is written.
 """
@@ -19,6 +20,7 @@ from tierzero.bench import activations, gpu_check, load, nvme, swap
 from tierzero.bench.adam import bench_cpu_adam
 from tierzero.bench.contenders import PLACEMENTS
 from tierzero.bench.gpu import bench_train_device
+from tierzero.bench.oversized import add_oversized_command
 from tierzero.bench.placement import bench_placement
 from tierzero.bench.train_step import bench_train_step
 from tierzero.bench.zero import bench_zero
@@ -186,3 +188,4 @@ def add_bench_commands(subparsers: Any) -> None:
     gpu_check.add_arguments(check)
     check.set_defaults(func=gpu_check.command)
     add_zeropp_command(commands)
+    add_oversized_command(commands)
