@@ -235,7 +235,7 @@ class _memory_cgroup:
 
 def _command(args: Any) -> int:
     budget = parse_size(args.cpu_capacity)
-    auto = BenchRun("auto", ("offload=auto", f"tiers.cpu.capacity={budget}"), budget=budget)
+    auto = BenchRun("auto", ("offload=auto", f"tiers.cpu.capacity={args.cpu_capacity}"), budget=budget)
     result = bench_oversized(
         config=args.config, nvme_path=args.nvme_path, steps=args.steps, runs=[auto, BenchRun("config"), auto],
         against="config", cgroup=None if args.cgroup is None else (BenchRun("auto", ("offload=auto",)), parse_size(args.cgroup)),
