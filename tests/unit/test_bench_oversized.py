@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,21 @@ def test_a_run_that_fails_is_reported_not_trusted(tmp_path: Path) -> None:
     assert bad.returncode == 2 and bad.losses == [] and bad.step_s is None and not result.ok()
     assert "  | tierzero: error: " in out.getvalue() and "exit 2" in bad.row()
     assert list(nvme.iterdir()) == []
+
+
+def test_a_bench_stopped_midway_stops_its_child_and_leaves_nothing(tmp_path: Path) -> None:
+    class Stopped(io.StringIO):
+        def write(self, text: str) -> int:
+            if "step 1/" in text:
+                raise KeyboardInterrupt
+            return super().write(text)
+
+    config, nvme = _config(tmp_path)
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        bench_oversized(config=config, nvme_path=nvme, steps=5000, runs=[BenchRun("config")], against="config", out=Stopped())
+    assert time.monotonic() - began < 60  # 5000 steps would take many minutes: the child was stopped
+    assert list(nvme.iterdir()) == []  # and waited for before its swap directory went
 
 
 def test_a_swap_directory_already_there_is_refused(tmp_path: Path) -> None:

@@ -175,10 +175,15 @@ def _train(python: str, config: Any, swap: Path, steps: int, run: BenchRun, limi
     with _memory_cgroup(limit) as enter:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=enter if limit else None)
         assert proc.stdout is not None
-        for line in proc.stdout:
-            out.write(f"  | {line}")
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        try:
+            for line in proc.stdout:
+                out.write(f"  | {line}")
+        except BaseException:
+            proc.terminate()  # tierzero train closes its engine and swap files on SIGTERM
+            raise
+        finally:  # the child is gone before its cgroup and swap directory are removed
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
         counters = enter.counters() if limit else None
     result = RunResult(name=run.name, returncode=proc.returncode, peak_rss=usage.ru_maxrss * 1024, budget=run.budget)
     if limit is not None:
@@ -208,10 +213,12 @@ class _memory_cgroup:
         try:
             lines = Path("/proc/self/cgroup").read_text().splitlines()
             own = next(line.split(":", 2)[2] for line in lines if "memory" in line.split(":", 2)[1].split(","))
-            self.path = Path("/sys/fs/cgroup/memory" + own.rstrip("/")) / f"tierzero-bench-{os.getpid()}"
-            self.path.mkdir()
-            (self.path / "memory.limit_in_bytes").write_text(str(self.limit))
+            path = Path("/sys/fs/cgroup/memory" + own.rstrip("/")) / f"tierzero-bench-{os.getpid()}"
+            path.mkdir()
+            self.path = path
+            (path / "memory.limit_in_bytes").write_text(str(self.limit))
         except (OSError, StopIteration) as exc:
+            self.__exit__()
             raise OSError(f"--cgroup needs a writable cgroup v1 memory controller (MACHINE.md): {exc or 'none found'}") from None
         return self
 
