@@ -65,7 +65,7 @@ def test_each_run_is_a_child_whose_summary_and_peak_rss_come_back(tmp_path: Path
     assert list(nvme.iterdir()) == []  # the swap directory and the summaries are gone
     text = out.getvalue() + result.format()
     assert "  | step 3/3 loss=" in text  # the child's lines, passed through
-    assert f"cpu against config: {result.ratios()[0]:.2f}x" in text and "losses equal at every step: yes" in text
+    assert f"cpu against config: {result.ratios()[0]:.2f}x (target 2.00x: " in text and "losses equal at every step: yes" in text
     within = "within" if cpu.peak_rss <= budget + RSS_SLACK else "OVER"
     assert f"cpu peak RSS {format_size(cpu.peak_rss)} against 64.0 MiB + 1.5 GiB: {within}" in text
 
@@ -135,13 +135,16 @@ def test_the_checks_say_what_misses() -> None:
     result = OversizedResult(runs=runs, subject="auto", against="config")
     assert result.ratios() == [2.0, 2.0]  # 22 over 11 twice; the cgroup's run is not set beside it
     lines = result.format().splitlines()
-    assert "auto against config: 2.00x, 2.00x" in lines
+    assert "auto against config: 2.00x, 2.00x (target 2.00x: met)" in lines
     assert "auto peak RSS 16.0 GiB against 14.0 GiB + 1.5 GiB: OVER" in lines
     assert "auto peak RSS 15.0 GiB against 14.0 GiB + 1.5 GiB: within" in lines
     assert "auto prediction +27%: OUTSIDE 15%" in lines and "auto prediction +9%: within 15%" in lines
     assert "auto in a 12.0 GiB cgroup: exit 0, 2 steps, peak usage 10.0 GiB, failcnt 3, 0 OOM kills" in lines
     assert lines[-1] == "losses equal at every step: NO" and result.ok()
     runs[2].predicted_step_s = 8.0
-    assert "auto prediction -27%: OUTSIDE 15%" in result.format().splitlines()
+    runs[2].step_seconds = [30.0, 12.0, 11.0]  # 22 over 11.5: under the target
+    assert {"auto prediction -30%: OUTSIDE 15%", "auto against config: 2.00x, 1.91x (target 2.00x: missed)"} <= set(
+        result.format().splitlines()
+    )
     runs[3].cgroup = CgroupRun(limit=12 * gib, max_usage=12 * gib, failcnt=9, oom_kills=1)
     assert not result.ok()

@@ -10,9 +10,9 @@ directory keeps the disk's measured rates for the second plan (placement/disk.py
 
 Per run: the median step after the first (the first pays for the plan's kernels and the
 disk's cold start), the planner's prediction beside it, peak RSS, the losses. Then each auto
-run's step against the other placement's (the median of its runs); peak RSS against the
-budget plus `RSS_SLACK`; the prediction against `PREDICTION_TOLERANCE`; whether the losses
-agree step for step. `--cgroup SIZE` adds a run of auto with no cpu capacity inside a cgroup
+run's step against the other placement's (the median of its runs), beside `TARGET_SPEEDUP`;
+peak RSS against the budget plus `RSS_SLACK`; the prediction against `PREDICTION_TOLERANCE`;
+whether the losses agree step for step. `--cgroup SIZE` adds a run of auto with no cpu capacity inside a cgroup
 v1 memory limit of SIZE (MACHINE.md's recipe): its exit status, the cgroup's peak usage, and
 whether the kernel killed anything in it.
 """
@@ -32,12 +32,14 @@ from typing import Any, TextIO
 
 from tierzero.sizes import format_size, parse_size
 
-__all__ = ["PREDICTION_TOLERANCE", "RSS_SLACK", "BenchRun", "CgroupRun", "OversizedResult", "add_oversized_command", "bench_oversized"]
+__all__ = ["PREDICTION_TOLERANCE", "RSS_SLACK", "TARGET_SPEEDUP", "BenchRun", "CgroupRun", "OversizedResult", "add_oversized_command", "bench_oversized"]
 
 #: How far above the cpu budget auto's peak RSS may go: the interpreter, torch and the activations.
 RSS_SLACK = parse_size("1.5GiB")
 #: How far the planner's predicted step may lie from the measured one.
 PREDICTION_TOLERANCE = 0.15
+#: How much faster than the config's own placement auto's step should be (issue 14).
+TARGET_SPEEDUP = 2.0
 _SWAP = "tierzero-bench-oversized"
 _CHILD = "import sys; from tierzero.cli import main; sys.exit(main())"
 
@@ -115,7 +117,11 @@ class OversizedResult:
         lines = [f"  {'run':<10} {'step':>10}  {'predicted':>16}  peak RSS", *(r.row() for r in self.runs)]
         ratios = self.ratios()
         if ratios:
-            lines.append(f"{self.subject} against {self.against}: " + ", ".join(f"{x:.2f}x" for x in ratios))
+            met = "met" if min(ratios) >= TARGET_SPEEDUP else "missed"
+            lines.append(
+                f"{self.subject} against {self.against}: " + ", ".join(f"{x:.2f}x" for x in ratios)
+                + f" (target {TARGET_SPEEDUP:.2f}x: {met})"
+            )  # fmt: skip
         for run in self.runs:
             if run.budget is not None:
                 within = run.peak_rss <= run.budget + RSS_SLACK
