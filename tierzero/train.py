@@ -95,7 +95,8 @@ def run_train(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
         cfg, resume=args.resume is not False, resume_step=step, progress=not args.no_progress, out=out or sys.stdout, export=args.export,
         process_ends=args.process_ends,
     )
-    if args.summary_json is not None and _rank_and_world()[0] == 0:
+    # rank 0's, named by the launcher: the engine's close may have ended the process group
+    if args.summary_json is not None and int(os.environ.get("RANK", "0")) == 0:
         Path(args.summary_json).write_text(json.dumps(dataclasses.asdict(summary), indent=1))
     if summary.interrupted:
         print("tierzero: interrupted", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import json
 import math
 import os
 import re
@@ -114,6 +115,21 @@ def test_the_summary_says_where_the_onednn_kernel_s_gradients_ran(tmp_path: Path
     for product in ("input gradient", "weight gradient"):
         counted = re.search(rf"{product} on (mm|onednn) \((\d) shapes?\)(, (mm|onednn) \((\d)\))?", row[1])
         assert counted is not None and int(counted[2]) + int(counted[5] or 0) == 4
+
+
+def test_summary_json_is_rank_0_s_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config, _ = _tiny_config(tmp_path, nvme=False, steps=2)
+    path = tmp_path / "summary.json"
+    argv = ["train", "--config", str(config), "--no-progress", "--summary-json", str(path)]
+    monkeypatch.setenv("RANK", "1")  # as a launcher names another rank: it leaves the file to rank 0
+    assert T.run_train(_parse(argv), out=io.StringIO()) == 0 and not path.exists()
+    monkeypatch.delenv("RANK")
+    out = io.StringIO()
+    assert T.run_train(_parse(argv), out=out) == 0
+    written = json.loads(path.read_text())
+    first, last = re.search(r"loss first -> last +([0-9.]+) -> ([0-9.]+)", out.getvalue()).groups()  # type: ignore[union-attr]
+    assert written["steps"] == 2 and [f"{x:.4f}" for x in written["losses"]] == [first, last]
+    assert len(written["step_seconds"]) == 2 and written["peak_rss"] > 50 * MiB and written["predicted_step_s"] is None
 
 
 def test_the_disk_s_time_in_the_steps_after_the_first_is_summed_and_learnt(
