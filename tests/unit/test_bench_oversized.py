@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from tierzero.bench.oversized import RSS_SLACK, BenchRun, CgroupRun, OversizedResult, RunResult, bench_oversized
+from tierzero.placement.cgroup import memory_cgroup_of
 from tierzero.sizes import format_size, parse_size
 
 MiB = 1 << 20
@@ -37,14 +38,15 @@ def _config(tmp_path: Path) -> tuple[Path, Path]:
 
 def _own_memory_cgroup() -> Path | None:
     """This process's cgroup v1 memory directory, where a child cgroup can be made in it."""
+    located = memory_cgroup_of(Path("/proc/self/cgroup"))
+    if located is None or located[0] != 1:
+        return None
+    directory = Path("/sys/fs/cgroup/memory", located[1].lstrip("/"))
+    probe = directory / f"tierzero-test-{os.getpid()}"
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-        own = next(line.split(":", 2)[2] for line in lines if "memory" in line.split(":", 2)[1].split(","))
-        directory = Path("/sys/fs/cgroup/memory" + own.rstrip("/"))
-        probe = directory / f"tierzero-test-{os.getpid()}"
         probe.mkdir()
         probe.rmdir()
-    except (OSError, StopIteration):
+    except OSError:
         return None
     return directory
 

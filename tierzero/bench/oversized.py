@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from tierzero.placement.cgroup import memory_cgroup_of
 from tierzero.sizes import format_size, parse_size
 
 __all__ = ["PREDICTION_TOLERANCE", "RSS_SLACK", "TARGET_SPEEDUP", "BenchRun", "CgroupRun", "OversizedResult", "add_oversized_command", "bench_oversized"]
@@ -216,16 +217,18 @@ class _memory_cgroup:
     def __enter__(self) -> _memory_cgroup:
         if self.limit is None:
             return self
+        need = "--cgroup needs a writable cgroup v1 memory controller (MACHINE.md)"
         try:
-            lines = Path("/proc/self/cgroup").read_text().splitlines()
-            own = next(line.split(":", 2)[2] for line in lines if "memory" in line.split(":", 2)[1].split(","))
-            path = Path("/sys/fs/cgroup/memory" + own.rstrip("/")) / f"tierzero-bench-{os.getpid()}"
+            located = memory_cgroup_of(Path("/proc/self/cgroup"))
+            if located is None or located[0] != 1:
+                raise OSError(f"{need}: this process's memory controller is {'not there' if located is None else 'on cgroup v2'}")
+            path = Path("/sys/fs/cgroup/memory", located[1].lstrip("/"), f"tierzero-bench-{os.getpid()}")
             path.mkdir()
             self.path = path
             (path / "memory.limit_in_bytes").write_text(str(self.limit))
-        except (OSError, StopIteration) as exc:
+        except (OSError, ValueError) as exc:
             self.__exit__()
-            raise OSError(f"--cgroup needs a writable cgroup v1 memory controller (MACHINE.md): {exc or 'none found'}") from None
+            raise OSError(str(exc) if str(exc).startswith(need) else f"{need}: {exc}") from None
         return self
 
     def __call__(self) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 
 from tierzero.sizes import format_size
 
-__all__ = ["V1_UNLIMITED", "CgroupMemory", "cgroup_memory"]
+__all__ = ["V1_UNLIMITED", "CgroupMemory", "cgroup_memory", "memory_cgroup_of"]
 
 V1_UNLIMITED = 1 << 60
 """A v1 `memory.limit_in_bytes` at or above this means no limit: v1 writes "unlimited" as
@@ -54,7 +54,7 @@ def cgroup_memory(*, cgroup_root: Path, proc_self_cgroup: Path) -> CgroupMemory 
     controller, or no limit on any cgroup up to the mount. A file that cannot be read
     as a byte count raises ValueError naming the file.
     """
-    located = _locate(proc_self_cgroup)
+    located = memory_cgroup_of(proc_self_cgroup)
     if located is None:
         return None
     version, relative = located
@@ -65,8 +65,9 @@ def cgroup_memory(*, cgroup_root: Path, proc_self_cgroup: Path) -> CgroupMemory 
     return min(limits, key=lambda m: m.headroom, default=None)
 
 
-def _locate(proc_self_cgroup: Path) -> tuple[int, str] | None:
-    """The cgroup version holding the memory controller and the process's path in it."""
+def memory_cgroup_of(proc_self_cgroup: Path) -> tuple[int, str] | None:
+    """The cgroup version holding the memory controller and the process's path in it ('/a/b');
+    None where there is none. A line that is not 'id:controllers:/path' raises ValueError."""
     try:
         text = proc_self_cgroup.read_text()
     except FileNotFoundError:
