@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import itertools
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,8 @@ def _raw(swap: Path, *, offload: Any = "auto", stage: int = 3, clipping: float =
         "data": {"max_bytes": "256KiB"},
         "train": {"steps": 3, "micro_batch_size": 2, "seq_len": 32, "log_every": 1},
         "offload": offload,
-        "tiers": {"nvme": {"path": str(swap), "block_size": "64KiB", "queue_depth": 4}},
+        # No heap kept freed, whose room would cover this small model's state (tested on its own below).
+        "tiers": {"nvme": {"path": str(swap), "block_size": "64KiB", "queue_depth": 4}, "cpu": {"keep_freed": 0}},
         "swapper": {"buffer_size": "64KiB", "buffer_count": 4},
     }
 
@@ -74,13 +76,13 @@ def _plan(cfg: Any, budgets: MachineBudgets) -> Any:
 
 
 def _host_budget(swap: Path, share: int) -> int:
-    """What `_raw` holds in host memory with all its state on NVMe (the store's peaks and the
-    activations), plus 1/`share` of its state's bytes."""
-    raw = _raw(swap, offload={"params": "nvme", "gradients": "nvme", "optimizer": "nvme"})
-    result = estimate(load_config(raw), disk=DISK, flops=FLOPS, suggest=False)
+    """What `_raw` needs of host memory with all its state on NVMe (the store's peaks, the
+    activations and the heap kept freed), plus 1/`share` of its state's bytes."""
+    raw = load_config(_raw(swap, offload={"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}))
+    result = estimate(raw, disk=DISK, flops=FLOPS, suggest=False)
     assert result.activations
-    working = result.tiers[Tier.DEVICE].need + result.tiers[Tier.CPU].need + result.activations
-    return working + result.tiers[Tier.NVME].home_total // share
+    device, cpu = RankBudgets.of(_budgets(cpu=None), raw).host_needs(result)
+    return device + cpu + result.tiers[Tier.NVME].home_total // share
 
 
 def test_auto_is_a_tier_choice_and_a_section_shorthand(swap: Path) -> None:
@@ -318,6 +320,28 @@ def test_the_plan_is_never_worse_than_any_whole_kind_placement(share: int, swap:
         assert plan.homes == Homes(params=Tier.DEVICE, grads=Tier.DEVICE, optimizer=Tier.DEVICE)
     else:  # below what the whole state needs in memory: some of it lives on NVMe
         assert plan.estimate.tiers[Tier.NVME].home_total > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings: Linux only")
+def test_the_heap_kept_freed_counts_in_the_host_need_up_to_the_transient_bytes(swap: Path) -> None:
+    """`tiers.cpu.keep_freed` keeps freed heap resident: the planner adds it to the host's need, but
+    never more than the step's transient host bytes (store peaks beyond homes, and activations)."""
+    raw = _raw(swap, offload={"params": "nvme", "gradients": "nvme", "optimizer": "nvme"})
+    result = estimate(load_config(raw), disk=DISK, flops=FLOPS, suggest=False)
+    device, cpu = result.tiers[Tier.DEVICE], result.tiers[Tier.CPU]
+    transient = (device.peak - device.home_total) + (cpu.peak - cpu.uncounted - cpu.home_total) + result.activations
+    assert transient > 8 << 10
+    for kept, counted in [(0, 0), (4 << 10, 4 << 10), (1 << 30, transient)]:
+        cfg = load_config(raw, overrides={"tiers.cpu.keep_freed": kept})
+        rank = RankBudgets.of(_budgets(cpu=1 << 30), cfg)
+        assert rank.host_needs(result) == (device.need + result.activations, cpu.need + counted)
+        assert ("tiers.cpu.keep_freed" in rank.sources[Tier.CPU]) == (kept > 0)
+    # The plan leaves the kept heap room: with it, less state lives in memory, within the same budget.
+    budget = _budgets(cpu=_host_budget(swap, 4))
+    plain, kept = (_plan(load_config(_raw(swap), overrides={"tiers.cpu.keep_freed": k}), budget) for k in (0, 1 << 20))
+    assert kept.estimate.tiers[Tier.NVME].home_total > plain.estimate.tiers[Tier.NVME].home_total
+    assert sum(kept.budgets.host_needs(kept.estimate)) <= budget.cpu.nbytes
+    assert kept.budgets.shortfalls(plain.estimate)  # the plan made without the kept heap is over with it
 
 
 def test_a_plan_that_cannot_fit_names_the_short_tier(swap: Path) -> None:

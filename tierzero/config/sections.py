@@ -220,7 +220,8 @@ class CpuTierConfig(Section):
     keep_freed: int = setting(512 * MiB, size_check(allow_zero=True, limit=GiB))
     """Freed host memory the process keeps for reuse (glibc): every block comes from the heap,
     whose freed blocks are reused instead of unmapped and faulted in fresh, and up to this many
-    free bytes stay at its top; 0: the C library's defaults. Process-wide, set by the engine."""
+    free bytes stay at its top; 0: the C library's defaults. Process-wide, set by the engine.
+    `offload: auto` counts it in the host's need, up to the step's transient host bytes."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -39,6 +39,7 @@ import torch
 
 from tierzero.config import AUTO, Config, load_config
 from tierzero.estimate.estimator import Bandwidth, Estimate, estimate
+from tierzero.offload.host_heap import kept_heap_limit
 from tierzero.placement.budgets import MachineBudgets, machine_budgets
 from tierzero.placement.candidates import FIELDS, Candidate, fill, whole_kind
 from tierzero.placement.disk import disk_rates
@@ -71,6 +72,9 @@ class RankBudgets:
     """The device tier is host memory (no GPU, no `tiers.device.capacity`): device and cpu share `cpu`,
     with the activations autograd saves."""
     sources: dict[Tier, str]
+    kept_heap: int = 0
+    """Free heap the process may keep resident (`tiers.cpu.keep_freed`, see [Note: freed host
+    memory]): counted in the host's need, up to the step's transient host bytes."""
 
     @classmethod
     def of(cls, machine: MachineBudgets, cfg: Config, *, local_world_size: int = 1) -> RankBudgets:
@@ -83,17 +87,30 @@ class RankBudgets:
                 share //= local_world_size
             figures[tier], sources[tier] = share, budget.source
         shared = not torch.cuda.is_available() and cfg.tiers.device.capacity is None
+        kept = kept_heap_limit(cfg.tiers.cpu.keep_freed)
+        if kept and figures[Tier.CPU] is not None:
+            sources[Tier.CPU] += f"; holds up to {format_size(kept)} of freed heap kept (tiers.cpu.keep_freed)"
         return cls(
             device=figures[Tier.DEVICE], cpu=figures[Tier.CPU], nvme=figures[Tier.NVME], shared_host=shared,
-            sources=sources,
+            sources=sources, kept_heap=kept,
         )  # fmt: skip
+
+    def host_needs(self, result: Estimate) -> tuple[int, int]:
+        """What `result` needs of the device and cpu budgets: each tier's counted peak, the device's with
+        the activations where it is host memory, the cpu's with the heap kept freed (`kept_heap`, at
+        most the transient host bytes: working sets and activations)."""
+        device, cpu = result.tiers[Tier.DEVICE], result.tiers[Tier.CPU]
+        device_need = device.need
+        transient = cpu.need - cpu.home_total
+        if self.shared_host:
+            device_need += result.activations or 0  # autograd's saved tensors, in host memory too
+            transient += device.need - device.home_total + (result.activations or 0)
+        return device_need, cpu.need + min(self.kept_heap, max(0, transient))
 
     def shortfalls(self, result: Estimate) -> dict[Tier, int]:
         """Bytes by which each tier the estimate needs is over its budget (none: it fits)."""
-        device = result.tiers[Tier.DEVICE].need
-        if self.shared_host:
-            device += result.activations or 0  # autograd's saved tensors, in host memory too
-        return self._over(device=device, cpu=result.tiers[Tier.CPU].need, nvme=result.nvme_file)
+        device, cpu = self.host_needs(result)
+        return self._over(device=device, cpu=cpu, nvme=result.nvme_file)
 
     def shortfalls_of_homes(self, held: dict[Tier, int]) -> dict[Tier, int]:
         """Bytes by which homes alone (`held`, by tier) are over each budget: a lower bound of the shortfall."""
@@ -114,13 +131,11 @@ class RankBudgets:
         """Bytes each memory tier may still take beyond what `result` needs, the device's first; where
         the device tier is host memory, only the cpu tier's, which holds both."""
         rooms = {}
+        device, cpu = self.host_needs(result)
         if self.device is not None and not self.shared_host:
-            rooms[Tier.DEVICE] = max(0, self.device - result.tiers[Tier.DEVICE].need)
+            rooms[Tier.DEVICE] = max(0, self.device - device)
         if self.cpu is not None:
-            used = result.tiers[Tier.CPU].need
-            if self.shared_host:
-                used += result.tiers[Tier.DEVICE].need + (result.activations or 0)
-            rooms[Tier.CPU] = max(0, self.cpu - used)
+            rooms[Tier.CPU] = max(0, self.cpu - cpu - (device if self.shared_host else 0))
         return rooms
 
 
