@@ -323,25 +323,31 @@ def test_the_plan_is_never_worse_than_any_whole_kind_placement(share: int, swap:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings: Linux only")
-def test_the_heap_kept_freed_counts_in_the_host_need_up_to_the_transient_bytes(swap: Path) -> None:
-    """`tiers.cpu.keep_freed` keeps freed heap resident: the planner adds it to the host's need, but
-    never more than the step's transient host bytes (store peaks beyond homes, and activations)."""
+def test_slices_moved_into_memory_leave_room_for_the_heap_kept_freed(swap: Path) -> None:
+    """`tiers.cpu.keep_freed` keeps freed heap resident: the slices the planner moves into memory leave
+    room for it, at most the step's transient host bytes (store peaks beyond homes, and activations);
+    a whole-kind placement still fits as the store counts."""
     raw = _raw(swap, offload={"params": "nvme", "gradients": "nvme", "optimizer": "nvme"})
     result = estimate(load_config(raw), disk=DISK, flops=FLOPS, suggest=False)
     device, cpu = result.tiers[Tier.DEVICE], result.tiers[Tier.CPU]
     transient = (device.peak - device.home_total) + (cpu.peak - cpu.uncounted - cpu.home_total) + result.activations
     assert transient > 8 << 10
-    for kept, counted in [(0, 0), (4 << 10, 4 << 10), (1 << 30, transient)]:
-        cfg = load_config(raw, overrides={"tiers.cpu.keep_freed": kept})
-        rank = RankBudgets.of(_budgets(cpu=1 << 30), cfg)
-        assert rank.host_needs(result) == (device.need + result.activations, cpu.need + counted)
-        assert ("tiers.cpu.keep_freed" in rank.sources[Tier.CPU]) == (kept > 0)
-    # The plan leaves the kept heap room: with it, less state lives in memory, within the same budget.
-    budget = _budgets(cpu=_host_budget(swap, 4))
+    counted = (device.need + result.activations, cpu.need)
+    for kept, more in [(0, 0), (4 << 10, 4 << 10), (1 << 30, transient)]:
+        rank = RankBudgets.of(_budgets(cpu=1 << 30), load_config(raw, overrides={"tiers.cpu.keep_freed": kept}))
+        assert rank.host_needs(result) == counted
+        assert rank.host_needs(result, kept=True) == (counted[0], counted[1] + more)
+        assert ("freed heap kept" in rank.sources[Tier.CPU]) == (kept > 0)
+    # With it, less state moves into memory within the same budget, and the moves keep its room.
+    budget = _budgets(cpu=_host_budget(swap, 16))
     plain, kept = (_plan(load_config(_raw(swap), overrides={"tiers.cpu.keep_freed": k}), budget) for k in (0, 1 << 20))
+    assert "unit slices of optimizer in cpu" in plain.label
     assert kept.estimate.tiers[Tier.NVME].home_total > plain.estimate.tiers[Tier.NVME].home_total
-    assert sum(kept.budgets.host_needs(kept.estimate)) <= budget.cpu.nbytes
-    assert kept.budgets.shortfalls(plain.estimate)  # the plan made without the kept heap is over with it
+    assert kept.budgets.shortfalls(plain.estimate, kept=True)  # the moves made without it are over with it
+    # A budget of all on NVMe as the store counts it, with no room for the kept heap: still a plan.
+    tight = _plan(load_config(_raw(swap), overrides={"tiers.cpu.keep_freed": 1 << 30}), _budgets(cpu=sum(counted)))
+    assert not tight.homes.units and not tight.budgets.shortfalls(tight.estimate)
+    assert tight.budgets.shortfalls(tight.estimate, kept=True)
 
 
 def test_a_plan_that_cannot_fit_names_the_short_tier(swap: Path) -> None:

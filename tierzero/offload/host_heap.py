@@ -13,8 +13,9 @@ process, after the engine too.
 
 What the heap keeps is resident beyond what the store counts: the 2B preset's peak RSS was
 0.6-1.0 GiB higher than with `keep_freed: 0` (docs/BENCHMARKS.md, session 27). So the
-placement planner counts it in the host's need (`kept_heap_limit`): up to `top`, and never
-more than the step's transient host bytes, which are what the heap's free blocks once held.
+placement planner leaves room for it (`kept_heap_limit`) when it moves units' slices into host
+memory: up to `top`, and never more than the step's transient host bytes, which are what the
+heap's free blocks once held.
 """
 
 from __future__ import annotations

@@ -16,7 +16,10 @@ candidates (tierzero/placement/candidates.py):
    gradients handed to a step in backward cost nothing and stay. The device takes them
    first where it has a budget of its own (a unit whose optimizer states it holds steps
    there), then host memory. Among slices that save alike, the units are taken spread over
-   the step (candidates.py: `spread_order`).
+   the step (candidates.py: `spread_order`). These moves leave host memory room for the
+   freed heap the engine keeps resident (`tiers.cpu.keep_freed`: up to that, and at most
+   the step's transient host bytes), so that a budget the moves fill is one the process
+   keeps to; a whole-kind placement fits as the store counts, as it would by hand.
 
 A placement whose homes alone are over a budget is refused without a replay; the whole-kind
 candidates are tried least memory first, so the first replay gives the slice sizes.
@@ -89,27 +92,28 @@ class RankBudgets:
         shared = not torch.cuda.is_available() and cfg.tiers.device.capacity is None
         kept = kept_heap_limit(cfg.tiers.cpu.keep_freed)
         if kept and figures[Tier.CPU] is not None:
-            sources[Tier.CPU] += f"; holds up to {format_size(kept)} of freed heap kept (tiers.cpu.keep_freed)"
+            sources[Tier.CPU] += f"; slices moved in leave room for {format_size(kept)} of freed heap kept"
         return cls(
             device=figures[Tier.DEVICE], cpu=figures[Tier.CPU], nvme=figures[Tier.NVME], shared_host=shared,
             sources=sources, kept_heap=kept,
         )  # fmt: skip
 
-    def host_needs(self, result: Estimate) -> tuple[int, int]:
+    def host_needs(self, result: Estimate, *, kept: bool = False) -> tuple[int, int]:
         """What `result` needs of the device and cpu budgets: each tier's counted peak, the device's with
-        the activations where it is host memory, the cpu's with the heap kept freed (`kept_heap`, at
-        most the transient host bytes: working sets and activations)."""
+        the activations where it is host memory; with `kept`, the cpu's with the heap kept freed
+        (`kept_heap`, at most the transient host bytes: working sets and activations)."""
         device, cpu = result.tiers[Tier.DEVICE], result.tiers[Tier.CPU]
         device_need = device.need
         transient = cpu.need - cpu.home_total
         if self.shared_host:
             device_need += result.activations or 0  # autograd's saved tensors, in host memory too
             transient += device.need - device.home_total + (result.activations or 0)
-        return device_need, cpu.need + min(self.kept_heap, max(0, transient))
+        return device_need, cpu.need + (min(self.kept_heap, max(0, transient)) if kept else 0)
 
-    def shortfalls(self, result: Estimate) -> dict[Tier, int]:
-        """Bytes by which each tier the estimate needs is over its budget (none: it fits)."""
-        device, cpu = self.host_needs(result)
+    def shortfalls(self, result: Estimate, *, kept: bool = False) -> dict[Tier, int]:
+        """Bytes by which each tier the estimate needs is over its budget (none: it fits); with `kept`,
+        the cpu's need counts the heap kept freed, as for the slices the planner moves into memory."""
+        device, cpu = self.host_needs(result, kept=kept)
         return self._over(device=device, cpu=cpu, nvme=result.nvme_file)
 
     def shortfalls_of_homes(self, held: dict[Tier, int]) -> dict[Tier, int]:
@@ -128,10 +132,10 @@ class RankBudgets:
         return short
 
     def memory_rooms(self, result: Estimate) -> dict[Tier, int]:
-        """Bytes each memory tier may still take beyond what `result` needs, the device's first; where
-        the device tier is host memory, only the cpu tier's, which holds both."""
+        """Bytes each memory tier may still take beyond what `result` needs with the heap kept freed, the
+        device's first; where the device tier is host memory, only the cpu tier's, which holds both."""
         rooms = {}
-        device, cpu = self.host_needs(result)
+        device, cpu = self.host_needs(result, kept=True)
         if self.device is not None and not self.shared_host:
             rooms[Tier.DEVICE] = max(0, self.device - device)
         if self.cpu is not None:
@@ -268,8 +272,9 @@ def plan_placement(
             suggest=False, homes=homes,
         )  # fmt: skip
 
-    def judge(candidate: Candidate) -> Candidate:
+    def judge(candidate: Candidate, *, kept: bool = False) -> Candidate:
         # Homes alone over a budget: refused without a replay (the working set only adds to them).
+        # `kept`: a split's cpu need counts the heap kept freed (a whole-kind placement fits as the store counts).
         homes_short = rank_budgets.shortfalls_of_homes(_home_bytes(specs, candidate.homes)) if specs else {}
         if homes_short:
             candidate.short = homes_short
@@ -277,10 +282,10 @@ def plan_placement(
         result = replay(candidate.homes, {})
         assert result.plan is not None
         specs.update(result.plan.specs)
-        short = rank_budgets.shortfalls(result)
+        short = rank_budgets.shortfalls(result, kept=kept)
         for lowered in _lowered_prefetch(cfg, result, short, shared_host=rank_budgets.shared_host):
             again = replay(candidate.homes, lowered)
-            if not rank_budgets.shortfalls(again):
+            if not rank_budgets.shortfalls(again, kept=kept):
                 result, short, candidate.overrides = again, {}, lowered
                 break
         candidate.result, candidate.short = result, short
@@ -290,6 +295,9 @@ def plan_placement(
         )  # fmt: skip
         return candidate
 
+    def judge_split(candidate: Candidate) -> Candidate:
+        return judge(candidate, kept=True)
+
     log.info("replaying the step for each candidate placement")
     began = time.perf_counter()
     whole = [judge(c) for c in whole_kind(cfg)]
@@ -298,7 +306,7 @@ def plan_placement(
     auto = {what for what, key in FIELDS.items() if getattr(cfg.offload, key) == AUTO}
     splits = [
         split for base in bases
-        for split in fill(base, rank_budgets.memory_rooms(base.result), judge, disk=disk, auto=auto)
+        for split in fill(base, rank_budgets.memory_rooms(base.result), judge_split, disk=disk, auto=auto)
     ]  # fmt: skip
     ranked = sorted((c for c in whole + splits if not c.short), key=_rank)
     log.info("%d replays of %d placements in %.1f s", replays, len(whole) + len(splits), time.perf_counter() - began)
