@@ -348,6 +348,15 @@ def test_slices_moved_into_memory_leave_room_for_the_heap_kept_freed(swap: Path)
     tight = _plan(load_config(_raw(swap), overrides={"tiers.cpu.keep_freed": 1 << 30}), _budgets(cpu=sum(counted)))
     assert not tight.homes.units and not tight.budgets.shortfalls(tight.estimate)
     assert tight.budgets.shortfalls(tight.estimate, kept=True)
+    # Nor does it stop the moves into a device with a budget of its own (a GPU's memory).
+    state = result.tiers[Tier.NVME].home_total
+    gpu = _budgets(cpu=cpu.need, device=device.need + state // 4)
+    moved = [
+        _plan(load_config(raw, overrides={"offload": "auto", "tiers.cpu.keep_freed": k, "tiers.device.capacity": 1}), gpu)
+        for k in (0, 1 << 30)
+    ]
+    assert " in device (" in moved[1].label and " in cpu (" not in moved[1].label
+    assert moved[0].label.startswith(moved[1].label) and " in cpu (" in moved[0].label
 
 
 def test_a_plan_that_cannot_fit_names_the_short_tier(swap: Path) -> None:

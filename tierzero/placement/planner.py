@@ -16,8 +16,8 @@ candidates (tierzero/placement/candidates.py):
    gradients handed to a step in backward cost nothing and stay. The device takes them
    first where it has a budget of its own (a unit whose optimizer states it holds steps
    there), then host memory. Among slices that save alike, the units are taken spread over
-   the step (candidates.py: `spread_order`). These moves leave host memory room for the
-   freed heap the engine keeps resident (`tiers.cpu.keep_freed`: up to that, and at most
+   the step (candidates.py: `spread_order`). The moves into host memory leave room there
+   for the freed heap the engine keeps resident (`tiers.cpu.keep_freed`: up to that, and at most
    the step's transient host bytes), so that a budget the moves fill is one the process
    keeps to; a whole-kind placement fits as the store counts, as it would by hand.
 
@@ -296,7 +296,8 @@ def plan_placement(
         return candidate
 
     def judge_split(candidate: Candidate) -> Candidate:
-        return judge(candidate, kept=True)
+        # Slices moved into host memory leave the kept heap room there; those moved into a GPU need not.
+        return judge(candidate, kept=Tier.CPU in candidate.homes.units.values())
 
     log.info("replaying the step for each candidate placement")
     began = time.perf_counter()
