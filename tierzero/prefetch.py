@@ -137,8 +137,7 @@ class Prefetcher:
         for name, value in (("prefetch.bytes", prefetch_bytes), ("prefetch.max_live_bytes", max_live_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a byte count >= 0 (0 turns prefetching off), got {value!r}")
-        bad = {u: n for u, n in unit_bytes.items() if not isinstance(n, int) or n < 0}
-        if bad:
+        if bad := {u: n for u, n in unit_bytes.items() if not isinstance(n, int) or n < 0}:
             raise ValueError(f"unit sizes must be byte counts >= 0, got {bad}")
         self.unit_bytes = dict(unit_bytes)
         self.prefetch_bytes, self.max_live_bytes = prefetch_bytes, max_live_bytes
@@ -164,11 +163,9 @@ class Prefetcher:
         return self._order
 
     def first_units(self) -> list[str]:
-        """The learned order's first units that fit in `prefetch_bytes` together (at least one).
-
-        The optimizer step steps these first, so their new slices can start up for the next
-        forward while the other units step (empty before an order is learned).
-        """
+        """The learned order's first units that fit in `prefetch_bytes` together (at least one; none
+        before an order is learned): the optimizer steps these first, so that their new slices can
+        start up for the next forward while the other units step."""
         first: list[str] = []
         budget = self.prefetch_bytes
         for event in self._order:
@@ -178,6 +175,11 @@ class Prefetcher:
             first.append(event.unit)
             budget -= size
         return first
+
+    @property
+    def recorded(self) -> int:
+        """Events `record`ed in the open step (0 between steps)."""
+        return len(self._observed) if self._in_step else 0
 
     @property
     def exhausted(self) -> bool:
@@ -254,15 +256,13 @@ class Prefetcher:
         return requests
 
     def keep_resident(self, unit: str) -> bool:
-        """Whether the engine should keep `unit`'s bytes after this occurrence, for its next one.
-
-        Only while following the learned order; on demand, everything is released. A unit
-        that runs again at once is always kept. One that runs again later in the step (the
-        forward's blocks, run again in backward) is kept when its bytes, and those of every
-        unit that runs before its next occurrence, fit in `max_live_bytes` beside what is
-        ahead and kept already: keeping it then never stands in the way of a fetch it waits
-        for, and the disk reads it once a step instead of twice.
-        """
+        """Whether the engine should keep `unit`'s bytes after this occurrence, for its next one:
+        only while following the learned order (on demand, everything is released). A unit that
+        runs again at once is always kept. One that runs again later in the step (the forward's
+        blocks, run again in backward) is kept when its bytes, and those of every unit that runs
+        before its next occurrence, fit in `max_live_bytes` beside what is ahead and kept already:
+        keeping it then never stands in the way of a fetch it waits for, and the disk reads it
+        once a step instead of twice."""
         self._require_step(True, "keep_resident")
         if unit == self._held:
             self._held = None

@@ -124,6 +124,23 @@ def test_bytes_ahead_never_above_the_budget(tmp_path: Path, budget_units: int) -
     assert block <= peak <= budget + unit_bytes["root"] + 2 * block
 
 
+def test_a_step_interrupted_just_after_the_policy_recorded_a_unit_closes_cleanly() -> None:
+    """Ctrl-C may land inside `ParamPrefetch.acquire` once the policy has recorded the unit and before
+    anything else: closing then ends the step with the policy's report, not `cancel_step`'s error."""
+    from tierzero.prefetch import Prefetcher
+    from tierzero.stages.param_prefetch import ParamPrefetch
+
+    policy = Prefetcher(unit_bytes={"a": 10, "b": 10}, prefetch_bytes=20, max_live_bytes=20)
+    fetches = ParamPrefetch(store=None, policy=policy)  # nothing fetched: the store is never asked
+    fetches.begin_step()
+    assert fetches.end_step() is None and policy.recorded == 0  # a step nothing used: cancelled
+    fetches.begin_step()
+    policy.record("a", Phase.FORWARD)  # acquire's first act, then the interrupt
+    report = fetches.end_step(cut_short=True)
+    assert report is not None and report.events == 1 and policy.recorded == 0
+    assert policy.order == ()  # a step cut short teaches no order
+
+
 def test_a_step_opened_early_and_never_used_leaves_no_trace() -> None:
     from tierzero.prefetch import Prefetcher
 

@@ -39,7 +39,6 @@ class ParamPrefetch:
         self._early: dict[str, Transfer[torch.Tensor]] = {}
         """Fetches started between steps (`warm`), which the next step's plan adopts."""
         self._in_step = False
-        self._recorded = 0
         self.last_report: StepReport | None = None
         self.blocked: Callable[[str], bool] = lambda unit: False
         """Units whose slice must not be fetched yet: their deferred optimizer step has not
@@ -51,12 +50,12 @@ class ParamPrefetch:
 
     def begin_step(self) -> None:
         """Open a step and start its first fetches; a no-op in a step opened early that nothing used yet."""
-        if self._in_step and not self._recorded:
+        if self._in_step and not self.policy.recorded:
             return
         if self._in_step:
             self.end_step()  # a second forward before any backward: the first step is over
         self.policy.begin_step()
-        self._in_step, self._recorded = True, 0
+        self._in_step = True
         self._issue()
         self._drop_early()  # a warm fetch the plan did not want (the order's first unit changed)
 
@@ -86,7 +85,6 @@ class ParamPrefetch:
         if not self._in_step:
             return self.store.fetch(key, to=Tier.DEVICE).wait()
         self.policy.record(unit, phase)
-        self._recorded += 1
         self._settle()
         transfer = self._ahead.pop(unit, None)
         if transfer is None and unit in self._kept:
@@ -141,7 +139,9 @@ class ParamPrefetch:
             return None
         self._in_step = False
         self._settle()
-        if self._recorded:
+        # The policy's own count: an interrupt may land between its record and anything kept here.
+        recorded = self.policy.recorded
+        if recorded:
             self.last_report = self.policy.end_step(cut_short=cut_short)
         else:
             self.policy.cancel_step()
@@ -151,7 +151,7 @@ class ParamPrefetch:
             self.store.release(SliceKey(unit, Kind.PARAM))
         self._ahead.clear()
         self._kept.clear()
-        return self.last_report if self._recorded else None
+        return self.last_report if recorded else None
 
     def _settle(self) -> None:
         """Tell the policy which prefetches have landed (their bytes left the in-flight budget)."""
