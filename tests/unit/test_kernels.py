@@ -175,9 +175,12 @@ def _plain_steps(steps: int, kernel: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("stage", "placement"), [(3, "params-optimizer-nvme"), (1, "device")])
-def test_the_engine_steps_as_plain_pytorch_with_the_same_kernel(stage: int, placement: str, tmp_path: Path) -> None:
+def test_the_engine_steps_as_plain_pytorch_with_the_same_kernel(
+    stage: int, placement: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = engine_config(stage=stage, placement=PLACEMENTS[placement], nvme_path=tmp_path)
     cfg["precision"]["linear_kernel"] = "onednn"
+    monkeypatch.setattr(kernels, "_kept", {})
     run = EngineTraining("tiny", cfg)
     try:
         for step in range(3):
@@ -186,8 +189,9 @@ def test_the_engine_steps_as_plain_pytorch_with_the_same_kernel(stage: int, plac
         got = run.engine.full_state_dict()
     finally:
         run.close()
+    # The engine's backward ran the kernel's products (whether their bits differ from PyTorch's
+    # own depends on the CPU: on one Xeon they did not, at these shapes).
+    assert {product.split(" of ")[0] for product in chosen()} == set(CANDIDATES)
     want = _plain_steps(3, "onednn")
     assert got is not None and want.keys() <= got.keys()
     assert all(torch.equal(got[name], want[name]) for name in want)
-    # and the kernel mattered: PyTorch's own lands elsewhere in the last bits
-    assert not all(torch.equal(p, want[name]) for name, p in _plain_steps(3, "torch").items())
