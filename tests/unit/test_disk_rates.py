@@ -407,6 +407,7 @@ def test_the_compute_is_planned_with_the_medians_of_the_days_measurements_of_its
     import time
     from types import SimpleNamespace
 
+    from tierzero.cache_files import cache_path
     from tierzero.placement import compute as block_timing
     from tierzero.placement import history
 
@@ -432,13 +433,13 @@ def test_the_compute_is_planned_with_the_medians_of_the_days_measurements_of_its
     compute = measured(140e9, 1.20, 0.30)
     assert (compute.flops.read, compute.slowdown) == (135e9, pytest.approx(1.15))
     clock[0] += history.HISTORY_S
-    history.cache_path(block_timing.COMPUTE_FILE).write_text("{not json")
+    cache_path(block_timing.COMPUTE_FILE).write_text("{not json")
     compute = measured(110e9, 1.05, 0.26)  # an unreadable file is started anew, never trusted
     assert (compute.flops.read, compute.slowdown, compute.flops.source) == (110e9, 1.05, "timed at 110000000000")
     measured(111e9, 1.05, 0.26, beside="beside /elsewhere")
     clock[0] += history.HISTORY_S + 1
     measured(112e9, 1.05, 0.26)  # entries with nothing of the last day leave the file
-    assert len(json.loads(history.cache_path(block_timing.COMPUTE_FILE).read_text())) == 1
+    assert len(json.loads(cache_path(block_timing.COMPUTE_FILE).read_text())) == 1
 
 
 def test_the_compute_is_measured_alone_and_beside_the_disk(tmp_path: Path) -> None:

@@ -49,17 +49,8 @@ from tierzero.config import NvmeTierConfig, TiersConfig
 from tierzero.offload.base import Region
 from tierzero.offload.busy import Busy
 from tierzero.offload.nvme import NvmeTier
-from tierzero.placement.history import (
-    HISTORY_S,
-    HISTORY_SAMPLES,
-    Sample,
-    cache_path,
-    kept,
-    medians,
-    read_json,
-    span_text,
-    write_json,
-)
+from tierzero.cache_files import cache_path, read_json, write_json
+from tierzero.placement.history import HISTORY_S, HISTORY_SAMPLES, Sample, kept, medians, span_text
 from tierzero.sizes import format_size
 from tierzero.slices import IO_ALIGNMENT, aligned_empty
 

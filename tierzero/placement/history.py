@@ -16,17 +16,16 @@ be read is ignored and rewritten, never trusted.
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
+
+from tierzero.cache_files import cache_path, read_json, write_json
 
 __all__ = [
-    "CONFIRM", "HISTORY_S", "HISTORY_SAMPLES", "SHIFT", "Sample", "cache_path", "kept", "medians", "off_median",
-    "read_json", "remember", "samples", "since_shift", "span_text", "write_json",
+    "CONFIRM", "HISTORY_S", "HISTORY_SAMPLES", "SHIFT", "Sample", "kept", "medians", "off_median", "remember",
+    "samples", "since_shift", "span_text",
 ]  # fmt: skip
 
 #: Seconds a measurement counts for in its key's medians, and how many of them are kept: a disk
@@ -50,29 +49,6 @@ class Sample:
 
     def to_json(self) -> dict[str, object]:
         return {**self.values, "how": self.how, "measured": self.measured}
-
-
-def cache_path(name: str) -> Path:
-    """`name` in `$TIERZERO_CACHE_DIR` (default `~/.cache/tierzero`)."""
-    root = os.environ.get("TIERZERO_CACHE_DIR") or Path.home() / ".cache" / "tierzero"
-    return Path(root) / name
-
-
-def read_json(path: Path) -> dict[str, object]:
-    """The mapping in `path`; empty when it is missing or is not one."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def write_json(path: Path, data: dict[str, object]) -> None:
-    """Replace `path` whole: a reader sees the old file or the new one, never part of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = path.with_suffix(f".{os.getpid()}.tmp")
-    scratch.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(scratch, path)
 
 
 def samples(entry: object, fields: tuple[str, ...]) -> list[Sample]:
