@@ -19,10 +19,15 @@ input gradient together took the block from 79-90 GFLOP/s to 119-120 (session 13
 times both (`_fastest`: the best of a few alternating runs) and the process keeps the
 faster for that shape; `chosen()` says what was kept. The token
 counts go in powers of two (33-64 tokens are one shape), so a run whose batches vary in
-length times each layer a few times, not once per length.
+length times each layer a few times, not once per length. Each choice is kept for a day
+(`KEEP_S`) in `$TIERZERO_CACHE_DIR/kernels.json`, under the machine it was timed on (the
+CPU's model, the threads torch computes with, torch's version): the processes of one
+machine that day take the same kernels without timing them again (a few seconds for the
+2B preset's shapes on a slow CPU), so they compute the same bits. An entry that cannot be
+read is timed again and rewritten.
 
 Both libraries compute in IEEE fp32, but they add a row's products in a different
-order, so the bits differ from PyTorch's in the last places, and two processes whose
+order, so the bits differ from PyTorch's in the last places, and two machines whose
 timings chose differently differ from each other there too; hence opt-in, and `torch`
 (plain `F.linear`) by default, which tierzero's bit-for-bit tests hold to.
 
@@ -37,6 +42,8 @@ activation checkpointing included.
 from __future__ import annotations
 
 import logging
+import math
+import platform
 import time
 import types
 from collections import Counter
@@ -47,14 +54,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierzero.cache_files import cache_path, read_json, write_json
 from tierzero.config.precision import LINEAR_KERNELS
 
-__all__ = ["OneDnnLinear", "chosen", "chosen_text", "onednn_available", "use_linear_kernel"]
+__all__ = [
+    "KEEP_S", "KERNELS_FILE", "OneDnnLinear", "chosen", "chosen_text", "machine", "onednn_available",
+    "use_linear_kernel",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 #: Timed runs of each candidate product, alternating, before `_fastest` keeps the best.
 ROUNDS = 3
+#: The file of this machine's choices under the cache directory, and how long one holds (seconds).
+KERNELS_FILE = "kernels.json"
+KEEP_S = 86400.0
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -138,9 +152,76 @@ def _fastest(product: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     key = (product, b.shape[1], a.shape[1], 1 << (a.shape[0] - 1).bit_length(), a.dtype)
     kept = _kept.get(key)
     if kept is None:
-        kept = _kept[key] = _timed(product, a, b)
-        log.info("linear %s: %s", *_said(key, kept))
+        kept, how = _remembered(key), "kept from an earlier run on this machine"
+        if kept is None:
+            kept, how = _timed(product, a, b), "timed"
+            _remember(key, kept)
+        _kept[key] = kept
+        log.info("linear %s: %s (%s)", *_said(key, kept), how)
     return CANDIDATES[product][kept[0]](a, b)
+
+
+def machine() -> str:
+    """What a timing holds for: the CPU's model, the threads torch computes with and torch's version."""
+    cpu = {}
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                name, _, value = line.partition(":")
+                if name.strip() in ("model name", "cpu family", "model") and name.strip() not in cpu:
+                    cpu[name.strip()] = value.strip()
+    except OSError:
+        pass
+    model = " family ".join(filter(None, [cpu.get("model name"), cpu.get("cpu family")]))
+    model += f" model {cpu['model']}" if "model" in cpu else ""
+    model = model or platform.processor() or platform.machine()
+    return f"{model}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def _entry_name(key: _Key) -> str:
+    product, inputs, outputs, tokens, dtype = key
+    return f"{product} {inputs}->{outputs} at {tokens} tokens, {str(dtype).removeprefix('torch.')}"
+
+
+def _remembered(key: _Key) -> tuple[str, dict[str, float]] | None:
+    """The choice this machine made for `key` within `KEEP_S`, if the file holds a sound one."""
+    entry = read_json(cache_path(KERNELS_FILE)).get(machine())
+    entry = entry.get(_entry_name(key)) if isinstance(entry, dict) else None
+    if not isinstance(entry, dict):
+        return None
+    name, seconds = entry.get("kept"), entry.get("seconds")
+    candidates = CANDIDATES[key[0]]
+    try:
+        times = {other: float(seconds[other]) for other in candidates}
+    except (TypeError, KeyError, ValueError):
+        return None
+    fresh = _age(entry, time.time()) <= KEEP_S
+    sound = isinstance(name, str) and name in candidates and all(math.isfinite(t) and t > 0 for t in times.values())
+    return (name, times) if fresh and sound else None
+
+
+def _age(entry: Any, now: float) -> float:
+    """Seconds since `entry` was measured; infinite where it says no sound time (or one to come)."""
+    try:
+        age = now - float(entry["measured"])
+    except (TypeError, KeyError, ValueError):
+        return math.inf
+    return age if 0 <= age else math.inf
+
+
+def _remember(key: _Key, kept: tuple[str, dict[str, float]]) -> None:
+    """Add this process's choice for `key` to the machine's file, less the machine's entries over
+    `KEEP_S` old; a file it cannot write is left as it is."""
+    path, now = cache_path(KERNELS_FILE), time.time()
+    known = read_json(path)
+    mine = known.get(machine())
+    mine = {k: e for k, e in mine.items() if _age(e, now) <= KEEP_S} if isinstance(mine, dict) else {}
+    mine[_entry_name(key)] = {"kept": kept[0], "seconds": kept[1], "measured": now}
+    known[machine()] = mine
+    try:
+        write_json(path, known)
+    except OSError as err:
+        log.warning("linear kernels: cannot keep the choice in %s (%s); it holds for this process", path, err)
 
 
 def _timed(product: str, a: torch.Tensor, b: torch.Tensor) -> tuple[str, dict[str, float]]:

@@ -4,6 +4,7 @@ engine's steps with it against plain PyTorch with the same kernel, bit for bit."
 from __future__ import annotations
 
 import copy
+import json
 import time
 from pathlib import Path
 
@@ -14,8 +15,11 @@ from torch import nn
 
 from tierzero.bench.contenders import LR, PLACEMENTS, EngineTraining, engine_config, gpt, token_batch
 from tierzero import kernels
+from tierzero.cache_files import cache_path
 from tierzero.kernels import (
     CANDIDATES,
+    KEEP_S,
+    KERNELS_FILE,
     ROUNDS,
     OneDnnLinear,
     chosen,
@@ -66,7 +70,9 @@ def test_every_candidate_of_the_backward_computes_its_product(product: str, name
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-4)
 
 
-def test_the_backward_keeps_the_faster_candidate_per_shape_timed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fake_candidates(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """'slow' and 'quick' in place of the input gradient's candidates, in a process that kept none;
+    the names they were called by, in order."""
     calls: list[str] = []
 
     def product(name: str, pause: float):
@@ -79,6 +85,11 @@ def test_the_backward_keeps_the_faster_candidate_per_shape_timed_once(monkeypatc
 
     monkeypatch.setattr(kernels, "_kept", {})
     monkeypatch.setitem(CANDIDATES, "input gradient", {"slow": product("slow", 0.02), "quick": product("quick", 0.0)})
+    return calls
+
+
+def test_the_backward_keeps_the_faster_candidate_per_shape_timed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_candidates(monkeypatch)
     a, b = torch.randn(4, 6), torch.randn(6, 5)
     torch.testing.assert_close(kernels._fastest("input gradient", a, b), a.mm(b))
     assert calls.count("slow") == 1 + ROUNDS and calls.count("quick") == 1 + ROUNDS + 1
@@ -91,6 +102,67 @@ def test_the_backward_keeps_the_faster_candidate_per_shape_timed_once(monkeypatc
     assert chosen().keys() == {"input gradient of 5 -> 6 at 3-4 tokens", "input gradient of 5 -> 6 at 5-8 tokens"}
     said = chosen()["input gradient of 5 -> 6 at 3-4 tokens"]
     assert said.startswith("quick ") and ", slow " in said
+
+
+def test_a_choice_holds_for_the_machine_for_a_day_across_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    here, threads = kernels.machine(), torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:  # a process computing with other threads times for itself
+        assert kernels.machine() != here and torch.__version__ in here
+    finally:
+        torch.set_num_threads(threads)
+    calls = _fake_candidates(monkeypatch)
+    a, b = torch.randn(4, 6), torch.randn(6, 5)
+    kernels._fastest("input gradient", a, b)
+    assert calls.count("slow") == 1 + ROUNDS
+    path = cache_path(KERNELS_FILE)
+    entry = json.loads(path.read_text())[here]["input gradient 5->6 at 4 tokens, float32"]
+    assert entry["kept"] == "quick" and entry["seconds"]["slow"] > 0.02 > entry["seconds"]["quick"]
+
+    def next_process(machine: str = here) -> None:
+        monkeypatch.setattr(kernels, "_kept", {})
+        monkeypatch.setattr(kernels, "machine", lambda: machine)
+        calls.clear()
+        torch.testing.assert_close(kernels._fastest("input gradient", a, b), a.mm(b))
+
+    next_process()
+    assert calls == ["quick"]  # taken from the file, not timed
+    assert chosen()["input gradient of 5 -> 6 at 3-4 tokens"].startswith("quick ")
+    next_process("another CPU, 2 threads, torch 2.13.0+cpu")
+    assert calls.count("slow") == 1 + ROUNDS  # another machine's timing
+    assert len(json.loads(path.read_text())) == 2
+    stale = json.loads(path.read_text())
+    stale[here]["input gradient 5->6 at 8 tokens, float32"] = {**entry, "measured": time.time() - KEEP_S}
+    path.write_text(json.dumps(stale))
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now + KEEP_S + 1)
+    next_process()
+    assert calls.count("slow") == 1 + ROUNDS  # a day later: timed again, and the older entries dropped
+    assert list(json.loads(path.read_text())[here]) == ["input gradient 5->6 at 4 tokens, float32"]
+
+
+@pytest.mark.parametrize(
+    "stored",
+    ['{"kept": "faster", "seconds": {"slow": 1, "quick": 1}, "measured": NOW}',
+     '{"kept": "slow", "seconds": {"slow": 1}, "measured": NOW}',
+     '{"kept": "slow", "seconds": {"slow": 1, "quick": NaN}, "measured": NOW}',
+     '{"kept": "slow", "seconds": {"slow": 1, "quick": 1}, "measured": "yesterday"}',
+     '"slow"',
+     None],
+    ids=["unknown-candidate", "missing-time", "nan-time", "bad-date", "not-an-entry", "not-json"],
+)  # fmt: skip
+def test_a_kept_choice_that_cannot_be_read_is_timed_again_and_rewritten(
+    stored: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _fake_candidates(monkeypatch)
+    path = cache_path(KERNELS_FILE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    name = "input gradient 5->6 at 4 tokens, float32"
+    entry = stored.replace("NOW", str(time.time())) if stored else None
+    path.write_text(f'{{"{kernels.machine()}": {{"{name}": {entry}}}}}' if entry else "{not json")
+    kernels._fastest("input gradient", torch.randn(4, 6), torch.randn(6, 5))
+    assert calls.count("slow") == 1 + ROUNDS
+    assert json.loads(path.read_text())[kernels.machine()][name]["kept"] == "quick"
 
 
 def test_what_the_backward_kept_is_said_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

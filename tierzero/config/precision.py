@@ -51,10 +51,11 @@ class PrecisionConfig(Section):
     linear_kernel: str = setting("torch", choice_check(LINEAR_KERNELS))
     """fp32 nn.Linear layers on the CPU: 'torch' (F.linear, MKL's sgemm) or 'onednn', oneDNN's
     JIT kernels for the forward, and for each gradient whichever of oneDNN and PyTorch's mm the
-    first backward of its shape times faster: a GPT block's forward and backward at 64 tokens
-    1.3-1.5x faster on two dev machines (tierzero/kernels.py). IEEE fp32 either way, but the sums
-    run in another order, so the bits differ from PyTorch's (and where two processes timed
-    differently, from each other's) in the last places. No effect on a GPU or under autocast."""
+    first backward of its shape times faster, a choice the machine keeps for a day: a GPT block's
+    forward and backward at 64 tokens 1.3-1.5x faster on two dev machines (tierzero/kernels.py).
+    IEEE fp32 either way, but the sums run in another order, so the bits differ from PyTorch's
+    (and where two machines timed differently, from each other's) in the last places. No effect
+    on a GPU or under autocast."""
     loss_scale: str | float = setting("dynamic", LOSS_SCALE)
     """fp16 only: 'dynamic' (halve on overflow, grow after scale_window clean steps) or a fixed
     positive scale."""
