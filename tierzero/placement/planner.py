@@ -77,7 +77,8 @@ class RankBudgets:
     sources: dict[Tier, str]
     kept_heap: int = 0
     """Free heap the process may keep resident (`tiers.cpu.keep_freed`, see [Note: freed host
-    memory]): counted in the host's need, up to the step's transient host bytes."""
+    memory]): the slices the planner moves into host memory leave room for it, up to the step's
+    transient host bytes (`host_needs(kept=True)`)."""
 
     @classmethod
     def of(cls, machine: MachineBudgets, cfg: Config, *, local_world_size: int = 1) -> RankBudgets:
