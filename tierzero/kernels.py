@@ -41,6 +41,7 @@ activation checkpointing included.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import platform
@@ -163,6 +164,13 @@ def _fastest(product: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def machine() -> str:
     """What a timing holds for: the CPU's model, the threads torch computes with and torch's version."""
+    return f"{_cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+@functools.cache
+def _cpu_model() -> str:
+    """'Intel(R) Xeon(R) Processor family 6 model 167', from /proc/cpuinfo (read once a process);
+    Python's word for the processor where there is none."""
     cpu = {}
     try:
         with open("/proc/cpuinfo") as info:
@@ -174,8 +182,7 @@ def machine() -> str:
         pass
     model = " family ".join(filter(None, [cpu.get("model name"), cpu.get("cpu family")]))
     model += f" model {cpu['model']}" if "model" in cpu else ""
-    model = model or platform.processor() or platform.machine()
-    return f"{model}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    return model or platform.processor() or platform.machine()
 
 
 def _entry_name(key: _Key) -> str:
@@ -212,12 +219,12 @@ def _age(entry: Any, now: float) -> float:
 def _remember(key: _Key, kept: tuple[str, dict[str, float]]) -> None:
     """Add this process's choice for `key` to the machine's file, less the machine's entries over
     `KEEP_S` old; a file it cannot write is left as it is."""
-    path, now = cache_path(KERNELS_FILE), time.time()
+    path, now, here = cache_path(KERNELS_FILE), time.time(), machine()
     known = read_json(path)
-    mine = known.get(machine())
+    mine = known.get(here)
     mine = {k: e for k, e in mine.items() if _age(e, now) <= KEEP_S} if isinstance(mine, dict) else {}
     mine[_entry_name(key)] = {"kept": kept[0], "seconds": kept[1], "measured": now}
-    known[machine()] = mine
+    known[here] = mine
     try:
         write_json(path, known)
     except OSError as err:
