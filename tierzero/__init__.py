@@ -14,7 +14,7 @@ import os
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from tierzero.api import initialize
-from tierzero.engine import Engine
+from tierzero.engine.engine import Engine
 
 __version__ = "0.1.0"
 

@@ -10,13 +10,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tierzero import dist as D
+from tierzero.comm import dist as D
+from tierzero.comm.topology import Topology
 from tierzero.config import load_config
-from tierzero.engine import Engine
-from tierzero.lora import is_peft_model, materialize_adapters
+from tierzero.engine.engine import Engine
 from tierzero.placement.planner import PlacementPlan, plan_placement
 from tierzero.pretrained import PretrainedWeights
-from tierzero.topology import Topology
+from tierzero.pretrained.lora import is_peft_model, materialize_adapters
 
 __all__ = ["initialize"]
 

@@ -46,7 +46,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tierzero.config import PrefetchConfig
-from tierzero.units import module_of
+from tierzero.units.unit import module_of
 
 log = logging.getLogger(__name__)
 

@@ -35,12 +35,12 @@ from typing import Protocol
 
 import torch
 
+from tierzero.common.slices import Tier
+from tierzero.common.transfer import Transfer, TransferOutcome
 from tierzero.config import SwapperConfig
 from tierzero.offload.base import Region, TierStorage
 from tierzero.offload.memory import MemoryTier
 from tierzero.offload.staging import StagingBuffer, StagingPool, StagingStats
-from tierzero.slices import Tier
-from tierzero.transfer import Transfer, TransferOutcome
 
 __all__ = ["Swapper"]
 

@@ -325,7 +325,7 @@ class Traffic:
 
 def measure_case(case: Case, *, rank: int, world_size: int, make_engine: Callable[..., Any] | None = None) -> Traffic:
     import tierzero
-    from tierzero.slices import Kind, Tier
+    from tierzero.common.slices import Kind, Tier
 
     engine = (make_engine or tierzero.initialize)(case.model(), case.config())
     with engine:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tierzero.bench.zero import TARGETS, bench_zero
+from tierzero.cli.bench.zero import TARGETS, bench_zero
 
 
 def test_bench_zero_times_every_contender_at_both_world_sizes() -> None:

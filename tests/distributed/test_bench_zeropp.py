@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tierzero.bench.zeropp import VARIANTS, bench_zeropp
+from tierzero.cli.bench.zeropp import VARIANTS, bench_zeropp
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -24,8 +24,8 @@ def _train(env: dict[str, str]) -> None:
     os.environ.update(env)
     import torch
 
-    import tierzero.train as T
-    from tierzero.cli import main
+    import tierzero.cli.train as T
+    from tierzero.cli.main import main
 
     torch.set_num_threads(1)
     rank, real_step = int(env.get("RANK", "0")), T._train_step

@@ -8,7 +8,7 @@ import pytest
 import torch
 from harness import run_ranks
 
-from tierzero.comm import (
+from tierzero.comm.collectives import (
     Collective,
     CommCounter,
     CommGroup,

@@ -51,7 +51,7 @@ ZEROPP_8192 = ZEROPP | {"zero": ZEROPP["zero"] | {"quantization_block_size": 819
 def _measure(rank: int, topology: Any = None, config: dict[str, Any] = CONFIG) -> dict[str, Any]:
     import tierzero
     from tierzero.config import load_config
-    from tierzero.models import build_model
+    from tierzero.models.builtin import build_model
 
     engine = tierzero.initialize(build_model(load_config(config).model, seed=0), config, topology=topology)
     with engine:
@@ -71,7 +71,7 @@ def _measure(rank: int, topology: Any = None, config: dict[str, Any] = CONFIG) -
 
 
 def _job(rank: int, world_size: int, _: Any) -> dict[str, Any]:
-    from tierzero.topology import Topology
+    from tierzero.comm.topology import Topology
 
     out = {}
     for name, per_node in LAYOUTS.items():

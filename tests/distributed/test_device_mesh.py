@@ -25,7 +25,7 @@ CONFIG = {
 def _bytes(rank: int, **layout: Any) -> dict[str, Any]:
     import tierzero
     from tierzero.config import load_config
-    from tierzero.models import build_model
+    from tierzero.models.builtin import build_model
 
     with tierzero.initialize(build_model(load_config(CONFIG).model, seed=0), CONFIG, **layout) as engine:
         tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(rank))
@@ -36,7 +36,7 @@ def _bytes(rank: int, **layout: Any) -> dict[str, Any]:
 
 
 def _job(rank: int, world_size: int, _: Any) -> dict[str, Any]:
-    from tierzero.topology import Topology
+    from tierzero.comm.topology import Topology
 
     out: dict[str, Any] = {
         "mesh": _bytes(rank, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))),

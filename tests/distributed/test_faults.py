@@ -4,7 +4,7 @@ Nothing kills the survivor here (unlike torchrun, which would): it must notice o
 own. A dead peer closes its sockets, which gloo reports at once; a hung peer (stopped
 with SIGSTOP) is only noticed by the process group's timeout, `dist.timeout` in the config. Under
 `tierzero train` the survivor says in one line that it lost contact, with which rank (the
-one that did not answer a roll call in the job's store, tierzero.dist.unanswered_ranks), in
+one that did not answer a roll call in the job's store, tierzero.comm.dist.unanswered_ranks), in
 which step, and how to continue, and exits 2.
 """
 
@@ -84,8 +84,8 @@ def _train_rank(env: dict[str, str]) -> None:
     os.environ.update(env)
     import torch
 
-    import tierzero.train as T
-    from tierzero.cli import main
+    import tierzero.cli.train as T
+    from tierzero.cli.main import main
 
     torch.set_num_threads(1)
     rank = int(env["RANK"])

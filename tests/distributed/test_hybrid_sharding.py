@@ -3,7 +3,7 @@ each node, the two nodes replicas of each other.
 
 Bitwise equal to plain stage 3 at the same world size and data, SGD and AdamW: the replicas
 add their partial sums in a chain that reproduces plain ZeRO's rank-order sum ([Note: the
-replicas' sum in rank order] in tierzero/replicated.py). Clipping is off in these runs: the
+replicas' sum in rank order] in tierzero/comm/replicated.py). Clipping is off in these runs: the
 norm is summed over other slices (2 halves instead of 4 quarters), so its last bits, and the
 clipped step's, may differ; every other number is the same.
 

@@ -9,7 +9,7 @@ import torch
 from harness import run_ranks
 
 import tierzero
-from tierzero.models import GPT, ModelSpec
+from tierzero.models.builtin import GPT, ModelSpec
 
 SPEC = ModelSpec(n_layer=2, n_head=2, d_model=32, d_ff=64, max_seq_len=16)
 # unit_classes [Linear] as configs/oversized.yaml: the root then holds the embeddings and every norm.

@@ -1,6 +1,6 @@
 """ZeRO++ qgZ (zero.quantized_gradients) on 4 gloo ranks laid out as 2 nodes x 2.
 
-The gradients' reduce-scatter takes two hops ([Note: qgZ] in tierzero/quantized_comm.py):
+The gradients' reduce-scatter takes two hops ([Note: qgZ] in tierzero/comm/quantized.py):
 inside the node each rank sends its node peer that peer's shards of both nodes (2 shards
 of s elements, fp32: 8 s bytes), then across nodes one quantised partial sum,
 quantized_nbytes(s) = s + 4 s / 2048 bytes (int8) or s / 2 + 4 s / 2048 (int4), against
@@ -22,7 +22,7 @@ import pytest
 import torch
 from harness import Case, measure_comm, rel_error, run_ranks, train_case
 
-from tierzero.quant import quantized_nbytes
+from tierzero.comm.quant import quantized_nbytes
 
 ZEROPP = (("hpz_partition_size", 2), ("quantized_weights", True), ("quantized_gradients", "int4"))
 TRAIN = {b: Case(stage=3, optimizer="adamw", steps=4, zero=(("quantized_gradients", b),)) for b in ("int8", "int4")}
@@ -45,10 +45,10 @@ def _fulls(rank: int) -> list[torch.Tensor]:
 
 def _hops_against_exact(rank: int, block: int) -> dict[str, Any]:
     """One hierarchical reduce-scatter of two buffers (int8, a scale per `block`) beside plain stage 3's exact one."""
-    from tierzero import comm as C
-    from tierzero.mesh import build_mesh
-    from tierzero.quantized_comm import reduce_scatter_hierarchical
-    from tierzero.topology import Topology
+    from tierzero.comm import collectives as C
+    from tierzero.comm.mesh import build_mesh
+    from tierzero.comm.quantized import reduce_scatter_hierarchical
+    from tierzero.comm.topology import Topology
 
     mesh = build_mesh(Topology(world_size=4, rank=rank, local_world_size=2), node_hops=True)
     hops = mesh.grad_hops("int8", block_size=block)

@@ -1,7 +1,7 @@
 """ZeRO++ qwZ (zero.quantized_weights) on 4 gloo ranks laid out as 2 nodes x 2.
 
 Each parameter all-gather over the 4 ranks sends every rank's shard as int8 with one fp32
-scale per 2048 elements ([Note: qwZ] in tierzero/quantized_comm.py). For a unit whose shard
+scale per 2048 elements ([Note: qwZ] in tierzero/comm/quantized.py). For a unit whose shard
 holds s elements (a multiple of 2048), a gather sends quantized_nbytes(s) = s + 4 s / 2048
 bytes to each of the 3 peers, 1 inside the node and 2 across, against 4 s (fp32) or 2 s
 (bf16) unquantised: a quarter or a half, plus the scales. Without hpZ both gathers of a
@@ -29,7 +29,7 @@ import pytest
 import torch
 from harness import Case, measure_comm, rel_error, run_ranks, train_case
 
-from tierzero.quant import quantized_nbytes
+from tierzero.comm.quant import quantized_nbytes
 
 QWZ = (("quantized_weights", True),)
 HPZ_QWZ = (("quantized_weights", True), ("hpz_partition_size", 2))
@@ -50,9 +50,9 @@ def _shard(rank: int) -> torch.Tensor:
 
 
 def _gather_at_512(rank: int) -> torch.Tensor:
-    from tierzero.mesh import build_mesh
-    from tierzero.quantized_comm import all_gather_quantized
-    from tierzero.topology import Topology
+    from tierzero.comm.mesh import build_mesh
+    from tierzero.comm.quantized import all_gather_quantized
+    from tierzero.comm.topology import Topology
 
     comm = build_mesh(Topology(world_size=4, rank=rank, local_world_size=2)).shard
     out = torch.empty(4 * 2048)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from harness import run_ranks
 
-from tierzero.topology import Topology, node_groups
+from tierzero.comm.topology import Topology, node_groups
 
 
 def _sums(topology: Topology) -> dict[str, Any]:

@@ -10,7 +10,7 @@ ranks still answer, and exits 2 with one line naming node 1's ranks, as one node
 when one of them dies (tests/distributed/test_faults.py).
 
 With `dist.timeout` 5 s, the collectives wait 3.75 s and the roll call 1.25 s (a quarter of
-a timeout under 8 s: tierzero.dist.roll_call_s), so a hung node ends the job within 5 s of
+a timeout under 8 s: tierzero.comm.dist.roll_call_s), so a hung node ends the job within 5 s of
 going away, and a dead one within the roll call's wait (measured here: 5.04 s and 1.32 s
 from the fault to the survivors' exit; 7.05 s and 2.06 s when the collectives waited the
 whole timeout and the roll call 2 s after it).
@@ -39,8 +39,8 @@ JOB = '''
 import os, signal, sys, time
 from pathlib import Path
 import torch
-import tierzero.train as T
-from tierzero.cli import main
+import tierzero.cli.train as T
+from tierzero.cli.main import main
 
 out, config, node, fault = sys.argv[1:5]
 rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])

@@ -26,7 +26,7 @@ JOB = '''
 import json, os, sys, torch
 import tierzero
 from tierzero.config import load_config
-from tierzero.models import build_model
+from tierzero.models.builtin import build_model
 
 out = sys.argv[1]
 cfg = {

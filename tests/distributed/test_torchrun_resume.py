@@ -28,7 +28,7 @@ import json, os, sys, torch
 import torch.distributed as dist
 import tierzero
 from tierzero.config import load_config
-from tierzero.models import build_model
+from tierzero.models.builtin import build_model
 
 out, mode, swap = sys.argv[1:4]
 model = {"type": "gpt", "vocab_size": 64, "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 16}

@@ -2,7 +2,7 @@
 
 Plain PyTorch keeps fp32 parameters and an fp32 AdamW; the engine keeps the linear layers'
 weights in bf16 and the embeddings and norms in fp32 units ([Note: autocast's fp32
-parameters] in tierzero/precision.py). At two ranks the reference sums the two halves'
+parameters] in tierzero/units/precision.py). At two ranks the reference sums the two halves'
 gradients in rank order, as the engine's reduce-scatter does, and halves the sum; there
 the engine's sharded AdamW rounds a few elements one ulp apart from torch's (so does fp32
 without autocast), so the stages must agree bit for bit and the reference to rounding.
@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 from harness import Case, decay_groups, run_ranks
+from torch import nn
 
 import tierzero
-import tierzero.units as units_module
-from tierzero.bench.contenders import LR, PLACEMENTS, EngineTraining, engine_config, gpt, token_batch
+import tierzero.units.unit as units_module
+from tierzero.cli.bench.contenders import LR, PLACEMENTS, EngineTraining, engine_config, gpt, token_batch
 
 STEPS = 4
 BATCH, SEQ = 4, 16

@@ -16,7 +16,7 @@ import torch
 from harness import Case, check_parity, reference_run, run_ranks, train_case
 
 import tierzero
-from tierzero.units import plan_units
+from tierzero.units.unit import plan_units
 
 FROZEN = ("embed.", "blocks.1.", "blocks.0.norm.")
 CASES = [

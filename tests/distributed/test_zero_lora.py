@@ -13,7 +13,7 @@ import torch
 from harness import Case, reference_run, rel_error, run_ranks, train_case
 
 import tierzero
-from tierzero.units import plan_units
+from tierzero.units.unit import plan_units
 
 pytest.importorskip("peft")
 

@@ -6,7 +6,7 @@ and test_qgz.py hold at 2048. (At 8192, a bias sharing its block with far larger
 
 A block of 8192 elements is four times the 2048 the I/O alignment pads each shard to, so
 every unit pads further, to 2 x 8192 elements, and each rank's shard is whole blocks
-([Note: qwZ] in tierzero/quantized_comm.py). The one peer is on the other node, so every byte
+([Note: qwZ] in tierzero/comm/quantized.py). The one peer is on the other node, so every byte
 a gather or the gradients' hop sends crosses: per step, 2 (s + 4 s / 8192) for the two
 quantised gathers of a shard of s elements (qwZ), and s + 4 s / 8192 for the gradients' one
 partial sum (qgZ int8), against plain stage 3's 3 x 4 s.

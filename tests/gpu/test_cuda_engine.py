@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import tierzero
-from tierzero import dist as D
+from tierzero.comm import dist as D
+from tierzero.common.slices import Tier
 from tierzero.config import load_config
-from tierzero.engine import Engine
-from tierzero.micro_step import micro_step
-from tierzero.models import GPT, ModelSpec, build_model
-from tierzero.slices import Tier
+from tierzero.engine.engine import Engine
+from tierzero.engine.micro_step import micro_step
+from tierzero.models.builtin import GPT, ModelSpec, build_model
 from tierzero.stages.plan import Homes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

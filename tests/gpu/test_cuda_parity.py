@@ -1,6 +1,6 @@
 """The engine on one GPU against plain PyTorch, stages 1-3, its state on the device, in host memory and on NVMe.
 
-Skipped without CUDA. The helpers it drives (tierzero.bench.contenders) run on the CPU
+Skipped without CUDA. The helpers it drives (tierzero.cli.bench.contenders) run on the CPU
 in tests/unit/test_gpu_check.py. The reference is `torch.optim.AdamW(fused=True)` on the
 same model, seed and batches, as the CPU parity tests hold the engine to plain training.
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierzero.bench.contenders import PLACEMENTS, Placement, placement_matrix, run_parity
-from tierzero.slices import Tier
+from tierzero.cli.bench.contenders import PLACEMENTS, Placement, placement_matrix, run_parity
+from tierzero.common.slices import Tier
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

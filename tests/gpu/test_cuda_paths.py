@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierzero.common.slices import IO_ALIGNMENT, Kind, SliceKey, Tier
 from tierzero.offload.base import TierCapacityError
 from tierzero.offload.cpu import CpuTier
 from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
-from tierzero.slices import IO_ALIGNMENT, Kind, SliceKey, Tier
 from tierzero.store import TieredStore
 from tierzero.swapper import Swapper
 

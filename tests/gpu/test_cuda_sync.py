@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierzero.bench.contenders import PLACEMENTS, EngineTraining, engine_config, token_batch
-from tierzero.bench.copies import profiled_traffic
+from tierzero.cli.bench.contenders import PLACEMENTS, EngineTraining, engine_config, token_batch
+from tierzero.cli.bench.copies import profiled_traffic
 from tierzero.prefetch import Mode
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

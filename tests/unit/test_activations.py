@@ -33,7 +33,7 @@ def _run(
             losses.append(loss.item())
             peaks.append(engine.memory_report()["activations"])
         current = engine.store.report().tiers
-        left = {tier.value: usage.current_by_kind.get(tierzero.slices.Kind.ACTIVATION, 0) for tier, usage in current.items()}
+        left = {tier.value: usage.current_by_kind.get(tierzero.common.slices.Kind.ACTIVATION, 0) for tier, usage in current.items()}
         return losses, engine.full_state_dict(), peaks[-1], left
 
 
@@ -67,7 +67,7 @@ def test_the_estimate_counts_activations_as_the_run_books_them(tmp_path: Path) -
     }
     half = estimate(load_config(raw | {"activations": {"checkpoint": 2}}))
     checkpointed = estimate(load_config(raw))
-    device = tierzero.slices.Tier.DEVICE
+    device = tierzero.common.slices.Tier.DEVICE
     assert 0 < checkpointed.tiers[device].working["activations"] < half.tiers[device].working["activations"]
     assert checkpointed.tiers[device].peak < half.tiers[device].peak
 
@@ -75,7 +75,7 @@ def test_the_estimate_counts_activations_as_the_run_books_them(tmp_path: Path) -
 def test_with_checkpointing_the_estimate_matches_the_measured_device_peak(tmp_path: Path) -> None:
     import io
 
-    import tierzero.train as T
+    import tierzero.cli.train as T
     from tierzero.config import load_config
     from tierzero.estimate import estimate
 
@@ -88,7 +88,7 @@ def test_with_checkpointing_the_estimate_matches_the_measured_device_peak(tmp_pa
         "offload": {"optimizer": "cpu", "gradients": "cpu"},
     }
     cfg = load_config(raw)
-    predicted = estimate(cfg).tiers[tierzero.slices.Tier.DEVICE]
+    predicted = estimate(cfg).tiers[tierzero.common.slices.Tier.DEVICE]
     measured = T.train(cfg, progress=False, out=io.StringIO()).peak_tier_bytes["device"]
     assert predicted.working["activations"] > 0
     assert abs(predicted.peak - measured) <= 0.10 * measured, (predicted.peak, measured, predicted.working)
@@ -104,9 +104,9 @@ class _CopyBack:
 
 
 def test_a_parked_buffer_waits_for_its_copy_back_before_the_cpu_tier_reuses_it() -> None:
-    from tierzero.activations import SavedActivations
+    from tierzero.common.slices import Kind, Tier
     from tierzero.offload.cpu import CpuTier, HostDeviceTier
-    from tierzero.slices import Kind, Tier
+    from tierzero.stages.activations import SavedActivations
     from tierzero.store import TieredStore
     from tierzero.swapper import Swapper
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 import yaml
 
-from tierzero.bench import pattern
-from tierzero.bench.fio import FioJob, fio_command, parse_fio_json, run_fio
-from tierzero.bench.report import format_table, nvme_config_snippet, size_text
-from tierzero.bench.swap import parse_duration
-from tierzero.cli import main
+from tierzero.cli.bench import pattern
+from tierzero.cli.bench.fio import FioJob, fio_command, parse_fio_json, run_fio
+from tierzero.cli.bench.report import format_table, nvme_config_snippet, size_text
+from tierzero.cli.bench.swap import parse_duration
+from tierzero.cli.main import main
+from tierzero.common.sizes import parse_size
 from tierzero.offload.nvme import NvmeTier
-from tierzero.sizes import parse_size
 
 MiB = 1 << 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -250,7 +250,7 @@ def test_bench_swap_fails_on_bytes_never_freed_and_on_files_left(
 
 
 def test_bench_adam_reports_both_rates_and_identical_bits(capsys: pytest.CaptureFixture[str]) -> None:
-    from tierzero.cli import main
+    from tierzero.cli.main import main
 
     assert main(["bench", "adam", "--params", "1M", "--steps", "2"]) == 0
     line = capsys.readouterr().out.strip()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tierzero.bench.activations import bench_activations
+from tierzero.cli.bench.activations import bench_activations
 
 
 def test_offload_moves_the_activations_to_the_cpu_tier(tmp_path: Path) -> None:

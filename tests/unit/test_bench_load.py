@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from tierzero.bench.load import bench_load
+from tierzero.cli.bench.load import bench_load
 from tierzero.pretrained.files import scan_directory
 
 transformers = pytest.importorskip("transformers")

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-import tierzero.bench.placement as P
-from tierzero.bench.placement import EVERYTHING_ON_DEVICE, Contender, Final, _finalists, _report, _report_finals
+import tierzero.cli.bench.placement as P
+from tierzero.cli.bench.placement import EVERYTHING_ON_DEVICE, Contender, Final, _finalists, _report, _report_finals
 
 
 def _contender(name: str, rounds: list[float]) -> Contender:

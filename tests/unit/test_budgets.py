@@ -11,10 +11,10 @@ import psutil
 import pytest
 import torch
 
+from tierzero.common.slices import Tier
 from tierzero.config import CpuTierConfig, DeviceTierConfig, NvmeTierConfig, TiersConfig
 from tierzero.config.checks import GiB, MiB
 from tierzero.placement import CPU_MARGIN, DEVICE_MARGIN, Margin, cgroup_memory, machine_budgets
-from tierzero.slices import Tier
 
 V1_UNLIMITED_AS_WRITTEN = 9223372036854771712
 """What cgroup v1 shows for "no limit" on x86-64: the largest page-aligned 64-bit count."""

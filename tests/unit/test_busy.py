@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierzero.offload import busy as busy_module
-from tierzero.offload.busy import Busy, BusyClock
+from tierzero.offload.disk import busy as busy_module
+from tierzero.offload.disk.busy import Busy, BusyClock
 from tierzero.offload.nvme import NvmeTier
 
 

@@ -24,7 +24,7 @@ from tierzero.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.store import SliceState
 
 VOCAB, WIDTH = 24, 16

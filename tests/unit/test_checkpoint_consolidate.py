@@ -15,8 +15,9 @@ from test_checkpoint import TinyLM, batch, config, make_model, train
 
 import tierzero
 from tierzero.checkpoint import save_checkpoint
-from tierzero.checkpoint.consolidate import add_consolidate_command, consolidate, load_consolidated
+from tierzero.checkpoint.consolidate import consolidate, load_consolidated
 from tierzero.checkpoint.shards import ShardReader
+from tierzero.cli.consolidate import add_consolidate_command
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -94,7 +95,7 @@ def test_the_command_writes_the_file_and_refuses_other_suffixes(tmp_path: Path) 
 def test_a_transformers_run_consolidates_for_from_pretrained(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     from tierzero.config import load_config
-    from tierzero.models import build_model
+    from tierzero.models.builtin import build_model
 
     hf = {"vocab_size": 48, "n_positions": 16, "n_embd": 32, "n_layer": 2, "n_head": 2}
     cfg = load_config(config(3, dtype="bf16") | {"model": {"type": "transformers", "transformers_class": "GPT2LMHeadModel", "transformers_config": hf}})

@@ -13,11 +13,11 @@ from torch import nn
 import tierzero
 from tierzero.checkpoint import Checkpointable, load_checkpoint, save_checkpoint
 from tierzero.checkpoint.protocol import CheckpointStage, CheckpointStore, RunConfig
-from tierzero.comm import CommCounter, CommGroup
-from tierzero.precision import LossScaler, StaticLossScaler
-from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.comm.collectives import CommCounter, CommGroup
+from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.stages.plan import SliceSpec
-from tierzero.units import Unit, plan_units
+from tierzero.units.precision import LossScaler, StaticLossScaler
+from tierzero.units.unit import Unit, plan_units
 
 
 @dataclass

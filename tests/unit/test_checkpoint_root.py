@@ -20,7 +20,7 @@ from test_train import _tiny_config
 
 import tierzero
 import tierzero.checkpoint.format as fmt
-import tierzero.train as T
+import tierzero.cli.train as T
 from tierzero.checkpoint import (
     CheckpointWriteError,
     list_checkpoints,
@@ -28,7 +28,7 @@ from tierzero.checkpoint import (
     probe_root,
     save_checkpoint,
 )
-from tierzero.cli import main
+from tierzero.cli.main import main
 
 
 @pytest.fixture

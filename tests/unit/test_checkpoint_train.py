@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-import tierzero.train as T
+import tierzero.cli.train as T
 from tierzero.checkpoint.format import dtype_from_name
 from tierzero.checkpoint.manifest import Manifest
 from tierzero.checkpoint.shards import ShardReader

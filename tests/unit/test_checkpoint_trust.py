@@ -24,7 +24,7 @@ from tierzero.checkpoint import (
 )
 from tierzero.checkpoint.consolidate import consolidate
 from tierzero.checkpoint.format import json_checksum
-from tierzero.cli import main
+from tierzero.cli.main import main
 
 
 @pytest.fixture

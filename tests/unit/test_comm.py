@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierzero.comm import Collective, CommCounter, CommGroup, all_gather, all_reduce, reduce_scatter, ring_bytes
+from tierzero.comm.collectives import Collective, CommCounter, CommGroup, all_gather, all_reduce, reduce_scatter, ring_bytes
 
 
 @pytest.mark.parametrize(

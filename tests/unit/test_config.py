@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tierzero.cli.config import add_config_commands, parse_overrides, run_check, run_docs
+from tierzero.common.slices import Tier
 from tierzero.config import Config, ConfigError, config_markdown, load_config
-from tierzero.config.cli import add_config_commands, parse_overrides, run_check, run_docs
-from tierzero.slices import Tier
 
 REPO = Path(__file__).resolve().parents[2]
 MiB, GiB = 1 << 20, 1 << 30
@@ -364,7 +364,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_bad_config_prints_one_line_and_exits_2(tmp_path: Path) -> None:
-    pytest.importorskip("tierzero.bench", reason="tierzero.cli needs tierzero.bench")
+    pytest.importorskip("tierzero.cli.bench", reason="tierzero.cli needs tierzero.cli.bench")
     bad = tmp_path / "bad.yaml"
     bad.write_text("offload:\n  paramz: cpu\n")
     result = _cli("config", "check", str(bad))

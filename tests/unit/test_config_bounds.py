@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tierzero.cli.config import parse_overrides
 from tierzero.config import Config, ConfigError, load_config
-from tierzero.config.cli import parse_overrides
-from tierzero.models import build_model, count_parameters
+from tierzero.models.builtin import build_model, count_parameters
 
 REPO = Path(__file__).resolve().parents[2]
 GiB = 1 << 30
@@ -237,7 +237,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_train_refuses_a_bomb_and_a_huge_model_in_one_line(tmp_path: Path) -> None:
-    pytest.importorskip("tierzero.bench", reason="tierzero.cli needs tierzero.bench")
+    pytest.importorskip("tierzero.cli.bench", reason="tierzero.cli needs tierzero.cli.bench")
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text(alias_bomb())
     result = _cli("train", "--config", str(bomb), "--steps", "1")

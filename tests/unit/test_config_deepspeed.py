@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from tierzero.cli.config import run_check
+from tierzero.common.slices import Tier
 from tierzero.config import ConfigError, TierZeroConfigWarning, load_config
-from tierzero.config.cli import run_check
-from tierzero.slices import Tier
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 MiB = 1 << 20

@@ -218,7 +218,7 @@ CLI_CASES = {
 
 
 def test_cli_check_refuses_hostile_files_in_one_line(tmp_path: Path) -> None:
-    pytest.importorskip("tierzero.bench", reason="tierzero.cli needs tierzero.bench")
+    pytest.importorskip("tierzero.cli.bench", reason="tierzero.cli needs tierzero.cli.bench")
     processes = {}
     for name, data in CLI_CASES.items():
         path = tmp_path / name

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tierzero.config import config_markdown, load_config
-from tierzero.optim import make_optimizer
+from tierzero.optim.flat import make_optimizer
 
 TORCH = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 HYPER = ("lr", "betas", "eps", "weight_decay", "momentum")

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tierzero.cli.config import parse_overrides
 from tierzero.config import ConfigError, ZeroConfig, config_markdown, load_config
-from tierzero.config.cli import parse_overrides
 from tierzero.config.markdown import field_docs
 from tierzero.stages import STAGES
 

@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
+from tierzero.common.slices import IO_ALIGNMENT, Tier
 from tierzero.offload.base import TierCapacityError
 from tierzero.offload.cpu import CpuTier
 from tierzero.offload.device import DeviceTier
 from tierzero.offload.staging import StagingPool
-from tierzero.slices import IO_ALIGNMENT, Tier
 
 
 def test_cpu_buffers_are_aligned_exact_and_counted() -> None:

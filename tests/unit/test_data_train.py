@@ -15,10 +15,10 @@ import pytest
 import yaml
 from test_data_tokens import WORDS, tiny_tokenizer
 
-import tierzero.train as T
+import tierzero.cli.train as T
 from tierzero.config import ConfigError, load_config
 from tierzero.data import TextTokenizer, check_vocab
-from tierzero.models import build_model
+from tierzero.models.builtin import build_model
 
 VOCAB = len(WORDS) + 2
 

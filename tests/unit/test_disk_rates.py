@@ -12,7 +12,6 @@ from tierzero.offload.base import Region
 from tierzero.offload.nvme import NvmeTier
 from tierzero.placement import disk
 
-
 #: The setting `tiers.nvme` defaults to, as the cache keys it.
 DEFAULT = "8.0 MiB qd16 t8 pread"
 
@@ -168,7 +167,7 @@ def test_the_rates_training_steps_found_are_planned_with_before_a_probes(
     import time
 
     from tierzero.config import load_config
-    from tierzero.offload.busy import Busy
+    from tierzero.offload.disk.busy import Busy
 
     monkeypatch.setattr(disk, "probe", lambda *_, **__: pytest.fail("rates were known"))
     nvme = load_config({"tiers": {"nvme": {"queue_depth": 8}}}).tiers.nvme
@@ -196,7 +195,7 @@ def test_rates_found_in_steps_that_cannot_be_kept_are_let_go_with_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tierzero.config import load_config
-    from tierzero.offload.busy import Busy
+    from tierzero.offload.disk.busy import Busy
 
     blocker = tmp_path / "cache"
     blocker.write_text("a file where the cache's directory should be")
@@ -407,7 +406,7 @@ def test_the_compute_is_planned_with_the_medians_of_the_days_measurements_of_its
     import time
     from types import SimpleNamespace
 
-    from tierzero.cache_files import cache_path
+    from tierzero.common.cache_files import cache_path
     from tierzero.placement import compute as block_timing
     from tierzero.placement import history
 

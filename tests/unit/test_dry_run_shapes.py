@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from tierzero.config import load_config
 from tierzero.estimate import dry_run as D
 from tierzero.estimate.shapes import ShapesOnly
-from tierzero.models import build_model
+from tierzero.models.builtin import build_model
 
 NVME = {"params": "nvme", "gradients": "nvme", "optimizer": "nvme"}
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tierzero
-from tierzero.models import GPT, ModelSpec
+from tierzero.models.builtin import GPT, ModelSpec
 
 
 def test_every_call_after_close_is_refused_and_close_is_idempotent(tmp_path) -> None:

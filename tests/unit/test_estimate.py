@@ -12,17 +12,17 @@ from typing import Any
 import pytest
 import yaml
 
-import tierzero.train as T
+import tierzero.cli.train as T
+from tierzero.cli.estimate import add_estimate_command, format_estimate, run_estimate, to_json
+from tierzero.common.sizes import format_size
+from tierzero.common.slices import MODEL_STATE_KINDS, Kind, Tier
 from tierzero.config import load_config
-from tierzero.engine import Engine
+from tierzero.engine.engine import Engine
 from tierzero.estimate import Bandwidth, estimate, estimator
 from tierzero.estimate import dry_run as dry_runs
-from tierzero.estimate.report import add_estimate_command, format_estimate, run_estimate, to_json
-from tierzero.models import GPT, ModelSpec, count_parameters
+from tierzero.models.builtin import GPT, ModelSpec, count_parameters
 from tierzero.offload.base import TierCapacityError
 from tierzero.placement import machine_budgets
-from tierzero.sizes import format_size
-from tierzero.slices import MODEL_STATE_KINDS, Kind, Tier
 from tierzero.stages import Stage3
 
 REPO = Path(__file__).resolve().parents[2]
@@ -307,7 +307,7 @@ def test_command_json_table_and_bench_file(tmp_path: Path) -> None:
 
 def test_a_bench_file_gives_the_rates_at_the_config_s_own_setting(tmp_path: Path) -> None:
     """A sweep that ran the config's I/O setting gives its rates there; else its best point's."""
-    from tierzero.estimate.report import load_bench
+    from tierzero.cli.estimate import load_bench
 
     def run(direction: str, queue_depth: int, gbps: float) -> dict[str, object]:
         return {"direction": direction, "block_size": 8 << 20, "queue_depth": queue_depth, "threads": 8,

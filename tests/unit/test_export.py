@@ -15,13 +15,14 @@ from safetensors import safe_open
 from torch import nn
 
 import tierzero
-import tierzero.train as T
+import tierzero.cli.train as T
 from tierzero.checkpoint import save_checkpoint
-from tierzero.checkpoint.consolidate import add_consolidate_command, consolidate_hf
+from tierzero.checkpoint.consolidate import consolidate_hf
+from tierzero.checkpoint.export import check_export, export_engine
+from tierzero.checkpoint.stand_in import make_checkpoint
+from tierzero.cli.consolidate import add_consolidate_command
 from tierzero.config import load_config
-from tierzero.models import build_model
-from tierzero.pretrained.export import check_export, export_engine
-from tierzero.pretrained.make import make_checkpoint
+from tierzero.models.builtin import build_model
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

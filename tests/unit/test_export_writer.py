@@ -13,9 +13,9 @@ from test_export import _config, _hf, _train
 
 import tierzero.checkpoint.format as format_module
 from tierzero.checkpoint.consolidate import consolidate_hf
+from tierzero.checkpoint.export import PretrainedWriter, plan_shards, saved_name
 from tierzero.checkpoint.format import TensorEntry
 from tierzero.checkpoint.shards import ShardReader
-from tierzero.pretrained.export import PretrainedWriter, plan_shards, saved_name
 
 pytest.importorskip("transformers")
 

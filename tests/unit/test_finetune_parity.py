@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import tierzero
-from tierzero.lora import apply_lora
 from tierzero.pretrained import build_meta_model
+from tierzero.pretrained.lora import apply_lora
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

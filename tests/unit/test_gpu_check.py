@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierzero.bench import gpu_check
-from tierzero.bench.contenders import PLACEMENTS, placement_matrix, run_parity
-from tierzero.bench.copies import memcpy_traffic
-from tierzero.bench.gpu import bench_train_device
-from tierzero.cli import main
-from tierzero.slices import Tier
+from tierzero.cli.bench import gpu_check
+from tierzero.cli.bench.contenders import PLACEMENTS, placement_matrix, run_parity
+from tierzero.cli.bench.copies import memcpy_traffic
+from tierzero.cli.bench.gpu import bench_train_device
+from tierzero.cli.main import main
+from tierzero.common.slices import Tier
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 

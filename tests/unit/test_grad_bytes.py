@@ -13,7 +13,7 @@ import torch
 from test_grad_norm import Stack
 
 import tierzero
-from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.common.slices import Kind, SliceKey, Tier
 
 
 def _train(tmp_path: Path, *, grads: str, accumulation: int, clip: float) -> tuple[dict[str, torch.Tensor], list[Counter[str]]]:

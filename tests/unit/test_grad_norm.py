@@ -12,9 +12,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import tierzero
-from tierzero.offload.step_pipeline import MAX_RESIDENT_GROUPS
-from tierzero.slices import Kind
+from tierzero.common.slices import Kind
 from tierzero.stages.step import ForwardStep
+from tierzero.stages.step_pipeline import MAX_RESIDENT_GROUPS
 
 
 class Stack(nn.Module):

@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 import tierzero
-from tierzero.optim import FlatAdam, OptimizerSpec, OptimizerType
-from tierzero.slice_layout import ParamGroup, SliceLayout
-from tierzero.slices import Kind, Tier
-from tierzero.stages import grad_pieces
-from tierzero.stages.grad_pieces import GradPieces, step_pieces
-from tierzero.units import plan_units
+from tierzero.common.slices import Kind, Tier
+from tierzero.optim.flat import FlatAdam, OptimizerSpec, OptimizerType
+from tierzero.stages.grads import pieces as grad_pieces
+from tierzero.stages.grads.pieces import GradPieces, step_pieces
+from tierzero.units.slice_layout import ParamGroup, SliceLayout
+from tierzero.units.unit import plan_units
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 from harness import Case  # noqa: E402

@@ -12,8 +12,8 @@ from torch.nn import functional as F
 
 import tierzero
 from tierzero.config import ConfigError, load_config
-from tierzero.groups import GroupRules
-from tierzero.units import plan_units
+from tierzero.optim.groups import GroupRules
+from tierzero.units.unit import plan_units
 
 transformers = pytest.importorskip("transformers")
 

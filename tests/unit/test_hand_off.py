@@ -15,17 +15,17 @@ from test_estimate import _raw, _train
 from test_grad_norm import Stack
 
 import tierzero
+from tierzero.common.slices import Kind, SliceKey, Tier
+from tierzero.common.transfer import Transfer, TransferOutcome
 from tierzero.config import load_config
 from tierzero.estimate import estimate
 from tierzero.offload.cpu import CpuTier
 from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
-from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.stages import Stage3
 from tierzero.store import SliceState, TieredStore
 from tierzero.store.ledger import Use
 from tierzero.swapper import Swapper
-from tierzero.transfer import Transfer, TransferOutcome
 
 
 def _count_reads(engine: Any, counted: Callable[[SliceKey, Tier], bool]) -> list[int]:
@@ -222,8 +222,7 @@ def test_a_full_pipeline_lets_its_oldest_write_land_rather_than_read_a_master_ag
     """As on a disk that has not kept up: every write-back is still landing when the step's
     pipeline is asked for room. A unit's backward then waits for the oldest to land (its step
     would wait for it anyway), and its gathered copy still moves down to the step."""
-    from tierzero.offload import step_pipeline
-
+    from tierzero.stages import step_pipeline
     monkeypatch.setattr(step_pipeline._Writing, "landed", lambda self: False)
     # Each Linear a unit: four step in backward, more than the pipeline's three groups.
     _, handed = _master_reads(tmp_path, unit_classes=["Linear"])

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 import tierzero
-import tierzero.engine
-from tierzero.models import GPT, ModelSpec
+import tierzero.engine.engine
+from tierzero.models.builtin import GPT, ModelSpec
 
 # Allocates, touches and frees 64 MiB, then counts the page faults of a 40 MiB block: more than
 # glibc ever serves from the heap by default, and small enough to fit the freed block wherever
@@ -45,7 +45,7 @@ def test_a_freed_block_is_reused_without_faults_and_not_when_turned_off() -> Non
 @pytest.mark.parametrize("keep", [0, 256 << 20])
 def test_the_engine_keeps_what_the_config_says(keep: int, monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[int] = []
-    monkeypatch.setattr(tierzero.engine, "keep_freed_memory", asked.append)
+    monkeypatch.setattr(tierzero.engine.engine, "keep_freed_memory", asked.append)
     model = GPT(ModelSpec(n_layer=1, n_head=2, d_model=32, d_ff=64, max_seq_len=16, vocab_size=64))
     cfg = {"zero": {"stage": 3}, "optimizer": {"type": "adamw", "lr": 1e-3}, "tiers": {"cpu": {"keep_freed": keep}}}
     tierzero.initialize(model, cfg).close()

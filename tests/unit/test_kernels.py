@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierzero.bench.contenders import LR, PLACEMENTS, EngineTraining, engine_config, gpt, token_batch
-from tierzero import kernels
-from tierzero.cache_files import cache_path
-from tierzero.kernels import (
+from tierzero.cli.bench.contenders import LR, PLACEMENTS, EngineTraining, engine_config, gpt, token_batch
+from tierzero.common.cache_files import cache_path
+from tierzero.units import kernels
+from tierzero.units.kernels import (
     CANDIDATES,
     KEEP_S,
     KERNELS_FILE,

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 import tierzero
-import tierzero.train as T
+import tierzero.cli.train as T
 from tierzero.config import ConfigError, load_config
 from tierzero.data import ByteBatches
-from tierzero.lora import apply_lora, save_adapters
 from tierzero.pretrained import build_meta_model
+from tierzero.pretrained.lora import apply_lora, save_adapters
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -106,8 +106,8 @@ def test_lora_keys_are_checked() -> None:
 
 
 def test_the_estimate_counts_the_frozen_base_as_the_run_holds_it(tmp_path: Path) -> None:
+    from tierzero.common.slices import MODEL_STATE_KINDS
     from tierzero.estimate import estimate
-    from tierzero.slices import MODEL_STATE_KINDS
 
     _saved_llama(tmp_path / "llama")
     (tmp_path / "swap").mkdir()

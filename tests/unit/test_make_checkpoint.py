@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tierzero.checkpoint.stand_in import SIZES, make_checkpoint
+from tierzero.cli.make_checkpoint import add_make_checkpoint_command
 from tierzero.pretrained import PretrainedWeights, build_meta_model
-from tierzero.pretrained.make import SIZES, add_make_checkpoint_command, make_checkpoint
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierzero.comm import CommCounter, CommGroup
+from tierzero.cli.estimate import to_json
+from tierzero.comm.collectives import CommCounter, CommGroup
+from tierzero.comm.mesh import build_mesh
+from tierzero.comm.quantized import all_gather_quantized, reduce_scatter_hierarchical
+from tierzero.comm.topology import Topology
+from tierzero.common.slices import Kind, Tier
 from tierzero.config import ConfigError, load_config
 from tierzero.estimate import estimate
 from tierzero.estimate.dry_run import dry_run
-from tierzero.estimate.report import to_json
-from tierzero.mesh import build_mesh
-from tierzero.quantized_comm import all_gather_quantized, reduce_scatter_hierarchical
-from tierzero.slices import Kind, Tier
-from tierzero.topology import Topology
 
 MODEL = {"type": "gpt", "vocab_size": 64, "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 16}
 

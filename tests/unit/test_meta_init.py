@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import tierzero
-from tierzero.models import GPT, Llama, ModelSpec, rotary_tables
+from tierzero.models.builtin import GPT, Llama, ModelSpec, rotary_tables
 
 SPEC = ModelSpec(n_layer=3, n_head=2, d_model=32, d_ff=64, max_seq_len=16)
 SEED = 7
@@ -108,7 +108,7 @@ _PEAK_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
     import tierzero
-    from tierzero.models import GPT, ModelSpec
+    from tierzero.models.builtin import GPT, ModelSpec
 
     def hwm_bytes():
         with open("/proc/self/status") as f:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tierzero.models import (
+from tierzero.models.builtin import (
     GPT,
     PRESETS,
     Llama,
@@ -21,7 +21,7 @@ from tierzero.models import (
     materialize,
     rotary_tables,
 )
-from tierzero.units import plan_units
+from tierzero.units.unit import plan_units
 
 TINY = PRESETS["tiny"]
 MODELS = [GPT, Llama]

@@ -17,12 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tierzero.offload import nvme_io
+from tierzero.common.sizes import format_size
+from tierzero.common.slices import IO_ALIGNMENT, Tier, align_up
 from tierzero.offload.base import ChecksumError, Region, TierCapacityError
+from tierzero.offload.disk import chunk_queue as nvme_io
+from tierzero.offload.disk.files import NvmeSpaceError
 from tierzero.offload.nvme import ExtentAllocator, NvmeTier
-from tierzero.offload.nvme_files import NvmeSpaceError
-from tierzero.sizes import format_size
-from tierzero.slices import IO_ALIGNMENT, Tier, align_up
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]

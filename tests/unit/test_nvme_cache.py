@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.config import ConfigError, load_config
 from tierzero.offload.base import TierCapacityError
 from tierzero.offload.cpu import CpuTier
 from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
-from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.store import TieredStore
 from tierzero.store.cache_policy import Admission, CachePolicy
 from tierzero.store.ledger import Use

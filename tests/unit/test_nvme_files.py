@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierzero.cli import main
-from tierzero.offload.clean import Leftover, find_leftovers
+from tierzero.cli.main import main
+from tierzero.common.sizes import format_size
+from tierzero.offload.disk.leftovers import Leftover, find_leftovers
 from tierzero.offload.nvme import NvmeTier
-from tierzero.sizes import format_size
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]

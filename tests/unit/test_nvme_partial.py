@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierzero.common.slices import aligned_empty
 from tierzero.offload.base import ChecksumError
 from tierzero.offload.nvme import NvmeTier
-from tierzero.slices import aligned_empty
 
 KiB, MiB = 1 << 10, 1 << 20
 

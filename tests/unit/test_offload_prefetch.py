@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import tierzero
+from tierzero.common.slices import Kind, Tier
 from tierzero.prefetch import Mode, Phase, UnitEvent
-from tierzero.slices import Kind, Tier
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 from harness import Case  # noqa: E402

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tierzero
-from tierzero.offload.step_pipeline import MAX_RESIDENT_GROUPS
-from tierzero.slices import Kind, Tier, align_up
+from tierzero.common.slices import Kind, Tier, align_up
+from tierzero.stages.step_pipeline import MAX_RESIDENT_GROUPS
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 from harness import Case  # noqa: E402
@@ -154,8 +154,8 @@ def test_backward_step_matches_torch_adamw(tmp_path: Path) -> None:
 def test_a_failed_write_back_is_raised_not_lost() -> None:
     from concurrent.futures import Future
 
-    from tierzero.offload.step_pipeline import PendingWrite, SliceGroup, StepPipeline
-    from tierzero.transfer import Transfer
+    from tierzero.common.transfer import Transfer
+    from tierzero.stages.step_pipeline import PendingWrite, SliceGroup, StepPipeline
 
     failed: Future[Any] = Future()
     failed.set_exception(OSError(28, "No space left on device"))
@@ -205,8 +205,8 @@ SIZES = {"big0": 100, "big1": 100, "big2": 100, "s0": 1, "s1": 1}
 def test_small_groups_take_a_small_part_of_the_bound(sizes: dict[str, int] | None, prepared: int) -> None:
     """Counted, three groups fill the bound whatever their size; weighed in bytes, two small ones
     fit beside two large ones and the third large one does not (3 x 100 bytes at most)."""
-    from tierzero.offload.step_pipeline import SliceGroup, StepPipeline
-    from tierzero.transfer import Transfer
+    from tierzero.common.transfer import Transfer
+    from tierzero.stages.step_pipeline import SliceGroup, StepPipeline
 
     class Store:
         def fetch(self, key: Any, *, to: Tier) -> Transfer[torch.Tensor]:

@@ -12,11 +12,11 @@ import torch
 from test_grad_norm import Stack
 
 import tierzero
+from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.offload.cpu import CpuTier, HostDeviceTier
 from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
-from tierzero.slices import Kind, SliceKey, Tier
-from tierzero.stages.grad_landing import add_into
+from tierzero.stages.grads.landing import add_into
 from tierzero.store import TieredStore
 from tierzero.swapper import Swapper
 

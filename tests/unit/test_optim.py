@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tierzero.optim import (
+from tierzero.common.slices import Kind
+from tierzero.optim.flat import (
     FlatAdam,
     FlatSGD,
     OptimizerSpec,
@@ -16,8 +17,7 @@ from tierzero.optim import (
     SliceLayout,
     make_optimizer,
 )
-from tierzero.slice_layout import adam_pieces, cpu_vector_width
-from tierzero.slices import Kind
+from tierzero.units.slice_layout import adam_pieces, cpu_vector_width
 
 # Sizes chosen so that tensor starts and slice boundaries fall at many offsets modulo
 # the 8- and 16-wide vectors, and tails of many lengths occur.
@@ -255,7 +255,7 @@ def test_step_refuses_bad_slices() -> None:
 
 @pytest.mark.parametrize("split", [1, 3])
 def test_adam_benchmark_runs_both_and_agrees(split) -> None:
-    from tierzero.bench.adam import bench_cpu_adam
+    from tierzero.cli.bench.adam import bench_cpu_adam
 
     result = bench_cpu_adam(10_007, steps=3, warmup=1, split=split)
     assert result.identical  # same update as torch.optim.AdamW(fused=True), even split across threads

@@ -13,18 +13,18 @@ from typing import Any
 import pytest
 import torch
 
-from tierzero import dist as D
-from tierzero import train as T
+from tierzero.cli import train as T
+from tierzero.comm import dist as D
+from tierzero.common.slices import Kind, SliceKey, Tier, align_up
 from tierzero.config import ConfigError, load_config
-from tierzero.engine import Engine
+from tierzero.engine.engine import Engine
+from tierzero.engine.micro_step import micro_step
 from tierzero.estimate.counting import Traffic
 from tierzero.estimate.estimator import Bandwidth, estimate
-from tierzero.micro_step import micro_step
-from tierzero.models import build_model
+from tierzero.models.builtin import build_model
 from tierzero.placement import MachineBudgets, TierBudget
 from tierzero.placement.planner import PlacementError, RankBudgets, plan_placement
 from tierzero.placement.prediction import Part, predict
-from tierzero.slices import Kind, SliceKey, Tier, align_up
 from tierzero.stages.plan import KIND_HOMES as KIND_FIELD
 from tierzero.stages.plan import Homes
 
@@ -469,7 +469,7 @@ def test_tierzero_estimate_prints_the_plan(tmp_path: Path, swap: Path, capsys: p
 
     import yaml
 
-    from tierzero.estimate.report import add_estimate_command, run_estimate
+    from tierzero.cli.estimate import add_estimate_command, run_estimate
 
     config = tmp_path / "auto.yaml"
     config.write_text(yaml.safe_dump(_raw(swap)))
@@ -516,7 +516,7 @@ def test_the_rates_are_measured_on_this_machine(swap: Path) -> None:
 def test_the_compute_rate_is_one_block_of_the_model_trained_at_the_training_shape(
     swap: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tierzero.models import LlamaBlock, spec_from_config
+    from tierzero.models.builtin import LlamaBlock, spec_from_config
     from tierzero.placement import compute
 
     raw = _raw(swap)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tierzero import train as T
+from tierzero.cli import train as T
 from tierzero.config import load_config
 from tierzero.placement import compute, disk, planner
 from tierzero.placement.progress import said_to

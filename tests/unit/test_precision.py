@@ -10,7 +10,7 @@ import torch
 from overflow_checks import found_inf, found_inf_flag, unscale_
 from torch import nn
 
-from tierzero.precision import (
+from tierzero.units.precision import (
     LOWERED_LAYERS,
     DynamicLossScaler,
     StaticLossScaler,
@@ -18,7 +18,7 @@ from tierzero.precision import (
     make_loss_scaler,
     reads_fp32_under_autocast,
 )
-from tierzero.units import Binding
+from tierzero.units.unit import Binding
 
 
 def test_dtype_of() -> None:

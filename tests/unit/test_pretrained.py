@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tierzero.materialize import flat_fp32
+from tierzero.engine.materialize import flat_fp32
 from tierzero.pretrained import PretrainedError, PretrainedWeights, build_meta_model
-from tierzero.units import plan_units
+from tierzero.units.unit import plan_units
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tierzero
-import tierzero.train as T
+import tierzero.cli.train as T
 from tierzero.config import load_config
 from tierzero.data import ByteBatches
 from tierzero.pretrained import PretrainedError, build_meta_model

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierzero.quant import QMAX, Quantized, dequantize, quantize, quantized_nbytes
+from tierzero.comm.quant import QMAX, Quantized, dequantize, quantize, quantized_nbytes
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

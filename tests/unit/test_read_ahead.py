@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from tierzero import dist as D
+from tierzero.comm import dist as D
+from tierzero.common.slices import Kind, Tier, align_up
 from tierzero.config import load_config
-from tierzero.engine import Engine
-from tierzero.slices import Kind, Tier, align_up
+from tierzero.engine.engine import Engine
 from tierzero.stages.plan import Homes
 from tierzero.stages.step import group_sizes
 

@@ -1,4 +1,4 @@
-"""`tierzero.dist.unanswered_ranks`: after a failed collective, the ranks that do not answer in the job's store."""
+"""`tierzero.comm.dist.unanswered_ranks`: after a failed collective, the ranks that do not answer in the job's store."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from tierzero.dist import roll_call_s, setup, unanswered_ranks
+from tierzero.comm.dist import roll_call_s, setup, unanswered_ranks
 
 pytestmark = pytest.mark.serial  # timed to a second or two: `make test` runs it alone on the cores
 

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import tierzero
-from tierzero.optim import FlatAdam, OptimizerSpec, OptimizerType, SliceLayout
-from tierzero.schedule import Schedule, lr_lambda
-from tierzero.slices import Kind
+from tierzero.common.slices import Kind
+from tierzero.optim.flat import FlatAdam, OptimizerSpec, OptimizerType, SliceLayout
+from tierzero.optim.schedule import Schedule, lr_lambda
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,7 +17,7 @@ import torch
 
 import tierzero
 from tierzero.config import ConfigError, TierZeroConfigWarning, load_config
-from tierzero.schedule import Schedule, lr_lambda
+from tierzero.optim.schedule import Schedule, lr_lambda
 
 STEPS = 48
 

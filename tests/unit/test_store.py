@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.offload.base import TierCapacityError
 from tierzero.offload.cpu import CpuTier
 from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
-from tierzero.slices import Kind, SliceKey, Tier
 from tierzero.store import SliceState, TieredStore
 from tierzero.store.ledger import Use
 from tierzero.swapper import Swapper
@@ -259,8 +259,8 @@ def test_from_config_builds_nvme_only_when_offloaded(tmp_path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the host is the compute device only without a GPU")
 def test_without_a_gpu_nvme_moves_to_the_device_tier_are_direct_and_reuse_memory(tmp_path) -> None:
+    from tierzero.common.slices import IO_ALIGNMENT
     from tierzero.offload.cpu import HostDeviceTier
-    from tierzero.slices import IO_ALIGNMENT
 
     with _store_from(_config(tmp_path, optimizer=Tier.NVME), nvme_capacity=2 << 20) as store:
         device = store._tiers[Tier.DEVICE]
@@ -284,7 +284,7 @@ def test_without_a_gpu_nvme_moves_to_the_device_tier_are_direct_and_reuse_memory
 
 
 def test_ranks_given_one_run_id_share_its_directory_until_the_last_closes(tmp_path) -> None:
-    from tierzero.offload.nvme_files import new_run_id
+    from tierzero.offload.disk.files import new_run_id
 
     cfg, run_id = _config(tmp_path, optimizer=Tier.NVME), new_run_id()
     run_dir = tmp_path / run_id

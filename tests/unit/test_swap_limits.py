@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-from tierzero.offload import nvme_io
+from tierzero.offload.disk import chunk_queue as nvme_io
 from tierzero.offload.nvme import NvmeTier
 
 MiB, GiB = 1 << 20, 1 << 30

@@ -1,6 +1,6 @@
 """Swap files no other user can redirect: planted run directories and swapped swap files are refused.
 
-See [Note: swap files no other user can redirect] in tierzero/offload/nvme_files.py.
+See [Note: swap files no other user can redirect] in tierzero/offload/disk/files.py.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tierzero.offload import nvme as nvme_mod
+from tierzero.offload.disk.files import new_run_id
 from tierzero.offload.nvme import NvmeTier
-from tierzero.offload.nvme_files import new_run_id
 
 MiB = 1 << 20
 

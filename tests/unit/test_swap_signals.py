@@ -3,7 +3,7 @@
 One driver process imports torch once and forks a child per case (a spawn costs seconds,
 a fork milliseconds); each child builds a real NvmeTier and gets real signals from the
 driver. The driver reports what it saw as JSON; the tests below read that report.
-See [Note: signal clean-up] in tierzero/offload/nvme_files.py.
+See [Note: signal clean-up] in tierzero/offload/disk/files.py.
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 import torch
 
+from tierzero.common.slices import IO_ALIGNMENT, Tier
+from tierzero.common.transfer import Transfer, TransferOutcome
 from tierzero.offload.base import Region, TierStorage
 from tierzero.offload.cpu import CpuTier
 from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
-from tierzero.slices import IO_ALIGNMENT, Tier
 from tierzero.swapper import Swapper
-from tierzero.transfer import Transfer, TransferOutcome
 
 
 class GatedNvme(NvmeTier):

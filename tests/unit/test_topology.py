@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierzero.topology import Topology, node_groups
+from tierzero.comm.topology import Topology, node_groups
 
 
 @pytest.mark.parametrize(

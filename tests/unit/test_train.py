@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 import yaml
 
-import tierzero.train as T
-from tierzero import kernels, run_summary
+import tierzero.cli.train as T
+from tierzero.cli import run_summary
 from tierzero.config import load_config
-from tierzero.kernels import chosen, onednn_available
-from tierzero.offload.busy import Busy
+from tierzero.offload.disk.busy import Busy
 from tierzero.store.tiered import TieredStore
+from tierzero.units import kernels
+from tierzero.units.kernels import chosen, onednn_available
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -289,7 +290,7 @@ def test_transformers_model_by_name_trains(tmp_path: Path) -> None:
 
 def test_demo_config_is_stage_3_offloaded_and_four_times_the_device() -> None:
     cfg = load_config(REPO / "configs" / "demo.yaml", overrides={"tiers.nvme.path": str(REPO)})
-    from tierzero.models import build_model, count_parameters
+    from tierzero.models.builtin import build_model, count_parameters
 
     assert cfg.zero.stage == 3 and cfg.offload.params.value in ("cpu", "nvme") and cfg.offload.optimizer.value in ("cpu", "nvme")
     import torch

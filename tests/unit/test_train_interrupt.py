@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from test_train import REPO, _parse, _tiny_config
 
-import tierzero.train as T
-from tierzero.engine import Engine
+import tierzero.cli.train as T
+from tierzero.engine.engine import Engine
 
 
 @pytest.fixture

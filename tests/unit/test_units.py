@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-import tierzero.units as units_module
-from tierzero.precision import reads_fp32_under_autocast
-from tierzero.units import DEFAULT_ALIGN_NUMEL, ROOT, UnitState, is_root, module_of, plan_units
+import tierzero.units.unit as units_module
+from tierzero.units.precision import reads_fp32_under_autocast
+from tierzero.units.unit import DEFAULT_ALIGN_NUMEL, ROOT, UnitState, is_root, module_of, plan_units
 
 
 class Block(nn.Module):

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tierzero.comm import CommGroup
+from tierzero.comm.collectives import CommGroup
 
 T = TypeVar("T")
 

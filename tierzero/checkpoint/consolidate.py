@@ -1,9 +1,9 @@
-"""`tierzero consolidate CKPT out.safetensors`: one fp32 state dict from a sharded checkpoint.
+"""One fp32 state dict from a sharded checkpoint, or a transformers directory (`tierzero consolidate`).
 
 Given a directory instead (`tierzero consolidate CKPT out/`), it writes `out/model.safetensors`
 and, for a `model.type: transformers` run, the model's `config.json` beside it, so that the
 class's `from_pretrained(out)` loads the trained weights. With `--hf` (`consolidate_hf`) it writes
-the directory save_pretrained would, through tierzero/pretrained/export.py: sharded safetensors
+the directory save_pretrained would, through tierzero/checkpoint/export.py: sharded safetensors
 and their index in the training dtype (or `--dtype`), config.json, generation_config.json and the
 run's tokenizer, for `AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)`.
 
@@ -23,19 +23,28 @@ checkpoint's own files, or be pruned with them).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 from torch import nn
 
+from tierzero.checkpoint.export import (
+    DEFAULT_MAX_SHARD_SIZE,
+    OUTPUT_MODE,
+    PretrainedWriter,
+    check_export,
+    copy_tokenizer,
+    saved_name,
+    tied_targets,
+    write_model_files,
+    written_dtype,
+)
 from tierzero.checkpoint.find import find_checkpoint
 from tierzero.checkpoint.format import (
     CheckpointError,
@@ -48,19 +57,6 @@ from tierzero.checkpoint.format import (
 from tierzero.checkpoint.manifest import MANIFEST, MODULE_PREFIX, Manifest, UnitLayout
 from tierzero.checkpoint.shards import ShardReader
 from tierzero.pretrained import PretrainedError, build_meta_model
-from tierzero.pretrained.export import (
-    DEFAULT_MAX_SHARD_SIZE,
-    EXPORT_DTYPES,
-    OUTPUT_MODE,
-    PretrainedWriter,
-    check_export,
-    copy_tokenizer,
-    saved_name,
-    tied_targets,
-    write_model_files,
-    written_dtype,
-)
-from tierzero.sizes import format_size
 
 __all__ = [
     "Consolidated",
@@ -255,60 +251,3 @@ def load_consolidated(path: str | Path) -> dict[str, torch.Tensor]:
     for alias, name in aliases.items():
         state[alias] = state[name]
     return state
-
-
-# ---- the command -------------------------------------------------------------------
-
-
-def add_consolidate_command(subparsers: Any) -> None:
-    """Register `tierzero consolidate CKPT OUT [--hf ...]` on the `tierzero` command's sub-parsers."""
-    parser = subparsers.add_parser("consolidate", help="write a sharded checkpoint's full model to safetensors (--hf: a transformers directory)")
-    parser.add_argument("checkpoint", help="a checkpoint directory, or a checkpoint root (its newest complete checkpoint)")
-    parser.add_argument(
-        "out", help="the .safetensors file to write, or a directory for model.safetensors (and a transformers config.json)"
-    )
-    parser.add_argument(
-        "--hf", action="store_true",
-        help="write OUT as save_pretrained does: sharded safetensors, index, config.json and the tokenizer",
-    )  # fmt: skip
-    parser.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default=None, help="--hf: dtype written (default: the training dtype)")
-    parser.add_argument(
-        "--max-shard-size", default=None, metavar="SIZE", help=f"--hf: largest weight file (default {DEFAULT_MAX_SHARD_SIZE})"
-    )
-    parser.add_argument(
-        "--tokenizer", default=None, metavar="DIR",
-        help="--hf: tokenizer directory to copy (default: the run's data.tokenizer, or its model.pretrained's tokenizer)",
-    )  # fmt: skip
-    parser.set_defaults(func=run_consolidate)
-
-
-def run_consolidate(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
-    target = Path(args.out)
-    hf_only = [flag for flag, value in (("--dtype", args.dtype), ("--max-shard-size", args.max_shard_size), ("--tokenizer", args.tokenizer)) if value]
-    if hf_only and not args.hf:
-        raise ValueError(f"{hf_only[0]} shapes a transformers directory: add --hf")
-    if args.hf and target.suffix == ".safetensors":
-        raise ValueError(f"--hf writes a directory, got output {args.out}: name a directory, or drop --hf for one file")
-    if not args.hf and target.suffix and target.suffix != ".safetensors":
-        raise ValueError(
-            f"consolidate writes safetensors, got output {args.out}: name it <something>.safetensors, or give a directory"
-        )
-    stream = out or sys.stdout
-
-    def note(line: str) -> None:
-        stream.write(f"{line}\n")
-
-    if args.hf:
-        done = consolidate_hf(
-            args.checkpoint, target, dtype=EXPORT_DTYPES[args.dtype] if args.dtype else None, tokenizer=args.tokenizer,
-            max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, note=note,
-        )  # fmt: skip
-    elif target.suffix:
-        done = consolidate(args.checkpoint, target, note=note)
-    else:
-        done = consolidate_pretrained(args.checkpoint, target, note=note)
-    stream.write(
-        f"wrote {done.tensors} tensors ({format_size(done.nbytes)}) of step {done.step} to {done.path}; "
-        f"largest unit held in memory {format_size(done.largest_unit_bytes)}\n"
-    )
-    return 0

@@ -33,7 +33,7 @@ from tierzero.checkpoint.agree import RankFailure, all_gather_objects, on_every_
 from tierzero.checkpoint.engine_state import checkpoint_nbytes
 from tierzero.checkpoint.format import DIR_MODE, create_file, make_private_dir
 from tierzero.checkpoint.protocol import Checkpointable
-from tierzero.sizes import format_size
+from tierzero.common.sizes import format_size
 
 __all__ = ["LOCK_FILE", "CheckpointDirError", "RootLock", "claim_root", "failure_fix", "probe_root"]
 

@@ -14,9 +14,9 @@ import torch
 from tierzero.checkpoint.format import dtype_name
 from tierzero.checkpoint.manifest import EngineScalars, SlotLayout, UnitLayout
 from tierzero.checkpoint.protocol import Checkpointable
-from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.stages.plan import SliceSpec
-from tierzero.units import Unit
+from tierzero.units.unit import Unit
 
 
 def saved_specs(engine: Checkpointable, unit: Unit) -> list[SliceSpec]:

@@ -30,7 +30,7 @@ from tierzero.checkpoint.format import (
     json_checksum,
     read_json,
 )
-from tierzero.slices import Kind
+from tierzero.common.slices import Kind
 
 FORMAT = "tierzero-checkpoint"
 VERSION = 1

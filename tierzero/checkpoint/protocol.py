@@ -2,9 +2,9 @@
 
 [Note: checkpointable engine]
 The checkpoint package sees the engine only through `Checkpointable`, never the Engine
-class, so imports run one way: tierzero.engine -> tierzero.checkpoint -> the layers
+class, so imports run one way: tierzero.engine.engine -> tierzero.checkpoint -> the layers
 below (units, slices, comm, stages.plan, precision). Anything with these members can
-be saved and loaded; `tierzero.engine.Engine` has them without naming this file
+be saved and loaded; `tierzero.engine.engine.Engine` has them without naming this file
 (tests/unit/test_checkpoint_protocol.py holds it to that). Members are read-only
 properties unless a load writes them: the engine may back them by plain attributes,
 properties or class variables alike.
@@ -18,11 +18,11 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import torch
 from torch import nn
 
-from tierzero.comm import CommGroup
-from tierzero.precision import LossScaler
-from tierzero.slices import SliceKey, Tier
+from tierzero.comm.collectives import CommGroup
+from tierzero.common.slices import SliceKey, Tier
 from tierzero.stages.plan import SliceSpec
-from tierzero.units import Unit
+from tierzero.units.precision import LossScaler
+from tierzero.units.unit import Unit
 
 T_co = TypeVar("T_co", covariant=True)
 

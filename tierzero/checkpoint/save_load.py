@@ -87,10 +87,10 @@ from tierzero.checkpoint.manifest import (
 from tierzero.checkpoint.protocol import Checkpointable
 from tierzero.checkpoint.rng import RngState, parse_rng_state, rng_state, set_rng_state
 from tierzero.checkpoint.shards import ShardReader
-from tierzero.lora import adapter_state, is_peft_model, write_adapters
-from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.common.slices import Kind, SliceKey, Tier
+from tierzero.pretrained.lora import adapter_state, is_peft_model, write_adapters
 from tierzero.stages.plan import SliceSpec
-from tierzero.units import Unit
+from tierzero.units.unit import Unit
 
 #: Where a LoRA run's checkpoint keeps its adapters in peft's format.
 ADAPTER_DIR = "adapter"

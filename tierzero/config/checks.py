@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tierzero.common.sizes import format_size, parse_size
+from tierzero.common.slices import Tier
 from tierzero.config.errors import ConfigError
-from tierzero.sizes import format_size, parse_size
-from tierzero.slices import Tier
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 """Binary size units, for defaults written the way docs/config.md shows them."""
@@ -138,7 +138,7 @@ def float_check(
 def size_check(
     *, optional: bool = False, multiple_of: int | None = None, allow_zero: bool = False, limit: int | None = None
 ) -> Check:
-    """Sizes (see tierzero.sizes), at most `limit` bytes."""
+    """Sizes (see tierzero.common.sizes), at most `limit` bytes."""
     expected = "a size >= 0" if allow_zero else "a positive size"
     expected += f" that is a multiple of {multiple_of} bytes" if multiple_of else ""
     expected += " such as 4096, '512MB' or '8GiB'" + (" (or null for no limit)" if optional else "")

@@ -1,7 +1,7 @@
 """`load_config`: a file, a dict, a DeepSpeed config or a `Config` in; a validated `Config` out.
 
 A dict or file with a top-level "zero_optimization" key is a DeepSpeed config: it is
-translated first (tierzero.config.deepspeed), and any error about a value that came from
+translated first (tierzero.config.deepspeed.translate), and any error about a value that came from
 it names the DeepSpeed key as well as the tierzero key it became.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tierzero.config.deepspeed import Translation, translate_deepspeed
+from tierzero.config.deepspeed.translate import Translation, translate_deepspeed
 from tierzero.config.errors import ConfigError
 from tierzero.config.optim import TORCH_WEIGHT_DECAY
 from tierzero.config.reading import check_bounds, read_mapping_file
@@ -31,7 +31,7 @@ def load_config(
 
     `source` is a path to a .yaml/.yml/.json file, a dict, or a `Config` (re-validated,
     and returned as is unless overrides change it). A dict or file with a top-level "zero_optimization" key is read as a
-    DeepSpeed config (see `tierzero.config.deepspeed`; its batch-size arithmetic uses the
+    DeepSpeed config (see `tierzero.config.deepspeed.translate`; its batch-size arithmetic uses the
     WORLD_SIZE environment variable, 1 when unset). `overrides` maps dotted tierzero keys
     to values, e.g. {"tiers.nvme.path": "/x", "zero.stage": 2}; they are applied after
     any DeepSpeed translation and before validation. Raises `ConfigError`, one line.

@@ -11,14 +11,14 @@ import textwrap
 from collections.abc import Iterator
 from typing import Any
 
+from tierzero.common.sizes import format_size
 from tierzero.config.checks import INT64_MAX, Check
-from tierzero.config.deepspeed import deepspeed_markdown
+from tierzero.config.deepspeed.translate import deepspeed_markdown
 from tierzero.config.model import MAX_PARAMETERS
 from tierzero.config.reading import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES
 from tierzero.config.schema import Config
 from tierzero.config.sections import MAX_HOST_BUFFERS
 from tierzero.config.tree import dotted, plain
-from tierzero.sizes import format_size
 
 _DOC_HEADER = """\
 # Configuration reference

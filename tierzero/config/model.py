@@ -1,7 +1,7 @@
 """The `model` section: which model `tierzero train` builds, and the bounds that keep a built-in one buildable.
 
 Each size field has a limit well past any model trained today, and the parameter count of
-a built-in model (computed from the fields, exactly as tierzero.models builds it) is held
+a built-in model (computed from the fields, exactly as tierzero.models.builtin builds it) is held
 under MAX_PARAMETERS, so a typo such as `n_layer: 1e7` is refused at once instead of
 spending minutes building modules that could never be trained.
 """

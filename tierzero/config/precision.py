@@ -28,7 +28,7 @@ OPTIONAL_DTYPE = Check(
 """`precision.reduce_dtype`: a compute dtype, or null for the param_dtype."""
 
 LINEAR_KERNELS = ("torch", "onednn")
-"""`precision.linear_kernel`: PyTorch's own, or oneDNN's fp32 CPU linear (`tierzero.kernels`)."""
+"""`precision.linear_kernel`: PyTorch's own, or oneDNN's fp32 CPU linear (`tierzero.units.kernels`)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -52,7 +52,7 @@ class PrecisionConfig(Section):
     """fp32 nn.Linear layers on the CPU: 'torch' (F.linear, MKL's sgemm) or 'onednn', oneDNN's
     JIT kernels for the forward, and for each gradient whichever of oneDNN and PyTorch's mm the
     first backward of its shape times faster, a choice the machine keeps for a day: a GPT block's
-    forward and backward at 64 tokens 1.3-1.5x faster on two dev machines (tierzero/kernels.py).
+    forward and backward at 64 tokens 1.3-1.5x faster on two dev machines (tierzero/units/kernels.py).
     IEEE fp32 either way, but the sums run in another order, so the bits differ from PyTorch's
     (and where two machines timed differently, from each other's) in the last places. No effect
     on a GPU or under autocast."""

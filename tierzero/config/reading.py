@@ -21,8 +21,8 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from tierzero.common.sizes import format_size
 from tierzero.config.errors import ConfigError
-from tierzero.sizes import format_size
 
 MAX_FILE_BYTES = 1 << 20
 MAX_DEPTH = 64

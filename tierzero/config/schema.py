@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tierzero.common.sizes import format_size
+from tierzero.common.slices import Tier
 from tierzero.config.checks import float_check, int_check
 from tierzero.config.data import DataConfig
 from tierzero.config.errors import ConfigError
@@ -27,8 +29,6 @@ from tierzero.config.sections import (
     ZeroConfig,
 )
 from tierzero.config.tree import Section, section, setting
-from tierzero.sizes import format_size
-from tierzero.slices import Tier
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -14,6 +14,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import ClassVar
 
+from tierzero.common.sizes import format_size
+from tierzero.common.slices import IO_ALIGNMENT, Tier
 from tierzero.config.checks import (
     AUTO,
     BOOL,
@@ -31,8 +33,6 @@ from tierzero.config.checks import (
 )
 from tierzero.config.errors import ConfigError
 from tierzero.config.tree import Section, section, setting
-from tierzero.sizes import format_size
-from tierzero.slices import IO_ALIGNMENT, Tier
 
 STAGE = dataclasses.replace(
     int_check(1, 3), refusal="{key} is {got}, this engine runs stages 1, 2 and 3: set {key} to 1, 2 or 3"
@@ -164,7 +164,7 @@ class TrainConfig(Section):
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ActivationsConfig(Section):
-    """What autograd saves for backward (tierzero/activations.py): counted in the device tier
+    """What autograd saves for backward (tierzero/stages/activations.py): counted in the device tier
     (memory_report, tierzero estimate), recomputed or offloaded."""
 
     SECTION: ClassVar[str] = "activations"

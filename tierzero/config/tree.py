@@ -15,9 +15,9 @@ from typing import Any, ClassVar
 
 import yaml
 
+from tierzero.common.slices import Tier
 from tierzero.config.checks import Check, GiB, KiB, MiB, show
 from tierzero.config.errors import ConfigError
-from tierzero.slices import Tier
 
 
 def setting(default: Any, check: Check, *, shown_default: str | None = None) -> Any:

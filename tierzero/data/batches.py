@@ -1,7 +1,7 @@
 """What the training loop asks of its data, and the one place that picks the kind from the config.
 
 [Note: batches by index]
-The loop (tierzero.train) calls `batch(step x accumulation + micro)` with the engine's
+The loop (tierzero.cli.train) calls `batch(step x accumulation + micro)` with the engine's
 micro-step counter, which checkpoints keep: every kind of batches makes batch(index) a
 pure function of the index, so a resumed run sees the batches an unbroken run sees.
 """

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierzero.common.sizes import format_size
 from tierzero.data.shape import BatchShape
 from tierzero.data.sources import find_files
-from tierzero.sizes import format_size
 
 __all__ = ["ByteBatches", "ByteCorpus", "load_corpus"]
 

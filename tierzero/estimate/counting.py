@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierzero.common.slices import KEPT_KINDS, Kind, SliceKey, Tier, shown_kinds, storage_id
+from tierzero.common.transfer import Transfer, TransferOutcome
 from tierzero.config import SwapperConfig, TiersConfig
 from tierzero.offload.staging import StagingStats
-from tierzero.slices import KEPT_KINDS, Kind, SliceKey, Tier, shown_kinds, storage_id
 from tierzero.store import StoreReport, Use
 from tierzero.store.cache_policy import CachePolicy
 from tierzero.store.ledger import Ledger
-from tierzero.transfer import Transfer, TransferOutcome
 
 __all__ = ["CountingStore", "Traffic"]
 

@@ -3,7 +3,7 @@
 `dry_run` builds the model on the meta device, wraps it in a real `Engine` (its own
 slice plan, stage, prefetcher and step pipeline) with a `CountingStore` and a
 dry-run collective group at the world size asked for, and runs two optimizer steps
-through `tierzero.micro_step.micro_step`, the training loop's own: the prefetcher learns
+through `tierzero.engine.micro_step.micro_step`, the training loop's own: the prefetcher learns
 the unit order in the first and follows it in the second. Nothing is allocated and no
 byte moves; whatever order the engine takes, the estimate follows, because there is
 no second copy of it. It does so twice: the NVMe traffic comes from a replay whose
@@ -28,17 +28,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from tierzero.comm.dist import DistContext
+from tierzero.comm.mesh import build_mesh
+from tierzero.comm.topology import Topology
+from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.config import Config
-from tierzero.dist import DistContext
-from tierzero.engine import Engine
+from tierzero.engine.engine import Engine
+from tierzero.engine.micro_step import PARTS, micro_step
 from tierzero.estimate.counting import CountingStore, Traffic
 from tierzero.estimate.shapes import ShapesOnly
-from tierzero.mesh import build_mesh
-from tierzero.micro_step import PARTS, micro_step
-from tierzero.models import build_model, count_parameters
-from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.models.builtin import build_model, count_parameters
 from tierzero.stages.plan import Homes, SlicePlan
-from tierzero.topology import Topology
 
 __all__ = ["DryRun", "dry_run"]
 
@@ -165,7 +165,7 @@ class _CountedOptimizer:
 def _replay(cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_asked: bool) -> tuple[_Replay, Engine]:
     """Set-up and two steps on a fresh meta model and counting store; the bytes each step moved.
     The model's costliest functions run as shapes only (estimate/shapes.py), but where the run
-    books its saved activations (tierzero/activations.py): those count what the meta kernels save."""
+    books its saved activations (tierzero/stages/activations.py): those count what the meta kernels save."""
     acts = cfg.activations
     with ShapesOnly() if acts.checkpoint == 0 and acts.offload == "none" else contextlib.nullcontext():
         return _set_up_and_step(cfg, topology=topology, homes=homes, lands_when_asked=lands_when_asked)

@@ -7,7 +7,7 @@ written per step, and step-time floors from the disk bandwidth (`bench nvme` res
 or a stated assumption) and from 6 x parameters x tokens FLOPs at a stated or measured
 rate. A config that does not fit says which tier and by how much, and which change
 would make it fit, each candidate estimated the same way. The table and the command
-are in tierzero/estimate/report.py.
+are in tierzero/cli/estimate.py.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
+from tierzero.common.sizes import format_size
+from tierzero.common.slices import MODEL_STATE_KINDS, Kind, SliceKey, Tier, align_up
 from tierzero.config import load_config
 from tierzero.estimate.counting import Traffic
 from tierzero.estimate.dry_run import dry_run
-from tierzero.placement.budgets import free_space as _free_space
-from tierzero.precision import dtype_of
-from tierzero.sizes import format_size
-from tierzero.slices import MODEL_STATE_KINDS, Kind, SliceKey, Tier, align_up
+from tierzero.offload.disk.files import free_space as _free_space
 from tierzero.stages.plan import Homes, SlicePlan
+from tierzero.units.precision import dtype_of
 
 __all__ = ["Bandwidth", "Estimate", "TierEstimate", "estimate"]
 

@@ -15,7 +15,7 @@ may land in another order, a linear's weight before its bias; the replay's count
 tests/unit/test_dry_run_shapes.py). Any other function, and these on a tensor off the meta
 device, take torch's own path. (Autocast leaves meta tensors' dtypes as they are: so do these rules.)
 The node saves nothing for backward: a run that books its saved activations
-(tierzero/activations.py) is replayed without it.
+(tierzero/stages/activations.py) is replayed without it.
 """
 
 from __future__ import annotations

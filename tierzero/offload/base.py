@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tierzero.sizes import format_size
-from tierzero.slices import Tier
+from tierzero.common.sizes import format_size
+from tierzero.common.slices import Tier
 
 
 class TierCapacityError(MemoryError):

@@ -22,10 +22,10 @@ from collections import defaultdict
 
 import torch
 
+from tierzero.common.slices import Tier, aligned_empty
 from tierzero.config import CpuTierConfig
 from tierzero.offload.base import Region, TierStorage
 from tierzero.offload.memory import MemoryTier
-from tierzero.slices import Tier, aligned_empty
 
 _CUDA_HOST_REGISTER_PORTABLE = 1
 """Pinned for every CUDA context, not only the current device's."""

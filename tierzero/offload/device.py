@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from tierzero.common.slices import Tier
 from tierzero.config import DeviceTierConfig
 from tierzero.offload.base import TierCapacityError
 from tierzero.offload.memory import MemoryTier
-from tierzero.slices import Tier
 
 
 class DeviceTier(MemoryTier):

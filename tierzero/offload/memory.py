@@ -22,8 +22,8 @@ from abc import abstractmethod
 
 import torch
 
+from tierzero.common.slices import Tier
 from tierzero.offload.base import Region, TierCapacityError, TierStorage
-from tierzero.slices import Tier
 
 
 class MemoryTier(TierStorage):

@@ -16,20 +16,13 @@ from pathlib import Path
 import psutil
 import torch
 
+from tierzero.common.sizes import format_size
+from tierzero.common.slices import IO_ALIGNMENT, Tier, align_up
 from tierzero.config import NvmeTierConfig
 from tierzero.offload.base import Region, TierCapacityError, TierStorage
-from tierzero.offload.busy import BusyClock
-from tierzero.offload.clean import warn_leftovers
-from tierzero.offload.nvme_backends import AiofilesBackend, ThreadBackend
-from tierzero.offload.nvme_files import (
-    RunFiles,
-    create_swap,
-    new_run_id,
-    register,
-    reopen,
-    reopen_direct,
-)
-from tierzero.offload.nvme_io import (
+from tierzero.offload.disk.backends import AiofilesBackend, ThreadBackend
+from tierzero.offload.disk.busy import BusyClock
+from tierzero.offload.disk.chunk_queue import (
     BouncePool,
     BounceStats,
     ChecksumTable,
@@ -39,8 +32,15 @@ from tierzero.offload.nvme_io import (
     Request,
     checksum_granule,
 )
-from tierzero.sizes import format_size
-from tierzero.slices import IO_ALIGNMENT, Tier, align_up
+from tierzero.offload.disk.files import (
+    RunFiles,
+    create_swap,
+    new_run_id,
+    register,
+    reopen,
+    reopen_direct,
+)
+from tierzero.offload.disk.leftovers import warn_leftovers
 
 _RunFiles = RunFiles
 """The old name: tests/unit/test_bench.py patches `nvme._RunFiles.remove`."""

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tierzero.common.slices import IO_ALIGNMENT, align_up, aligned_empty
 from tierzero.offload.base import Region
 from tierzero.offload.memory import MemoryTier
-from tierzero.slices import IO_ALIGNMENT, align_up, aligned_empty
 
 
 @dataclass(slots=True)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from tierzero.common.slices import Tier
 from tierzero.config import TiersConfig
 from tierzero.offload.base import TierStorage
 from tierzero.offload.cpu import CpuTier, HostDeviceTier
 from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
-from tierzero.slices import Tier
 
 __all__ = ["tiers_from_config"]
 

@@ -7,7 +7,6 @@ from tierzero.placement.budgets import (
     MachineBudgets,
     Margin,
     TierBudget,
-    free_space,
     machine_budgets,
 )
 from tierzero.placement.cgroup import CgroupMemory, cgroup_memory
@@ -20,6 +19,5 @@ __all__ = [
     "Margin",
     "TierBudget",
     "cgroup_memory",
-    "free_space",
     "machine_budgets",
 ]

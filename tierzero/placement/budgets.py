@@ -10,7 +10,6 @@ by the ranks on it: dividing it among them is the planner's part.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,13 +17,14 @@ from typing import Any
 import psutil
 import torch
 
+from tierzero.common.sizes import format_size
+from tierzero.common.slices import Tier
 from tierzero.config import CpuTierConfig, DeviceTierConfig, NvmeTierConfig, TiersConfig
 from tierzero.config.checks import GiB
+from tierzero.offload.disk.files import free_space
 from tierzero.placement.cgroup import cgroup_memory
-from tierzero.sizes import format_size
-from tierzero.slices import Tier
 
-__all__ = ["CPU_MARGIN", "DEVICE_MARGIN", "MachineBudgets", "Margin", "TierBudget", "free_space", "machine_budgets"]
+__all__ = ["CPU_MARGIN", "DEVICE_MARGIN", "MachineBudgets", "Margin", "TierBudget", "machine_budgets"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,7 +52,7 @@ a tenth besides."""
 
 DEVICE_MARGIN = Margin(floor=2 * GiB, percent=10)
 """Device memory outside model state: the activations autograd saves (booked in the device
-tier by tierzero/activations.py, but not known before a model is planned), the caching
+tier by tierzero/stages/activations.py, but not known before a model is planned), the caching
 allocator's fragmentation and the collectives' buffers (NCCL takes a few hundred MiB per
 communicator). The CUDA context is already out of the free figure."""
 
@@ -111,16 +111,6 @@ def machine_budgets(
         cpu=_cpu_budget(tiers.cpu, cgroup_root=cgroup_root, proc_self_cgroup=proc_self_cgroup),
         nvme=_nvme_budget(tiers.nvme),
     )
-
-
-def free_space(path: str | None) -> int | None:
-    """Free bytes on the disk that holds `path`; None without a path or where it cannot be read."""
-    if path is None:
-        return None
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
 
 
 def _device_budget(section: DeviceTierConfig, device: torch.device) -> TierBudget:

@@ -13,11 +13,11 @@ import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from tierzero.common.sizes import format_size
+from tierzero.common.slices import SliceKey, Tier, align_up
 from tierzero.config import AUTO, Config
 from tierzero.estimate.estimator import Bandwidth, Estimate
 from tierzero.placement.prediction import Prediction
-from tierzero.sizes import format_size
-from tierzero.slices import SliceKey, Tier, align_up
 from tierzero.stages.plan import KIND_HOMES, Homes
 
 __all__ = ["FIELDS", "MIN_STAGE", "Candidate", "fill", "spread_order", "whole_kind"]

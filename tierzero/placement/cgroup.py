@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from tierzero.sizes import format_size
+from tierzero.common.sizes import format_size
 
 __all__ = ["V1_UNLIMITED", "CgroupMemory", "cgroup_memory", "memory_cgroup_of"]
 

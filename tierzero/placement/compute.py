@@ -20,12 +20,12 @@ from torch import nn
 
 from tierzero.config import Config
 from tierzero.estimate.estimator import Bandwidth, measure_flops
-from tierzero.kernels import use_linear_kernel
-from tierzero.models import BUILT_IN, spec_from_config
+from tierzero.models.builtin import BUILT_IN, spec_from_config
 from tierzero.placement.disk import label_of, streaming
 from tierzero.placement.history import SHIFT, medians, off_median, remember, span_text
 from tierzero.placement.prediction import FORWARD_SHARE
-from tierzero.precision import dtype_of
+from tierzero.units.kernels import use_linear_kernel
+from tierzero.units.precision import dtype_of
 
 __all__ = ["COMPUTE_FILE", "Compute", "measure_block_flops", "measure_compute"]
 

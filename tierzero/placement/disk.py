@@ -45,14 +45,14 @@ from pathlib import Path
 
 import torch
 
+from tierzero.common.cache_files import cache_path, read_json, write_json
+from tierzero.common.sizes import format_size
+from tierzero.common.slices import IO_ALIGNMENT, aligned_empty
 from tierzero.config import NvmeTierConfig, TiersConfig
 from tierzero.offload.base import Region
-from tierzero.offload.busy import Busy
+from tierzero.offload.disk.busy import Busy
 from tierzero.offload.nvme import NvmeTier
-from tierzero.cache_files import cache_path, read_json, write_json
 from tierzero.placement.history import HISTORY_S, HISTORY_SAMPLES, Sample, kept, medians, span_text
-from tierzero.sizes import format_size
-from tierzero.slices import IO_ALIGNMENT, aligned_empty
 
 __all__ = [
     "BUSY_SHARE", "HISTORY_S", "HISTORY_SAMPLES", "IN_STEPS", "MAX_AGE_S", "PROBE_BYTES", "PROBE_S", "SETTLE_S",

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from tierzero.cache_files import cache_path, read_json, write_json
+from tierzero.common.cache_files import cache_path, read_json, write_json
 
 __all__ = [
     "CONFIRM", "HISTORY_S", "HISTORY_SAMPLES", "SHIFT", "Sample", "kept", "medians", "off_median", "remember",

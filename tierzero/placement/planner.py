@@ -40,16 +40,16 @@ from typing import Any
 
 import torch
 
+from tierzero.common.sizes import format_size
+from tierzero.common.slices import Tier
 from tierzero.config import AUTO, Config, load_config
 from tierzero.estimate.estimator import Bandwidth, Estimate, estimate
 from tierzero.offload.host_heap import kept_heap_limit
 from tierzero.placement.budgets import MachineBudgets, machine_budgets
 from tierzero.placement.candidates import FIELDS, Candidate, fill, whole_kind
-from tierzero.placement.disk import disk_rates
 from tierzero.placement.compute import Compute, measure_compute
+from tierzero.placement.disk import disk_rates
 from tierzero.placement.prediction import Prediction, measure_copy_rate, measure_step_rate, predict
-from tierzero.sizes import format_size
-from tierzero.slices import Tier
 from tierzero.stages.plan import Homes
 
 __all__ = ["PlacementError", "PlacementPlan", "RankBudgets", "plan_placement"]

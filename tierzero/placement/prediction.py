@@ -50,13 +50,13 @@ from dataclasses import dataclass
 
 import torch
 
+from tierzero.common.slices import Kind, Tier
 from tierzero.config import Config
+from tierzero.engine.micro_step import PARTS
 from tierzero.estimate.counting import Traffic
 from tierzero.estimate.estimator import Estimate
-from tierzero.micro_step import PARTS
-from tierzero.offload.step_pipeline import MAX_RESIDENT_GROUPS
-from tierzero.optim import make_optimizer
-from tierzero.slices import Kind, Tier
+from tierzero.optim.flat import make_optimizer
+from tierzero.stages.step_pipeline import MAX_RESIDENT_GROUPS
 
 __all__ = [
     "FORWARD_SHARE", "Part", "Prediction", "measure_copy_rate", "measure_step_rate", "pipelined", "predict",
@@ -246,7 +246,7 @@ def measure_copy_rate(nbytes: int | None = None, *, copies: int = 5) -> float:
 
 
 def measure_step_rate(cfg: Config, numel: int = 1 << 24, *, steps: int = 3, device: str | None = None) -> float:
-    """Elements per second of `cfg`'s optimizer kernel (tierzero.optim) on `device`, by default the
+    """Elements per second of `cfg`'s optimizer kernel (tierzero.optim.flat) on `device`, by default the
     step's: the median of `steps` steps of `numel` elements after a warm-up. One step read 2.3 to
     3.8 G/s within minutes on the 2-core VM, against 2.2 in the 2B step (docs/BENCHMARKS.md,
     session 9)."""

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tierzero.lora import adapter_parameter_names, is_peft_model
 from tierzero.pretrained.files import PretrainedError, TensorInfo, require_config, scan_directory
-from tierzero.units import ParamSlot, Unit
+from tierzero.pretrained.lora import adapter_parameter_names, is_peft_model
+from tierzero.units.unit import ParamSlot, Unit
 
 #: What peft's wrapper puts before its base model's parameter names.
 PEFT_WRAPPER = "base_model.model."
@@ -238,7 +238,7 @@ def _own_value(slot: ParamSlot) -> torch.Tensor:
     if value.is_meta:
         raise ValueError(
             f"{slot.name} is on the meta device and in no pretrained file: "
-            "materialise the adapters first (tierzero.lora.apply_lora or materialize_adapters)"
+            "materialise the adapters first (tierzero.pretrained.lora.apply_lora or materialize_adapters)"
         )
     return value.detach().reshape(-1).float()
 

@@ -14,20 +14,20 @@ from typing import Any, ClassVar
 
 import torch
 
-from tierzero import comm as C
-from tierzero.activations import SavedActivations, recomputing
-from tierzero.offload.step_pipeline import PendingWrite, PipelineReport, Prepared
-from tierzero.optim import FlatOptimizer
-from tierzero.quantized_comm import GradHops
-from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.comm import collectives as C
+from tierzero.comm.quantized import GradHops
+from tierzero.common.slices import Kind, SliceKey, Tier
+from tierzero.optim.flat import FlatOptimizer
+from tierzero.stages.activations import SavedActivations, recomputing
 from tierzero.stages.binding import UnitParams, bind
-from tierzero.stages.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
-from tierzero.stages.grad_landing import GradLanding
-from tierzero.stages.grad_norm import GradNorm
+from tierzero.stages.grads.buckets import DEFAULT_BUCKET_BYTES, GradBuckets
+from tierzero.stages.grads.landing import GradLanding
+from tierzero.stages.grads.norm import GradNorm
 from tierzero.stages.plan import Homes, SlicePlan, SliceSpec, plan_slices
 from tierzero.stages.step import BackwardStep, StepScalars, run_step
+from tierzero.stages.step_pipeline import PendingWrite, PipelineReport, Prepared
 from tierzero.store.protocol import SliceStore
-from tierzero.units import Unit, UnitState
+from tierzero.units.unit import Unit, UnitState
 
 
 class Stage(GradLanding, ABC):
@@ -64,7 +64,7 @@ class Stage(GradLanding, ABC):
         """Collectives wait for this many bytes of ready units before they start (`zero.reduce_bucket_size`)."""
         self._buckets = GradBuckets(self, bucket_bytes=bucket_bytes)
         self.activations = activations
-        """Books (or offloads) what autograd saves in forward; None: nothing counted (tierzero/activations.py)."""
+        """Books (or offloads) what autograd saves in forward; None: nothing counted (tierzero/stages/activations.py)."""
         self.last_micro_step = True
         """Set by the engine before each backward: this micro-step ends an accumulation window."""
         self._anchor = torch.empty(0, device=device, requires_grad=True)

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tierzero.units import Unit
+from tierzero.units.unit import Unit
 
 __all__ = ["GradientReceiver", "SavedView", "UnitParams", "bind", "tensors_in", "unregister_params"]
 

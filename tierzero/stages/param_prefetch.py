@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from tierzero.common.slices import Kind, SliceKey, Tier
+from tierzero.common.transfer import Transfer
 from tierzero.prefetch import FetchState, Phase, Prefetcher, StepReport
-from tierzero.slices import Kind, SliceKey, Tier
-from tierzero.transfer import Transfer
 
 __all__ = ["ParamPrefetch"]
 

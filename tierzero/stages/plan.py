@@ -14,9 +14,9 @@ from functools import partial
 
 import torch
 
+from tierzero.common.slices import Kind, Tier, align_up
 from tierzero.config import ConfigError, OffloadConfig
-from tierzero.slices import Kind, Tier, align_up
-from tierzero.units import Unit
+from tierzero.units.unit import Unit
 
 __all__ = ["KIND_HOMES", "Homes", "SlicePlan", "SliceSpec", "plan_slices"]
 

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tierzero import comm as C
-from tierzero.offload.step_pipeline import PendingWrite
-from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.comm import collectives as C
+from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.stages.base import Stage, mark_state
 from tierzero.stages.step import StepScalars
-from tierzero.units import Unit, UnitState
+from tierzero.stages.step_pipeline import PendingWrite
+from tierzero.units.unit import Unit, UnitState
 
 
 @dataclass(frozen=True, slots=True)

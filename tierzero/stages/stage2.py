@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tierzero.stages.stage1 import ReplicatedParamsStage
-from tierzero.units import Unit
+from tierzero.units.unit import Unit
 
 
 class Stage2(ReplicatedParamsStage):

@@ -40,19 +40,19 @@ from typing import Any
 
 import torch
 
-from tierzero import comm as C
-from tierzero.activations import recomputing
-from tierzero.offload.step_pipeline import PendingWrite
+from tierzero.comm import collectives as C
+from tierzero.comm.quantized import all_gather_quantized
+from tierzero.common.slices import Kind, SliceKey, Tier, storage_id
+from tierzero.common.transfer import Transfer
 from tierzero.prefetch import Phase
-from tierzero.quantized_comm import all_gather_quantized
-from tierzero.slices import Kind, SliceKey, Tier, storage_id
+from tierzero.stages.activations import recomputing
 from tierzero.stages.base import Stage, mark_state
 from tierzero.stages.binding import SavedView, bind, tensors_in
 from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.stages.stage3_step import StepAhead, StepInTime
 from tierzero.stages.step import ForwardStep
-from tierzero.transfer import Transfer
-from tierzero.units import Unit, UnitState, is_root
+from tierzero.stages.step_pipeline import PendingWrite
+from tierzero.units.unit import Unit, UnitState, is_root
 
 #: `prefetch.max_live_bytes`'s default, for stages built without a config.
 DEFAULT_GATHER_BUDGET = 2**30

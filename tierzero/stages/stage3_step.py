@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from tierzero.offload.step_pipeline import MAX_RESIDENT_GROUPS, PendingWrite, Prepared, SliceGroup, StepPipeline
-from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.common.slices import Kind, SliceKey, Tier
+from tierzero.common.transfer import Transfer
 from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.stages.step import ForwardStep, Steppable, StepScalars, group_sizes, slice_group, unit_step_tier
-from tierzero.transfer import Transfer
-from tierzero.units import Unit, is_root
+from tierzero.stages.step_pipeline import MAX_RESIDENT_GROUPS, PendingWrite, Prepared, SliceGroup, StepPipeline
+from tierzero.units.unit import Unit, is_root
 
 __all__ = ["StepAhead", "StepInTime"]
 

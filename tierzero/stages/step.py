@@ -1,7 +1,7 @@
 """One optimizer step of a stage, run where its optimizer states live.
 
 Which slices a unit's step needs, and the arithmetic on them; the movement of bytes
-is `tierzero.offload.step_pipeline.StepPipeline`'s (see [Note: the step pipeline]
+is `tierzero.stages.step_pipeline.StepPipeline`'s (see [Note: the step pipeline]
 there). The arithmetic is the same whatever the placement: gradients are copied into
 fp32 scratch on the step tier, scaled, and the fused kernel steps the fp32 master with
 the states; so device, CPU and NVMe homes give identical bits.
@@ -15,8 +15,13 @@ from typing import Protocol
 
 import torch
 
-from tierzero.comm import CommGroup
-from tierzero.offload.step_pipeline import (
+from tierzero.comm.collectives import CommGroup
+from tierzero.common.slices import Kind, SliceKey, Tier, align_up
+from tierzero.common.transfer import Transfer
+from tierzero.optim.flat import FlatOptimizer, SliceLayout
+from tierzero.stages.grads.pieces import GradPieces, book, step_pieces
+from tierzero.stages.plan import Homes, SlicePlan
+from tierzero.stages.step_pipeline import (
     MAX_RESIDENT_GROUPS,
     PendingWrite,
     PipelineReport,
@@ -25,13 +30,8 @@ from tierzero.offload.step_pipeline import (
     StepPipeline,
     step_tier,
 )
-from tierzero.optim import FlatOptimizer, SliceLayout
-from tierzero.slices import Kind, SliceKey, Tier, align_up
-from tierzero.stages.grad_pieces import GradPieces, book, step_pieces
-from tierzero.stages.plan import Homes, SlicePlan
 from tierzero.store.protocol import SliceStore
-from tierzero.transfer import Transfer
-from tierzero.units import Unit
+from tierzero.units.unit import Unit
 
 __all__ = [
     "BackwardStep", "ForwardStep", "HandOff", "StepScalars", "Steppable", "run_step", "slice_group",

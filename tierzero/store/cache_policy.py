@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from tierzero.slices import SliceKey
+from tierzero.common.slices import SliceKey
 
 __all__ = ["Admission", "CachePolicy"]
 

@@ -11,10 +11,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierzero.offload.nvme_io import BounceStats
+from tierzero.common.sizes import format_size
+from tierzero.common.slices import Kind, Tier, shown_kinds
+from tierzero.offload.disk.chunk_queue import BounceStats
 from tierzero.offload.staging import StagingStats
-from tierzero.sizes import format_size
-from tierzero.slices import Kind, Tier, shown_kinds
 
 __all__ = ["Ledger", "StoreReport", "TierLedger", "TierUsage", "Use"]
 
@@ -61,7 +61,7 @@ class StoreReport:
 
     def summary(self, kinds: dict[Kind, int]) -> dict[str, Any]:
         """`engine.memory_report()`'s view of the store: `kinds` (bytes of model state per kind), what
-        autograd saved at its peak per tier (tierzero/activations.py), each tier's bytes, and the host
+        autograd saved at its peak per tier (tierzero/stages/activations.py), each tier's bytes, and the host
         copies of NVMe-homed slices (tiers.nvme.cache), counted in the cpu tier's bytes too."""
         return {
             "kinds": {kind.value: int(kinds.get(kind, 0)) for kind in shown_kinds(kinds)},

@@ -30,12 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tierzero.common.slices import SliceKey, Tier
+from tierzero.common.transfer import Transfer
 from tierzero.offload.base import Region, TierCapacityError, TierStorage
-from tierzero.slices import SliceKey, Tier
 from tierzero.store.cache_policy import CachePolicy
 from tierzero.store.ledger import Ledger, Use
 from tierzero.swapper import Swapper
-from tierzero.transfer import Transfer
 
 __all__ = ["NvmeCache"]
 

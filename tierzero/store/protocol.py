@@ -12,9 +12,9 @@ from typing import Protocol
 
 import torch
 
-from tierzero.slices import Kind, SliceKey, Tier
+from tierzero.common.slices import Kind, SliceKey, Tier
+from tierzero.common.transfer import Transfer
 from tierzero.store.ledger import StoreReport
-from tierzero.transfer import Transfer
 
 __all__ = ["SliceStore"]
 

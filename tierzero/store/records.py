@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierzero.common.slices import Kind, SliceKey, Tier
+from tierzero.common.transfer import Transfer
 from tierzero.offload.base import Region
-from tierzero.slices import Kind, SliceKey, Tier
-from tierzero.transfer import Transfer
 
 __all__ = ["FETCHED_STATES", "ScratchRecord", "SliceRecord", "SliceState"]
 

@@ -24,18 +24,18 @@ from typing import Any
 
 import torch
 
+from tierzero.common.slices import KEPT_KINDS, Kind, SliceKey, Tier, shown_kinds
+from tierzero.common.transfer import Transfer, after_all
 from tierzero.config import SwapperConfig, TiersConfig
 from tierzero.offload.base import Region, TierStorage
-from tierzero.offload.busy import Busy, BusyClock
 from tierzero.offload.cpu import CpuTier, HostDeviceTier
+from tierzero.offload.disk.busy import Busy, BusyClock
 from tierzero.offload.memory import MemoryTier
 from tierzero.offload.tiers import tiers_from_config
-from tierzero.slices import KEPT_KINDS, Kind, SliceKey, Tier, shown_kinds
 from tierzero.store.ledger import Ledger, StoreReport, Use
 from tierzero.store.nvme_cache import NvmeCache
 from tierzero.store.records import FETCHED_STATES, ScratchRecord, SliceRecord, SliceState
 from tierzero.swapper import Swapper
-from tierzero.transfer import Transfer, after_all
 
 __all__ = ["SliceState", "TieredStore"]
 

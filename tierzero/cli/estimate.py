@@ -1,0 +1,236 @@
+"""`tierzero estimate`'s output and command: the table, the JSON, the bench results it reads."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from tierzero.cli.config import parse_overrides
+from tierzero.common.sizes import format_size
+from tierzero.common.slices import KEPT_KINDS, shown_kinds
+from tierzero.config import NvmeTierConfig, load_config
+from tierzero.estimate.estimator import Bandwidth, Estimate, estimate, measure_flops
+from tierzero.placement import MachineBudgets, machine_budgets
+from tierzero.placement.disk import label_of
+from tierzero.placement.planner import plan_placement
+from tierzero.placement.progress import said_to
+
+__all__ = ["DEFAULT_BENCH_PATHS", "add_estimate_command", "format_estimate", "load_bench", "run_estimate", "to_json"]
+
+
+def to_json(result: Estimate, *, budgets: MachineBudgets | None = None) -> dict[str, Any]:
+    """The estimate as plain JSON types: bytes as ints, times in seconds; with `budgets`, a "budgets" entry."""
+    tiers = {
+        t.value: {
+            "capacity": e.capacity,
+            "homes": {k.value: n for k, n in e.homes.items()},
+            "working": dict(e.working),
+            "peak": e.peak,
+            "need": e.need,
+            "fits": e.fits,
+        }
+        for t, e in result.tiers.items()
+    }
+    disk = result.disk
+    disk_json = None if disk is None else {"read_Bps": disk.read, "write_Bps": disk.write, "source": disk.source}
+    kinds = shown_kinds({k: sum(e.homes.get(k, 0) for e in result.tiers.values()) for k in KEPT_KINDS})
+    data = {
+        "stage": result.stage,
+        "world_size": result.world_size,
+        "parameters": result.parameters,
+        "units": result.units,
+        "tiers": tiers,
+        "kinds": {k.value: sum(e.homes.get(k, 0) for e in result.tiers.values()) for k in kinds},
+        "nvme": {"read_per_step": result.nvme_read, "written_per_step": result.nvme_written,
+                 "file": result.nvme_file, "free": result.nvme_free},
+        "host_bytes": result.host_bytes,
+        "comm": {"local_world_size": result.local_world_size, "per_step": result.comm},
+        "activations": result.activations,
+        "disk": disk_json,
+        "flops": {"rate": result.flops.read, "source": result.flops.source},
+        "time": {
+            "io_floor_s": result.io_floor_s,
+            "compute_floor_s": result.compute_floor_s,
+            "step_floor_s": result.step_floor_s,
+        },
+        "fits": result.fits,
+        "problems": list(result.problems),
+        "fixes": list(result.fixes),
+    }
+    if budgets is not None:
+        data["budgets"] = budgets.to_json()
+    return data
+
+
+def format_estimate(result: Estimate, *, budgets: MachineBudgets | None = None) -> str:
+    """The table `tierzero estimate` prints; with `budgets`, the tiers' budgets under it."""
+    fs = format_size
+    kinds = [k for k in KEPT_KINDS if any(e.homes.get(k) for e in result.tiers.values())]
+    uses = sorted({use for e in result.tiers.values() for use in e.working})
+    header = ["tier", *(k.value for k in kinds), *uses, "peak", "capacity", "fits"]
+    rows = [header]
+    for tier, e in result.tiers.items():
+        capacity = "-" if e.capacity is None else fs(e.capacity)
+        cells = [fs(e.homes.get(k, 0)) for k in kinds] + [fs(e.working.get(u, 0)) for u in uses]
+        rows.append([tier.value, *cells, fs(e.peak), capacity, "yes" if e.fits else "NO"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    table = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines = [
+        f"tierzero estimate: zero stage {result.stage}, world size {result.world_size}, {result.parameters:,} parameters "
+        f"in {result.units} units; per rank:",
+        "",
+        *table,
+        "",
+        *([] if budgets is None else [*budgets.lines(), ""]),
+        f"host memory held by the store: {fs(result.host_bytes)}"
+        + ("" if result.activations is None else f"; activations about {fs(result.activations)} per micro-batch"),
+    ]
+    if result.disk is not None:
+        lines += [
+            f"nvme per step: read {fs(result.nvme_read)}, write {fs(result.nvme_written)}"
+            + ("" if result.steps <= 2 else f" (step {result.steps}, once the nvme cache has settled)")
+            + f"; swap file {fs(result.nvme_file)}"
+            + ("" if result.nvme_free is None else f", {fs(result.nvme_free)} free"),
+            f"disk: {result.disk.source}",
+        ]
+    lines += [*_comm_lines(result), f"compute: {result.flops.source}",
+        f"step-time floor: {result.step_floor_s:.3f} s (I/O {result.io_floor_s:.3f} s, compute {result.compute_floor_s:.3f} s "
+        f"for {result.tokens_per_step:,} tokens)",
+        "",
+    ]
+    if result.fits:
+        lines.append("fits: yes")
+    else:
+        lines += ["DOES NOT FIT:", *(f"  {p}" for p in result.problems)]
+        lines += ["to make it fit:", *(f"  - {f}" for f in result.fixes)]
+    return "\n".join(lines) + "\n"
+
+
+def _comm_lines(result: Estimate) -> list[str]:
+    """Each group's collectives with bytes: what a rank sends per step inside its node and across nodes."""
+    sent = [(g, op, links) for g, ops in result.comm.items() for op, links in ops.items() if any(links.values())]
+    if not sent:
+        return []
+    nodes, per_node = result.world_size // result.local_world_size, result.local_world_size
+    layout = f"{nodes} node{'s' * (nodes > 1)} x {per_node} rank{'s' * (per_node > 1)}"
+    head = f"collectives per step, {layout} (inside the node / across):"
+    fs = format_size
+    return [head, *(f"  {g} {op}: {fs(links['intra'])} / {fs(links['inter'])}" for g, op, links in sent)]
+
+
+# ---------------------------------------------------------------- the command
+
+#: Where `tierzero estimate` looks for `tierzero bench nvme --json` results when --nvme-bench is not given.
+DEFAULT_BENCH_PATHS = ("bench-nvme.json", "results/bench-nvme.json")
+
+
+def load_bench(
+    path: str | None, *, nvme_path: str | None = None, nvme: NvmeTierConfig | None = None
+) -> Bandwidth | None:
+    """The read/write GB/s of a `bench nvme` JSON file at `nvme`'s I/O setting where its sweep ran
+    that setting, else its best point's; None when no file is given or found."""
+    if path is None:
+        candidates = [Path(p) for p in DEFAULT_BENCH_PATHS]
+        if nvme_path is not None:
+            candidates.append(Path(nvme_path) / "bench-nvme.json")
+        found = next((p for p in candidates if p.is_file()), None)
+        if found is None:
+            return None
+        path = str(found)
+    try:
+        report = json.loads(Path(path).read_text())
+        best = report["best"]
+        read, write = float(best["read_GBps"]), float(best["write_GBps"])
+        at = "best point"
+        if nvme is not None and (own := _at_setting(report.get("runs") or [], nvme)) is not None:
+            (read, write), at = own, label_of(nvme)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"--nvme-bench {path}: expected `tierzero bench nvme --json` results with best.read_GBps and "
+            f"best.write_GBps, got {type(exc).__name__}: {exc}; rerun the bench with --json"
+        ) from None
+    if read <= 0 or write <= 0:
+        raise ValueError(f"--nvme-bench {path}: best read {read} and write {write} GB/s must be positive; rerun the bench")
+    source = f"bench nvme {path} at {at}: {read:.2f} GB/s read, {write:.2f} GB/s write"
+    return Bandwidth(read=read * 1e9, write=write * 1e9, source=source)
+
+
+def _at_setting(runs: list[dict[str, Any]], nvme: NvmeTierConfig) -> tuple[float, float] | None:
+    """(read, write) GB/s of the sweep's runs at `nvme`'s setting; None when it did not run it."""
+    setting = (nvme.block_size, nvme.queue_depth, nvme.threads, nvme.backend)
+    found = {
+        run["direction"]: float(run["GBps"])
+        for run in runs
+        if (run["block_size"], run["queue_depth"], run["threads"], run["backend"]) == setting
+    }
+    return (found["read"], found["write"]) if found.keys() >= {"read", "write"} else None
+
+
+def add_estimate_command(subparsers: Any) -> None:
+    """Register `tierzero estimate` on the `tierzero` command's sub-parsers."""
+    parser = subparsers.add_parser("estimate", help="bytes per tier, NVMe traffic and step-time floor of a config")
+    parser.add_argument("--config", required=True, help="a tierzero .yaml/.yml/.json config (or a DeepSpeed .json)")
+    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    layout = parser.add_mutually_exclusive_group()
+    layout.add_argument("--nodes", type=int, help="nodes the ranks are spread over, equally (default 1)")
+    layout.add_argument("--local-world-size", type=int, help="ranks per node, as torchrun's --nproc-per-node")
+    parser.add_argument(
+        "--nvme-bench", default=None,
+        help=f"`bench nvme --json` results, taken at tiers.nvme's setting where the sweep ran it, else its best "
+        f"(default: {', '.join(DEFAULT_BENCH_PATHS)})",
+    )
+    parser.add_argument("--flops", type=float, default=None, help="compute rate in GFLOP/s (default: a stated CPU rate)")
+    parser.add_argument("--measure-flops", action="store_true", help="time a matmul here instead of assuming a rate")
+    parser.add_argument("--nvme-path", default=None, help="directory for the swap files (overrides tiers.nvme.path)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override one dotted config key, e.g. --set zero.stage=2 (the value is read as YAML)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.set_defaults(func=run_estimate)
+
+
+def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
+    """`tierzero estimate`: 0 when the config fits, 1 when it does not; user errors raise ValueError."""
+    out = out or sys.stdout
+    cfg = load_config(args.config, overrides=parse_overrides(args.overrides, nvme_path=args.nvme_path))
+    if args.flops is not None and args.flops <= 0:
+        raise ValueError(f"--flops must be a positive GFLOP/s rate, got {args.flops}")
+    flops = None
+    if args.flops is not None:
+        flops = Bandwidth(read=args.flops * 1e9, write=args.flops * 1e9, source=f"given {args.flops:g} GFLOP/s (--flops)")
+    elif args.measure_flops:
+        flops = measure_flops(cfg.precision.param_dtype)
+    local = _local_world_size(args)
+    disk = load_bench(args.nvme_bench, nvme_path=cfg.tiers.nvme.path, nvme=cfg.tiers.nvme)
+    budgets = machine_budgets(cfg.tiers)
+    if cfg.offload.planned:
+        shares = {} if local is None else {"local_world_size": local}  # a machine's memory is shared by its ranks
+        with said_to(sys.stderr):  # beside the report, not in it: --json's output stays JSON
+            plan = plan_placement(cfg, world_size=args.world_size, budgets=budgets, disk=disk, flops=flops, **shares)
+        result = plan.estimate
+        if args.json:
+            out.write(json.dumps({**to_json(result, budgets=budgets), "placement": plan.summary()}, indent=2) + "\n")
+        else:
+            out.write(format_estimate(result, budgets=budgets) + "\n" + "\n".join(plan.lines()) + "\n")
+        return 0
+    result = estimate(cfg, world_size=args.world_size, local_world_size=local, disk=disk, flops=flops)
+    if args.json:
+        out.write(json.dumps(to_json(result, budgets=budgets), indent=2) + "\n")
+    else:
+        out.write(format_estimate(result, budgets=budgets))
+    return 0 if result.fits else 1
+
+
+def _local_world_size(args: Any) -> int | None:
+    """Ranks per node from --nodes or --local-world-size; None (one node) when neither is given."""
+    world, nodes, local = args.world_size, getattr(args, "nodes", None), getattr(args, "local_world_size", None)
+    if nodes is not None:
+        if nodes < 1 or world % nodes:
+            raise ValueError(f"--nodes {nodes} does not divide --world-size {world}: give a divisor of {world}")
+        return world // nodes
+    if local is not None and (local < 1 or world % local):
+        raise ValueError(f"--local-world-size {local} does not divide --world-size {world}: give a divisor of {world}")
+    return local

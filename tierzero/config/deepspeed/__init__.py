@@ -1,0 +1,2 @@
+"""DeepSpeed JSON configs read as tierzero configs: the reader, the optimizer and scheduler sections,
+and the translation of the rest."""

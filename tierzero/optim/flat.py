@@ -1,0 +1,271 @@
+"""Optimizers that update one flat fp32 slice of a unit in place.
+
+The engine keeps each unit's master parameters, gradients and optimizer states as
+flat 1-D fp32 slices (possibly views into larger buffers) and steps them slice by
+slice, wherever they live. The update rules here are torch.optim's, bit for bit:
+
+- Adam / AdamW call torch's fused kernels (`torch._fused_adam_` / `torch._fused_adamw_`),
+  the very kernels `torch.optim.Adam(fused=True)` / `AdamW(fused=True)` run, and on CPU
+  the fastest update torch offers. See [Note: vector lanes and scalar tails] (slice_layout.py) for how a
+  flat slice reproduces the per-tensor bits.
+- SGD replays torch.optim.SGD's default (for-loop) arithmetic with in-place tensor ops.
+  torch's fused SGD kernel is not used: it is not what torch.optim.SGD runs by
+  default, and its bits differ from the for-loop's.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tierzero.common.slices import Kind
+from tierzero.units.slice_layout import ParamGroup, SliceLayout, adam_pieces, cpu_vector_width
+
+
+class OptimizerType(enum.Enum):
+    ADAMW = "adamw"
+    ADAM = "adam"
+    SGD = "sgd"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class OptimizerSpec:
+    """Hyper-parameters of one optimizer, validated once."""
+
+    type: OptimizerType
+    lr: float
+    """Default learning rate; `step` takes the current one (schedules live in the engine)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's (beta1, beta2)."""
+    eps: float = 1e-8
+    """Adam's denominator epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled for AdamW, added to the gradient (L2) for Adam and SGD, as in torch.optim."""
+    momentum: float = 0.0
+    """SGD momentum (dampening 0, no Nesterov); 0 keeps no state."""
+
+    def __post_init__(self) -> None:
+        if not self.lr >= 0.0:
+            raise ValueError(f"optimizer.lr must be >= 0, got {self.lr}: set a non-negative learning rate")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(
+                f"optimizer.betas must be two numbers in [0, 1), got {self.betas!r}: use e.g. [0.9, 0.999]"
+            )
+        if not self.eps >= 0.0:
+            raise ValueError(f"optimizer.eps must be >= 0, got {self.eps}: use e.g. 1e-8")
+        if not self.weight_decay >= 0.0:
+            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}: use 0 to turn it off")
+        if not self.momentum >= 0.0:
+            raise ValueError(f"optimizer.momentum must be >= 0, got {self.momentum}: use 0 to turn it off")
+
+
+@dataclass(slots=True)
+class OptimSlice:
+    """One slice to step: the fp32 master parameters, their gradient and the optimizer states."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    states: Mapping[Kind, torch.Tensor]
+    layout: SliceLayout | None = None
+
+
+class FlatOptimizer(ABC):
+    """Steps flat fp32 slices in place; holds hyper-parameters only, never state.
+
+    States are the caller's: `new_states` makes zeroed ones, the engine places them in
+    whichever tier the config says and hands them back to `step`.
+    """
+
+    __slots__ = ("groups", "spec")
+    state_kinds: tuple[Kind, ...]
+
+    def __init__(self, spec: OptimizerSpec, groups: Sequence[ParamGroup] = ()) -> None:
+        self.spec = spec
+        self.groups = tuple(groups) or (ParamGroup(lr=spec.lr, weight_decay=spec.weight_decay),)
+        """Group 0 first: the optimizer's own lr and weight decay unless `groups` says otherwise."""
+
+    def group_lrs(self, factor: float) -> tuple[float, ...]:
+        """Each group's learning rate under a schedule's multiplier: base lr x factor, as `LambdaLR` computes it."""
+        return tuple(group.lr * factor for group in self.groups)
+
+    def new_states(self, numel: int, *, device: torch.device | str = "cpu") -> dict[Kind, torch.Tensor]:
+        """Zeroed fp32 states for a slice of `numel` elements, as a fresh optimizer starts."""
+        return {kind: torch.zeros(numel, dtype=torch.float32, device=device) for kind in self.state_kinds}
+
+    def step(
+        self,
+        *,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        states: Mapping[Kind, torch.Tensor],
+        step: int,
+        lr: float | Sequence[float],
+        layout: SliceLayout | None = None,
+    ) -> None:
+        """Apply update number `step` (1 for the first) to one slice.
+
+        `lr` is one learning rate for every element, with `spec.weight_decay`, or one rate
+        per group of `self.groups` (each with its group's weight decay), the layout saying
+        which tensor is in which group. `grad` may be overwritten: SGD with weight decay
+        uses it as scratch (the engine zeroes gradients after a step anyway). Adam and
+        AdamW leave it untouched.
+        """
+        if step < 1:
+            raise ValueError(f"optimizer step numbers start at 1, got {step}: pass the 1-based count of updates")
+        one = OptimSlice(param=param, grad=grad, states=states, layout=layout)
+        _check_slice(one, self.state_kinds)
+        if isinstance(lr, (int, float)):
+            hypers = [ParamGroup(lr=float(lr), weight_decay=self.spec.weight_decay)]
+            if layout is not None and any(layout.tensor_groups):
+                raise ValueError("the slice layout names parameter groups: pass one learning rate per group")
+        else:
+            if len(lr) != len(self.groups):
+                raise ValueError(f"the optimizer has {len(self.groups)} parameter groups, got {len(lr)} learning rates")
+            hypers = [ParamGroup(lr=float(rate), weight_decay=g.weight_decay) for rate, g in zip(lr, self.groups)]
+        self._apply(one, step=step, hypers=hypers)
+
+    @abstractmethod
+    def _apply(self, s: OptimSlice, *, step: int, hypers: Sequence[ParamGroup]) -> None:
+        """Step a checked slice, each group of its tensors with its own (lr, weight decay)."""
+
+
+class FlatAdam(FlatOptimizer):
+    """Adam or AdamW through torch's fused kernels."""
+
+    __slots__ = ()
+    state_kinds = (Kind.EXP_AVG, Kind.EXP_AVG_SQ)
+
+    def _apply(self, s: OptimSlice, *, step: int, hypers: Sequence[ParamGroup]) -> None:
+        by_group: dict[int, _AdamLists] = {}
+        copies_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        _add_adam_slice(s, by_group, copies_back)
+        # torch.optim keeps the step count as a float32 tensor beside the parameter and
+        # the kernel derives the bias corrections from it.
+        count = torch.full((), float(step), dtype=torch.float32, device=s.param.device)
+        kernel = torch._fused_adamw_ if self.spec.type is OptimizerType.ADAMW else torch._fused_adam_
+        beta1, beta2 = self.spec.betas
+        # One kernel per group, as torch.optim runs one per param group.
+        for group, lists in sorted(by_group.items()):
+            kernel(
+                *lists,
+                [],
+                [count] * len(lists[0]),
+                lr=hypers[group].lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=hypers[group].weight_decay,
+                eps=self.spec.eps,
+                amsgrad=False,
+                maximize=False,
+            )
+        for dst, src in copies_back:
+            dst.copy_(src)
+
+
+#: The fused kernel's tensor lists: params, grads, exp_avgs, exp_avg_sqs.
+_AdamLists = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+
+
+def _add_adam_slice(
+    s: OptimSlice, by_group: dict[int, _AdamLists], copies_back: list[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    """Append the views of one slice to each group's kernel lists ([Note: vector lanes and scalar tails])."""
+    full = (s.param, s.grad, s.states[Kind.EXP_AVG], s.states[Kind.EXP_AVG_SQ])
+
+    def lists(group: int) -> _AdamLists:
+        return by_group.setdefault(group, ([], [], [], []))
+
+    if s.layout is None:
+        for dst, t in zip(lists(0), full, strict=True):
+            dst.append(t)
+        return
+    if s.param.device.type != "cpu":
+        # Other kernels treat every element alike: one view per run of a group.
+        for a, b, group in s.layout.group_runs(s.param.numel()):
+            for dst, t in zip(lists(group), full, strict=True):
+                dst.append(t[a:b])
+        return
+    lanes = cpu_vector_width()
+    direct, scratch = adam_pieces(s.param.numel(), s.layout, lanes)
+    for a, b, group in direct:
+        for dst, t in zip(lists(group), full, strict=True):
+            dst.append(t[a:b])
+    for a, b, group in scratch:
+        for i, (dst, t) in enumerate(zip(lists(group), full, strict=True)):
+            buf = torch.zeros(lanes, dtype=t.dtype, device=t.device)
+            buf[: b - a] = t[a:b]
+            dst.append(buf)
+            if i != 1:  # the gradient is only read
+                copies_back.append((t[a:b], buf[: b - a]))
+
+
+class FlatSGD(FlatOptimizer):
+    """SGD, optionally with momentum, in torch.optim.SGD's exact arithmetic."""
+
+    __slots__ = ()
+
+    @property
+    def state_kinds(self) -> tuple[Kind, ...]:  # type: ignore[override]
+        return (Kind.EXP_AVG,) if self.spec.momentum > 0 else ()
+
+    def _apply(self, s: OptimSlice, *, step: int, hypers: Sequence[ParamGroup]) -> None:
+        momentum = self.spec.momentum
+        runs = [(0, s.param.numel(), 0)] if s.layout is None else s.layout.group_runs(s.param.numel())
+        for a, b, group in runs:
+            param, grad, lr, wd = s.param[a:b], s.grad[a:b], hypers[group].lr, hypers[group].weight_decay
+            # torch rounds grad + wd * param once before using it; doing it in place in
+            # `grad` gives the same bits without allocating a slice-sized temporary.
+            d_p = grad.add_(param, alpha=wd) if wd != 0 else grad
+            if momentum > 0:
+                buf = s.states[Kind.EXP_AVG][a:b]
+                # torch creates the buffer as a copy of the first gradient; the engine
+                # hands in a zeroed slice, so step 1 overwrites it rather than decaying it.
+                if step == 1:
+                    buf.copy_(d_p)
+                else:
+                    buf.mul_(momentum).add_(d_p)
+                d_p = buf
+            param.add_(d_p, alpha=-lr)
+
+
+def _check_slice(s: OptimSlice, kinds: tuple[Kind, ...]) -> None:
+    tensors = {"param": s.param, "grad": s.grad} | {k.value: s.states[k] for k in kinds if k in s.states}
+    missing = [k.value for k in kinds if k not in s.states]
+    if missing:
+        raise ValueError(f"optimizer step needs states {[k.value for k in kinds]}, missing {missing}")
+    numel = s.param.numel()
+    for name, t in tensors.items():
+        if t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(
+                f"optimizer {name} slice must be a contiguous 1-D float32 tensor, "
+                f"got dtype {t.dtype}, shape {tuple(t.shape)}: step the fp32 master slice"
+            )
+        if t.numel() != numel or t.device != s.param.device:
+            raise ValueError(
+                f"optimizer {name} slice has {t.numel()} elements on {t.device}, "
+                f"param has {numel} on {s.param.device}: pass slices of the same range"
+            )
+
+
+def make_optimizer(opt_cfg: Any, groups: Sequence[ParamGroup] = ()) -> FlatOptimizer:
+    """The flat optimizer for `cfg.optimizer` (attributes .type .lr .betas .eps .weight_decay .momentum),
+    with parameter `groups` (default: one, the optimizer's own lr and weight decay)."""
+    try:
+        kind = OptimizerType(str(opt_cfg.type).lower())
+    except ValueError:
+        choices = ", ".join(t.value for t in OptimizerType)
+        raise ValueError(f"optimizer.type must be one of {choices}, got {opt_cfg.type!r}") from None
+    spec = OptimizerSpec(
+        type=kind,
+        lr=float(opt_cfg.lr),
+        betas=tuple(float(b) for b in opt_cfg.betas),  # type: ignore[arg-type]
+        eps=float(opt_cfg.eps),
+        weight_decay=float(opt_cfg.weight_decay),
+        momentum=float(opt_cfg.momentum),
+    )
+    return FlatSGD(spec, groups) if kind is OptimizerType.SGD else FlatAdam(spec, groups)

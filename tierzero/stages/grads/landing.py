@@ -1,0 +1,169 @@
+"""Where a unit's reduced gradient lands: added into its GRAD slice at home, or handed over
+from memory to the unit's optimizer step in this backward.
+
+A stale GRAD slice (`Unit.grads_stale`: an NVMe home the last step left unzeroed) is not read:
+its sum starts in fresh scratch, which `add_into` fills in one pass, writing zeros plus each
+gradient (`g + 0.0`, so a -0.0 lands as the +0.0 that zeros plus it give) and zeros where
+no gradient is: the same bits as zeroing the scratch and adding, at half the memory traffic.
+Without a GPU, scratch handed over to a host step changes tier without a copy
+(`SliceStore.adopt_scratch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from tierzero.comm import collectives as C
+from tierzero.common.slices import Kind, SliceKey, Tier
+from tierzero.stages.grads.pieces import GradPieces
+from tierzero.stages.step import BackwardStep
+from tierzero.units.unit import Unit
+
+__all__ = ["GradLanding", "add_into"]
+
+
+def add_into(shard: torch.Tensor, pieces: Sequence[tuple[int, torch.Tensor]], *, fresh: bool) -> None:
+    """Add each flat gradient of `pieces` (offset, tensor) into `shard` at its offset; a `fresh`
+    shard holds garbage and gets zeros plus each, in one pass (see the module note)."""
+    if not fresh:
+        for offset, grad in pieces:
+            shard.narrow(0, offset, grad.numel()).add_(grad)
+        return
+    end = 0
+    for offset, grad in sorted(pieces, key=lambda piece: piece[0]):
+        shard[end:offset].zero_()
+        torch.add(grad, 0.0, out=shard.narrow(0, offset, grad.numel()))
+        end = offset + grad.numel()
+    shard[end:].zero_()
+
+
+class GradLanding:
+    """The gradients' way home, half of `Stage` (a mixin: it uses the stage's store, plan and buckets)."""
+
+    comm: C.CommGroup
+    replica: C.CommGroup | None
+    store: Any
+    plan: Any
+    device: torch.device
+    last_micro_step: bool
+    _buckets: Any
+    _backward_step: BackwardStep | None
+    slice: Callable[..., Any]
+    scratch: Callable[..., torch.Tensor]
+    note_grad: Callable[[Unit, torch.Tensor], None]
+
+    def reduce_grads(self, unit: Unit, grads: list[torch.Tensor]) -> None:
+        """Flatten `grads` and queue their reduce-scatter into the owned GRAD slice (stages 2, 3).
+
+        See [Note: gradient buckets] for when the collective starts and how many units
+        may wait in scratch, which bounds the gradient scratch.
+        """
+        if self.comm.world_size == 1 and self.replica is None:
+            pieces = self._as_pieces(unit, grads)
+            if pieces is not None:
+                assert self._backward_step is not None
+                self._backward_step.ready(unit, pieces=pieces)
+                return
+            # The reduce-scatter of one rank is the identity: add each gradient into its place.
+            with self._landing(unit, final=unit.pending_uses == 0) as (shard, fresh):
+                pieces = [(slot.offset, grad.reshape(-1)) for slot, grad in zip(unit.slots, grads, strict=True)]
+                add_into(shard, pieces, fresh=fresh)
+            return
+        self._buckets.add(unit, grads, final=unit.pending_uses == 0)
+
+    def _as_pieces(self, unit: Unit, grads: list[torch.Tensor]) -> GradPieces | None:
+        """The unit's complete gradient as the pieces its step in this backward takes in place, where
+        it can ([Note: gradient pieces]): on its way to the step in this backward, its home holding
+        nothing to add it to (no earlier use's or micro-step's sum), in the memory the step reads it from."""
+        job = self._backward_step
+        if job is None or not self.last_micro_step or unit.pending_uses != 0 or not self._counts_as_zeros(unit):
+            return None
+        spec = self.plan.spec(unit.name, Kind.GRAD)
+        if spec.dtype != torch.float32:
+            return None  # the slice rounds them (`precision.reduce_dtype`): so must the step's gradient
+        tier = job.grad_tier(unit)
+        if tier is not Tier.DEVICE and not self._on_host():
+            return None  # a host step of a GPU's gradients: they cross on the copy stream
+        return GradPieces.take(unit, grads, tier=tier, nbytes=spec.nbytes)
+
+    def _on_host(self) -> bool:
+        """Whether the gradients are in host memory: computed on the CPU, or in the estimate's dry run
+        (the meta device) standing for a machine without a GPU."""
+        return self.device.type == "cpu" or (self.device.type == "meta" and not torch.cuda.is_available())
+
+    def _counts_as_zeros(self, unit: Unit) -> bool:
+        """Whether the unit's GRAD home holds no gradient of this step: a stale NVMe home, or a memory
+        home nothing was added into since it was zeroed (`Unit.grads_zero`)."""
+        if self.plan.home(unit.name, Kind.GRAD) is Tier.NVME:
+            return unit.grads_stale
+        return unit.grads_zero
+
+    def finish_reduces(self) -> None:
+        self._buckets.finish()
+
+    def land_grad(self, unit: Unit, part: torch.Tensor, *, final: bool) -> None:
+        """Add a reduced gradient `part` into the unit's owned GRAD slice."""
+        with self._landing(unit, final=final) as (shard, fresh):
+            add_into(shard, [(0, part)], fresh=fresh)
+
+    @contextmanager
+    def _landing(self, unit: Unit, *, final: bool) -> Iterator[tuple[torch.Tensor, bool]]:
+        """(the unit's GRAD slice to add a gradient into, whether it is fresh scratch: `add_into`);
+        then home, or to the unit's step in this backward when it hands over (`_hands_over_grad`).
+        `final`: the unit's gradient is complete."""
+        key = SliceKey(unit.name, Kind.GRAD)
+        hands_over = final and self._hands_over_grad(unit)
+        if unit.grads_stale:
+            spec = self.plan.spec(unit.name, Kind.GRAD)
+            grads = self.scratch(unit, spec.numel, spec.dtype, kind=Kind.GRAD)
+            try:
+                yield grads, True
+                if final:
+                    self.note_grad(unit, grads)
+                if not hands_over:
+                    self.store.write_back(key, grads).wait()
+                    unit.grads_stale = False
+            except BaseException:
+                self.store.free(grads)
+                raise
+            if not hands_over:
+                self.store.free(grads)
+                self._grad_complete(unit, final=final)
+                return
+            assert self._backward_step is not None
+            handed = self.store.adopt_scratch(key, to=self._backward_step.grad_tier(unit), scratch=grads)
+        elif not hands_over:
+            with self.slice(unit, Kind.GRAD, write=True) as shard:
+                yield shard, False
+                if final:
+                    self.note_grad(unit, shard)
+            self._grad_complete(unit, final=final)
+            return
+        else:
+            # The earlier micro-steps' sum, read to add this one's to; the copy then moves to the step.
+            assert self._backward_step is not None
+            grads = self.store.fetch(key, to=Tier.DEVICE).wait()
+            try:
+                yield grads, False
+                self.note_grad(unit, grads)
+            except BaseException:
+                self.store.release(key)
+                raise
+            handed = self.store.adopt(key, to=self._backward_step.grad_tier(unit))
+            unit.grads_stale = True  # the home keeps the earlier micro-steps' sum only
+        self._backward_step.ready(unit, grad=handed)
+
+    def _hands_over_grad(self, unit: Unit) -> bool:
+        """Whether the unit's complete gradient goes to its step in this backward from memory, as
+        its NVMe home is written only to be read back at once: it would cross the disk twice for
+        nothing. The home is left stale (`Unit.grads_stale`): the next reduce starts from zeros."""
+        steps_now = self._backward_step is not None and self.last_micro_step
+        return steps_now and self.plan.home(unit.name, Kind.GRAD) is Tier.NVME
+
+    def _grad_complete(self, unit: Unit, *, final: bool) -> None:
+        if final and self._backward_step is not None and self.last_micro_step:
+            self._backward_step.ready(unit)
