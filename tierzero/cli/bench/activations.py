@@ -25,7 +25,7 @@ from tierzero.config import load_config
 from tierzero.estimate import estimate
 from tierzero.models.builtin import PRESETS, build_model
 
-__all__ = ["add_arguments", "command"]
+__all__ = ["add_command", "command"]
 
 MODES = {"checkpoint": {"checkpoint": 1}, "checkpoint+offload": {"checkpoint": 1, "offload": "cpu"}}
 
@@ -90,7 +90,12 @@ def bench_activations(
             engine.close()
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """`tierzero bench activations`, added to the `bench` sub-parsers."""
+    parser = commands.add_parser(
+        "activations", help="activation checkpointing alone beside checkpointing with offload to the cpu tier",
+        description="Stage 3 on a GPT at a long sequence, alternating: step time, device-tier peak, the estimate's.",
+    )
     parser.add_argument("--nvme-path", required=True, help="directory for the swap files")
     parser.add_argument("--preset", default="30m", help="built-in GPT size (default 30m)")
     parser.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
@@ -100,6 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--steps", type=int, default=4, help="timed steps of each (default 4)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    parser.set_defaults(func=command)
 
 
 def command(args: argparse.Namespace) -> int:

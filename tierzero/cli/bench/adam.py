@@ -13,6 +13,7 @@ threads inside one fused call.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tierzero.common.sizes import parse_size
 from tierzero.common.slices import Kind
 from tierzero.optim.flat import FlatAdam, FlatOptimizer, OptimizerSpec, OptimizerType
 
@@ -150,3 +152,21 @@ def _step_part(
 ) -> None:
     a, b = bounds
     opt.step(param=flat[a:b], grad=grad[a:b], states={k: v[a:b] for k, v in states.items()}, step=step, lr=lr)
+
+
+def _command(args: argparse.Namespace) -> int:
+    result = bench_cpu_adam(parse_size(args.params), steps=args.steps, split=args.split)
+    print(result.summary())
+    return 0 if result.identical else 1
+
+
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """`tierzero bench adam`, added to the `bench` sub-parsers."""
+    parser = commands.add_parser(
+        "adam", help="CPU Adam: tierzero's flat step beside torch.optim.AdamW(fused=True)",
+        description="Parameters updated per second, both optimizers alternating step by step, results compared bitwise.",
+    )
+    parser.add_argument("--params", default="100M", help="fp32 parameters to update (default 100M; 'M' is 10^6)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps of each (default 10)")
+    parser.add_argument("--split", type=int, default=1, help="sub-slices stepped on as many threads (default 1)")
+    parser.set_defaults(func=_command)

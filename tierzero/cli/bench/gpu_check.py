@@ -27,7 +27,7 @@ import torch
 from tierzero import __version__
 from tierzero.cli.bench.gpu import bench_train_device
 
-__all__ = ["add_arguments", "build_report", "command", "environment", "junit_summary", "run_bench", "run_tests"]
+__all__ = ["add_command", "build_report", "command", "environment", "junit_summary", "run_bench", "run_tests"]
 
 SCHEMA = 1
 BENCH_SHAPES = {
@@ -153,7 +153,13 @@ def write_report(report: dict[str, Any], out: Path) -> None:
     partial.replace(out)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """`tierzero bench gpu-check`, added to the `bench` sub-parsers."""
+    parser = commands.add_parser(
+        "gpu-check", help="tests/gpu and bench train --device cuda in one run, one JSON of results (make gpu-check)",
+        description="Run the CUDA tests and the CUDA training bench, and write what they found, with the torch and "
+        "CUDA versions and the device, to one JSON file. Fails without CUDA unless --dry-run.",
+    )
     parser.add_argument("--out", default="gpu-check.json", help="the JSON report (default gpu-check.json)")
     parser.add_argument("--tests", default="tests/gpu", help="the CUDA tests (default tests/gpu)")
     parser.add_argument("--nvme-path", default=".tierzero-swap", help="the bench's swap directory (default .tierzero-swap)")
@@ -161,6 +167,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dry-run", action="store_true", help="no GPU: hide CUDA, run the same tests (they skip) and bench on the CPU"
     )
+    parser.set_defaults(func=command)
 
 
 def command(args: argparse.Namespace) -> int:

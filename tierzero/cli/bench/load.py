@@ -27,7 +27,7 @@ from tierzero.engine.engine import Engine
 from tierzero.models.builtin import build_model
 from tierzero.pretrained import PretrainedWeights
 
-__all__ = ["LoadResult", "add_arguments", "bench_load", "command"]
+__all__ = ["LoadResult", "add_command", "bench_load", "command"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,10 +120,16 @@ def _drop_from_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """`tierzero bench load`, added to the `bench` sub-parsers."""
+    parser = commands.add_parser(
+        "load", help="stream model.pretrained into the engine's slices: bytes read, seconds, peak RSS",
+        description="Build the engine from a pretrained checkpoint as tierzero train does, and measure the load.",
+    )
     parser.add_argument("--config", required=True, help="a config with model.pretrained (e.g. configs/finetune-oversized.yaml)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one dotted config key")
     parser.add_argument("--cold", action="store_true", help="drop the checkpoint's files from the page cache first")
+    parser.set_defaults(func=command)
 
 
 def command(args: argparse.Namespace) -> int:

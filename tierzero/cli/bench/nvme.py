@@ -199,7 +199,12 @@ class NvmeBenchOptions:
         )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """`tierzero bench nvme`, added to the `bench` sub-parsers."""
+    parser = commands.add_parser(
+        "nvme", help="sweep NVMe tier settings against fio; print the best as config",
+        description="Sweep block size x queue depth x threads x backend through the NVMe tier, beside fio.",
+    )
     parser.add_argument("--path", required=True, help="directory on the disk to measure (files are removed after)")
     parser.add_argument("--size", default="4GiB", help="bytes moved per pass, split in --slices slices (default 4GiB)")
     parser.add_argument("--slices", type=int, default=4, help="slices per pass (default 4)")
@@ -214,6 +219,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-reuse-limit", help="CPU tier's reuse_limit in the store measurement (default: the tier's own default)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=command)
 
 
 def command(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ whether the kernel killed anything in it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -33,7 +34,7 @@ from typing import Any, TextIO
 from tierzero.common.sizes import format_size, parse_size
 from tierzero.placement.cgroup import memory_cgroup_of
 
-__all__ = ["PREDICTION_TOLERANCE", "RSS_SLACK", "TARGET_SPEEDUP", "BenchRun", "CgroupRun", "OversizedResult", "add_oversized_command", "bench_oversized"]
+__all__ = ["PREDICTION_TOLERANCE", "RSS_SLACK", "TARGET_SPEEDUP", "BenchRun", "CgroupRun", "OversizedResult", "add_command", "bench_oversized"]
 
 #: How far above the cpu budget auto's peak RSS may go: the interpreter, torch and the activations.
 RSS_SLACK = parse_size("1.5GiB")
@@ -249,7 +250,7 @@ class _memory_cgroup:
             self.path.rmdir()
 
 
-def _command(args: Any) -> int:
+def _command(args: argparse.Namespace) -> int:
     budget = parse_size(args.cpu_capacity)
     auto = BenchRun("auto", ("offload=auto", f"tiers.cpu.capacity={args.cpu_capacity}"), budget=budget)
     result = bench_oversized(
@@ -263,7 +264,7 @@ def _command(args: Any) -> int:
     return 0 if result.ok() else 1
 
 
-def add_oversized_command(commands: Any) -> None:
+def add_command(commands: argparse._SubParsersAction) -> None:
     """`tierzero bench oversized`, added to the `bench` sub-parsers."""
     parser = commands.add_parser(
         "oversized", help="offload: auto beside the config's own placement (the oversized preset's all-NVMe), in child processes",

@@ -32,9 +32,11 @@ and the placements that fit tie within the machine's noise (session 15).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
@@ -47,7 +49,7 @@ from tierzero.config import load_config
 from tierzero.estimate import estimate
 from tierzero.models.builtin import PRESETS, count_parameters
 
-__all__ = ["Contender", "Final", "bench_placement"]
+__all__ = ["Contender", "Final", "add_command", "bench_placement"]
 
 EVERYTHING_ON_DEVICE = "device/device/device"
 
@@ -268,3 +270,32 @@ def _report_finals(finals: list[Final], *, out: TextIO) -> None:
     for final in finals:
         if final.name == EVERYTHING_ON_DEVICE:
             out.write(f"auto against offload: device (everything on the device): {final.ratio:.3f}x ({final.spread()})\n")
+
+
+def _command(args: argparse.Namespace) -> int:
+    bench_placement(
+        nvme_path=args.nvme_path, preset=args.preset, device_share=args.device_share, cpu_share=args.cpu_share,
+        rounds=args.rounds, steps=args.steps, batch=args.batch, seq=args.seq, finalists=args.finalists,
+        builds=args.builds, out=sys.stdout,
+    )  # fmt: skip
+    return 0
+
+
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """`tierzero bench placement`, added to the `bench` sub-parsers."""
+    parser = commands.add_parser(
+        "placement", help="offload: auto beside every whole-kind placement that fits the same budgets",
+        description="Stage 3 on a built-in GPT, one engine per placement, in rounds: median step of each against auto's; "
+        "then the fastest, and the device for everything, beside auto again in pairs built anew.",
+    )
+    parser.add_argument("--nvme-path", required=True, help="directory for the contenders' swap directories")
+    parser.add_argument("--preset", default="30m", help="built-in GPT size (default 30m)")
+    parser.add_argument("--device-share", type=int, help="the device tier holds 1/D of the model's state")
+    parser.add_argument("--cpu-share", type=int, help="the cpu tier holds 1/C of the model's state")
+    parser.add_argument("--rounds", type=int, default=9, help="rounds of steps (default 9)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps of each contender per round (default 3)")
+    parser.add_argument("--batch", type=int, default=1, help="micro-batch (default 1, as the oversized preset)")
+    parser.add_argument("--seq", type=int, default=64, help="sequence length (default 64, as the oversized preset)")
+    parser.add_argument("--finalists", type=int, default=2, help="fastest placements set beside auto again (default 2)")
+    parser.add_argument("--builds", type=int, default=5, help="fresh pairs of auto and each finalist (default 5)")
+    parser.set_defaults(func=_command)

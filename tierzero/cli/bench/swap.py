@@ -86,7 +86,12 @@ class SwapBenchOptions:
         return opts
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """`tierzero bench swap`, added to the `bench` sub-parsers."""
+    parser = commands.add_parser(
+        "swap", help="stress the store and swapper with random concurrent transfers, verifying every byte",
+        description="Concurrent fetches, write-backs and releases of random slices across device, cpu and nvme.",
+    )
     parser.add_argument("--path", required=True, help="directory for the NVMe tier's swap file")
     parser.add_argument("--duration", default="60s", help="how long to run: '60s', '2m' (default 60s)")
     parser.add_argument("--slices", type=int, default=48, help="slices, homes spread over the three tiers (default 48)")
@@ -100,6 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=4, help="NVMe tier threads (default 4)")
     parser.add_argument("--backend", default="pread", help="NVMe tier backend: pread or aiofiles (default pread)")
     parser.add_argument("--json", help="write the report as JSON here")
+    parser.set_defaults(func=command)
 
 
 def command(args: argparse.Namespace) -> int:

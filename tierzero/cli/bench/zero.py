@@ -9,10 +9,12 @@ the warm-up steps. The ratios are rank 0's medians over the baseline's.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +24,7 @@ from tierzero.api import initialize
 from tierzero.cli.bench.forked import forked_ranks
 from tierzero.models.builtin import GPT, ModelSpec
 
-__all__ = ["ZeroBenchResult", "bench_zero"]
+__all__ = ["ZeroBenchResult", "add_command", "bench_zero"]
 
 STAGES = (1, 2, 3)
 TARGETS = {"stage1": 1.15, "stage2": 1.15, "stage3": 1.3}
@@ -149,3 +151,32 @@ def _bench_rank(setup: _Setup, *, rank: int, world_size: int) -> dict[str, float
 
 def _pair_rank(rank: int, setup: _Setup) -> dict[str, float]:
     return _bench_rank(setup, rank=rank, world_size=2)
+
+
+def _command(args: argparse.Namespace) -> int:
+    result = bench_zero(
+        d_model=args.d_model, n_layer=args.layers, seq=args.seq, batch=args.batch,
+        steps=args.steps, warmup=args.warmup, threads=args.threads,
+    )
+    print(result.format())
+    if args.json:
+        Path(args.json).write_text(result.to_json() + "\n")
+    return 0
+
+
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """`tierzero bench zero`, added to the `bench` sub-parsers."""
+    parser = commands.add_parser(
+        "zero", help="ZeRO stages 1-3 beside plain PyTorch (N=1) and DistributedDataParallel (N=2, gloo)",
+        description="Median step time of each stage on a built-in GPT, alternating contenders step by step, "
+        "in one process and in two forked gloo ranks.",
+    )
+    parser.add_argument("--d-model", type=int, default=256, help="model width (default 256; heads of 64)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+    parser.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
+    parser.add_argument("--batch", type=int, default=8, help="micro-batch per rank (default 8)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps of each (default 30)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1: two ranks, two cores)")
+    parser.add_argument("--json", help="also write the result here")
+    parser.set_defaults(func=_command)

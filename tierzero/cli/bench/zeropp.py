@@ -12,6 +12,7 @@ summed over its groups and collectives, across nodes only (`comm_report(per_grou
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from tierzero.data import batches_from_config
 from tierzero.engine.micro_step import micro_step
 from tierzero.models.builtin import build_model
 
-__all__ = ["VARIANTS", "ZeroppResult", "add_zeropp_command", "bench_zeropp"]
+__all__ = ["VARIANTS", "ZeroppResult", "add_command", "bench_zeropp"]
 
 WORLD, PER_NODE = 4, 2
 TARGET = 0.01
@@ -135,7 +136,7 @@ def bench_zeropp(*, steps: int = 100, every: int = 10, threads: int = 1, block_s
     return ZeroppResult(steps=steps, every=every, losses=losses, inter_bytes=inter, block_size=block_size)
 
 
-def _command(args: Any) -> int:
+def _command(args: argparse.Namespace) -> int:
     result = bench_zeropp(steps=args.steps, every=args.every, threads=args.threads, block_size=args.block_size)
     print(result.format())
     if args.json:
@@ -144,7 +145,7 @@ def _command(args: Any) -> int:
     return 0 if result.met() else 1
 
 
-def add_zeropp_command(commands: Any) -> None:
+def add_command(commands: argparse._SubParsersAction) -> None:
     """`tierzero bench zeropp`, added to the `bench` sub-parsers."""
     parser = commands.add_parser(
         "zeropp", help="ZeRO++ (qwZ, qgZ, hpZ) against exact stage 3: loss curves and bytes across 2 simulated nodes",
