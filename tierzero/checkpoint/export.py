@@ -45,6 +45,7 @@ from tierzero.checkpoint.format import (
     fsync_dir,
     write_bytes_atomic,
 )
+from tierzero.checkpoint.protocol import Exportable
 from tierzero.common.sizes import format_size, parse_size
 from tierzero.pretrained.files import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
 
@@ -289,7 +290,7 @@ def check_export(
 
 
 def export_engine(
-    engine: Any,
+    engine: Exportable,
     out: str | Path,
     *,
     dtype: torch.dtype | None = None,

@@ -146,3 +146,23 @@ class Checkpointable(Protocol):
     def loss_scaler(self) -> LossScaler:
         """The loss scaler, whose state is saved and restored."""
         ...
+
+
+@runtime_checkable
+class GatheringStage(CheckpointStage, Protocol):
+    """A stage that also gathers a unit whole: what a transformers or peft export reads."""
+
+    def gather_fp32(self, unit: Unit) -> torch.Tensor:
+        """The unit's full parameters in fp32 on every rank (a collective: every rank calls it for the same unit)."""
+        ...
+
+
+@runtime_checkable
+class Exportable(Checkpointable, Protocol):
+    """An engine whose model a whole-model format (transformers, peft) can write: `Checkpointable`
+    whose stage gathers each unit whole, since those formats store full tensors, never shards."""
+
+    @property
+    def stage(self) -> GatheringStage:
+        """The ZeRO stage, which gathers each unit's full fp32 parameters in turn."""
+        ...

@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from tierzero.checkpoint.consolidate import consolidate, consolidate_hf, consolidate_pretrained
+from tierzero.checkpoint.consolidate import consolidate, consolidate_pretrained
 from tierzero.checkpoint.export import DEFAULT_MAX_SHARD_SIZE, EXPORT_DTYPES
+from tierzero.checkpoint.formats import TransformersDirectory
 from tierzero.common.sizes import format_size
 
 
@@ -51,10 +52,11 @@ def run_consolidate(args: argparse.Namespace, *, out: TextIO | None = None) -> i
         stream.write(f"{line}\n")
 
     if args.hf:
-        done = consolidate_hf(
-            args.checkpoint, target, dtype=EXPORT_DTYPES[args.dtype] if args.dtype else None, tokenizer=args.tokenizer,
-            max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, note=note,
+        hf = TransformersDirectory(
+            dtype=EXPORT_DTYPES[args.dtype] if args.dtype else None, tokenizer=args.tokenizer,
+            max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
         )  # fmt: skip
+        done = hf.convert(args.checkpoint, target, note=note)
     elif target.suffix:
         done = consolidate(args.checkpoint, target, note=note)
     else:

@@ -27,8 +27,8 @@ import torch
 from tqdm import tqdm
 
 from tierzero.api import initialize
-from tierzero.checkpoint import find_checkpoint, probe_root
-from tierzero.checkpoint.export import check_export, export_engine
+from tierzero.checkpoint import PeftAdapters, TransformersDirectory, find_checkpoint, probe_root
+from tierzero.checkpoint.export import check_export
 from tierzero.cli.config import parse_overrides
 from tierzero.cli.run_summary import TIERS, PartClock, RunSummary
 from tierzero.comm.dist import roll_call_s, unanswered_ranks
@@ -40,7 +40,7 @@ from tierzero.models.builtin import build_model, count_parameters
 from tierzero.offload.disk.busy import Busy
 from tierzero.placement.disk import learn
 from tierzero.placement.progress import said_to
-from tierzero.pretrained.lora import is_peft_model, save_adapters
+from tierzero.pretrained.lora import is_peft_model
 from tierzero.units.kernels import chosen_text
 
 __all__ = ["RunSummary", "add_demo_command", "add_train_command", "run_demo", "run_train", "train"]
@@ -202,11 +202,11 @@ def train(
 def _export(engine: Any, directory: Path, *, tokenizer: Path | None, out: TextIO) -> None:
     """A LoRA run's adapters in peft's format; any other run's model for transformers' from_pretrained."""
     if is_peft_model(engine.module):
-        written = save_adapters(engine, directory)
+        written = PeftAdapters().write(engine, directory)
         if written is not None:
             out.write(f"exported the LoRA adapters to {written} (peft's format)\n")
         return
-    exported = export_engine(engine, directory, tokenizer=tokenizer)
+    exported = TransformersDirectory(tokenizer=tokenizer).write(engine, directory)
     if exported is not None:
         out.write(f"exported {exported.describe()}\n")
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierzero.checkpoint import RootLock, claim_root, load_checkpoint, probe_root, save_checkpoint
+from tierzero.checkpoint import RootLock, ShardedCheckpoint, claim_root, probe_root
 from tierzero.comm import collectives as C
 from tierzero.comm import dist as D
 from tierzero.comm.mesh import Mesh, build_mesh, launcher_topology
@@ -313,7 +313,7 @@ class Engine:
         path = self.claim_checkpoint_root(root)
         keep = self.cfg.checkpoint.keep if keep is None else keep
         # Hybrid sharding: one replica's shards are the whole state; the first replica saves them.
-        return self.mesh.on_first_replica(lambda: save_checkpoint(self, path, keep=keep), share=True)
+        return self.mesh.on_first_replica(lambda: ShardedCheckpoint(keep=keep).write(self, path), share=True)
 
     def claim_checkpoint_root(self, root: str | os.PathLike[str] | None = None) -> Path:
         """Lock the checkpoint root (default checkpoint.dir) for this engine's life, and check one
@@ -336,7 +336,7 @@ class Engine:
         """
         self._require_open("load_checkpoint()")
         self._settle_step()  # not to overwrite the loaded slices later
-        return load_checkpoint(self, self._checkpoint_root(root))
+        return ShardedCheckpoint().read(self, self._checkpoint_root(root))
 
     def _checkpoint_root(self, root: str | os.PathLike[str] | None) -> Path:
         if root is not None:
