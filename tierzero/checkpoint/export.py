@@ -200,11 +200,12 @@ def write_json_file(path: Path, value: Any) -> None:
 def write_model_files(directory: Path, model: nn.Module, *, dtype: torch.dtype) -> None:
     """`config.json` of `model` (a transformers model, meta-built is enough) with `dtype` as its dtype,
     and `generation_config.json` where the class generates, as save_pretrained writes them."""
-    config = copy.deepcopy(model.config)  # type: ignore[union-attr]
+    transformers_model: Any = model  # a transformers PreTrainedModel: its config and can_generate
+    config = copy.deepcopy(transformers_model.config)
     config.dtype = dtype_name(dtype)
     config.architectures = [type(model).__name__]
     write_file_atomic(directory / CONFIG_FILE, config.to_json_string(use_diff=True).encode())
-    if type(model).can_generate():  # type: ignore[attr-defined]
+    if type(transformers_model).can_generate():
         import transformers
 
         generation = transformers.GenerationConfig.from_model_config(config)

@@ -27,7 +27,9 @@ def _decode(text: str) -> torch.Tensor:
 
 
 def rng_state() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    legacy = np.random.get_state(legacy=True)
+    assert isinstance(legacy, tuple), "legacy=True gives numpy's tuple form"
+    kind, keys, pos, has_gauss, cached = legacy
     version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
         "torch": _encode(torch.get_rng_state()),

@@ -98,7 +98,7 @@ class Transfer(Generic[T]):
     def _consume(outcome: TransferOutcome[T]) -> T:
         if outcome.event is not None:
             torch.cuda.current_stream().wait_event(outcome.event)
-        return outcome.value  # type: ignore[return-value]
+        return outcome.value
 
 
 def after_all(pending: list[Transfer[Any]], fn: Callable[[], None]) -> None:

@@ -103,7 +103,12 @@ def fields_markdown(cls: type, *, prefix: str = "") -> list[str]:
 def _shown_default(spec: dataclasses.Field[Any]) -> str:
     if "shown_default" in spec.metadata:
         return spec.metadata["shown_default"]
-    default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()  # type: ignore[misc]
+    if spec.default is not dataclasses.MISSING:
+        default = spec.default
+    else:
+        factory = spec.default_factory
+        assert callable(factory), f"{spec.name} has neither a default nor a default factory"
+        default = factory()
     shown = plain(default, human=spec.metadata["check"].is_size)
     return shown if isinstance(shown, str) else json.dumps(shown)
 

@@ -82,7 +82,6 @@ class FlatOptimizer(ABC):
     """
 
     __slots__ = ("groups", "spec")
-    state_kinds: tuple[Kind, ...]
 
     def __init__(self, spec: OptimizerSpec, groups: Sequence[ParamGroup] = ()) -> None:
         self.spec = spec
@@ -92,6 +91,11 @@ class FlatOptimizer(ABC):
     def group_lrs(self, factor: float) -> tuple[float, ...]:
         """Each group's learning rate under a schedule's multiplier: base lr x factor, as `LambdaLR` computes it."""
         return tuple(group.lr * factor for group in self.groups)
+
+    @property
+    @abstractmethod
+    def state_kinds(self) -> tuple[Kind, ...]:
+        """The kinds of state this optimizer keeps per slice (none for plain SGD)."""
 
     def new_states(self, numel: int, *, device: torch.device | str = "cpu") -> dict[Kind, torch.Tensor]:
         """Zeroed fp32 states for a slice of `numel` elements, as a fresh optimizer starts."""
@@ -138,7 +142,10 @@ class FlatAdam(FlatOptimizer):
     """Adam or AdamW through torch's fused kernels."""
 
     __slots__ = ()
-    state_kinds = (Kind.EXP_AVG, Kind.EXP_AVG_SQ)
+
+    @property
+    def state_kinds(self) -> tuple[Kind, ...]:
+        return (Kind.EXP_AVG, Kind.EXP_AVG_SQ)
 
     def _apply(self, s: OptimSlice, *, step: int, hypers: Sequence[ParamGroup]) -> None:
         by_group: dict[int, _AdamLists] = {}
@@ -210,7 +217,7 @@ class FlatSGD(FlatOptimizer):
     __slots__ = ()
 
     @property
-    def state_kinds(self) -> tuple[Kind, ...]:  # type: ignore[override]
+    def state_kinds(self) -> tuple[Kind, ...]:
         return (Kind.EXP_AVG,) if self.spec.momentum > 0 else ()
 
     def _apply(self, s: OptimSlice, *, step: int, hypers: Sequence[ParamGroup]) -> None:
@@ -263,7 +270,7 @@ def make_optimizer(opt_cfg: Any, groups: Sequence[ParamGroup] = ()) -> FlatOptim
     spec = OptimizerSpec(
         type=kind,
         lr=float(opt_cfg.lr),
-        betas=tuple(float(b) for b in opt_cfg.betas),  # type: ignore[arg-type]
+        betas=(float(opt_cfg.betas[0]), float(opt_cfg.betas[1])),
         eps=float(opt_cfg.eps),
         weight_decay=float(opt_cfg.weight_decay),
         momentum=float(opt_cfg.momentum),

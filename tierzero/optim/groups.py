@@ -17,6 +17,7 @@ import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tierzero.config import OptimizerConfig
 from tierzero.units.slice_layout import ParamGroup
 from tierzero.units.unit import Binding
 
@@ -42,14 +43,14 @@ class GroupRules:
         self.groups = [ParamGroup(lr=self.lr, weight_decay=self.weight_decay)]
 
     @classmethod
-    def from_config(cls, optimizer: object) -> GroupRules:
+    def from_config(cls, optimizer: OptimizerConfig) -> GroupRules:
         """From an `OptimizerConfig` (lr, weight_decay, no_decay, no_decay_modules, lr_multipliers)."""
         return cls(
-            lr=float(optimizer.lr),  # type: ignore[attr-defined]
-            weight_decay=float(optimizer.weight_decay),  # type: ignore[attr-defined]
-            no_decay=tuple(optimizer.no_decay),  # type: ignore[attr-defined]
-            no_decay_modules=tuple(optimizer.no_decay_modules),  # type: ignore[attr-defined]
-            lr_multipliers=dict(optimizer.lr_multipliers),  # type: ignore[attr-defined]
+            lr=float(optimizer.lr),
+            weight_decay=float(optimizer.weight_decay),
+            no_decay=tuple(optimizer.no_decay),
+            no_decay_modules=tuple(optimizer.no_decay_modules),
+            lr_multipliers=dict(optimizer.lr_multipliers),
         )
 
     def decays(self, binding: Binding) -> bool:

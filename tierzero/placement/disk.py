@@ -133,11 +133,13 @@ def _remembered_at(path: str | os.PathLike[str], setting: str) -> DiskRates | No
 def _rates_at(by_setting: object, setting: str, max_age_s: float | None) -> DiskRates | None:
     """The rates of a directory's cache entry (`by_setting`) under `setting`; None as `remembered` says."""
     entry = by_setting.get(setting) if isinstance(by_setting, dict) else None
+    if not isinstance(entry, dict):
+        return None
     try:
-        read, write = float(entry["read_GBps"]), float(entry["write_GBps"])  # type: ignore[index]
-        source = str(entry["source"])  # type: ignore[index]
-        measured = float(entry.get("measured", 0.0))  # type: ignore[union-attr]
-    except (TypeError, KeyError, ValueError, AttributeError):
+        read, write = float(entry["read_GBps"]), float(entry["write_GBps"])
+        source = str(entry["source"])
+        measured = float(entry.get("measured", 0.0))
+    except (TypeError, KeyError, ValueError):
         return None
     if not (read > 0 and write > 0):
         return None
