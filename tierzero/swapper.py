@@ -31,7 +31,6 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -41,6 +40,7 @@ from tierzero.config import SwapperConfig
 from tierzero.offload.base import Region, TierStorage
 from tierzero.offload.memory import MemoryTier
 from tierzero.offload.staging import StagingBuffer, StagingPool, StagingStats
+from tierzero.offload.tiers import traits_of
 
 __all__ = ["Swapper"]
 
@@ -102,7 +102,7 @@ class Swapper:
         # stream waits for everything queued on the caller's stream so far.
         source_on_device = region.buffer is not None and region.buffer.is_cuda
         produced = self._record_current_stream() if dst.is_cuda or source_on_device else None
-        if storage.tier is Tier.NVME and dst_tier is Tier.DEVICE and self._staged_device:
+        if storage.traits.direct_io and dst_tier is Tier.DEVICE and self._staged_device:
             return self._schedule(key, False, lambda: self._staged_read(storage, region, dst, produced))
         return self._schedule(key, False, lambda: self._direct(storage.read, region, dst, reading=True, produced=produced))
 
@@ -111,7 +111,7 @@ class Swapper:
         self._check(region, src, src_tier)
         # The caller may have just produced `src` on its stream: the copy stream waits for that.
         produced = self._record_current_stream() if src.is_cuda else None
-        if storage.tier is Tier.NVME and src_tier is Tier.DEVICE and self._staged_device:
+        if storage.traits.direct_io and src_tier is Tier.DEVICE and self._staged_device:
             return self._schedule(key, True, lambda: self._staged_write(storage, region, src, produced))
         return self._schedule(key, True, lambda: self._direct(storage.write, region, src, reading=False, produced=produced))
 
@@ -164,8 +164,8 @@ class Swapper:
     def _check(self, region: Region, tensor: torch.Tensor, tier: Tier) -> None:
         if self._closed:
             raise ValueError("the swapper is closed; open a new TieredStore to move more bytes")
-        if tier is Tier.NVME:
-            raise ValueError("the memory side of a transfer must be the device or cpu tier, got nvme")
+        if not traits_of(tier).in_memory:
+            raise ValueError(f"the memory side of a transfer must be the device or cpu tier, got {tier.value}")
         if tensor.dtype != torch.uint8 or tensor.dim() != 1 or tensor.numel() != region.nbytes:
             raise ValueError(
                 f"{region.label}: expected a 1-D uint8 tensor of {region.nbytes} bytes, "
@@ -337,17 +337,7 @@ class Swapper:
         return event
 
 
-class RangedStorage(Protocol):
-    """A tier that moves part of a region: `tensor.numel()` bytes at `start` (a multiple of 4096)."""
-
-    def submit_read(self, region: Region, dst: torch.Tensor, *, start: int = 0) -> Future[None]: ...
-
-    def submit_write(self, region: Region, src: torch.Tensor, *, start: int = 0) -> Future[None]: ...
-
-
-def _ranged(storage: TierStorage) -> RangedStorage:
-    """The NVMe tier as the chunked device<->NVMe pipeline uses it (it needs part-of-region I/O)."""
-    assert callable(getattr(storage, "submit_read", None)) and callable(getattr(storage, "submit_write", None)), (
-        f"the {storage.tier.value} tier cannot move part of a region"
-    )
-    return storage  # type: ignore[return-value]
+def _ranged(storage: TierStorage) -> TierStorage:
+    """The tier as the chunked device<->tier pipeline uses it: it needs part-of-region I/O."""
+    assert storage.traits.ranged, f"the {storage.tier.value} tier cannot move part of a region"
+    return storage

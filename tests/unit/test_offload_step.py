@@ -181,12 +181,15 @@ def test_a_failed_write_back_is_raised_not_lost() -> None:
 def test_the_step_takes_gradients_where_no_copy_blocks_the_host() -> None:
     from types import SimpleNamespace
 
+    from tierzero.offload.tiers import traits_of
     from tierzero.stages.plan import Homes
     from tierzero.stages.step import _grad_tier
 
     def tier(grads: Tier, optimizer: Tier, device: str, *, sharded: bool = True) -> Tier:
         homes = Homes(params=Tier.DEVICE, grads=grads, optimizer=optimizer)
-        plan = SimpleNamespace(home=homes.of)  # every unit at its kind's home
+        plan = SimpleNamespace(  # every unit at its kind's home
+            home=homes.of, staged=lambda unit, kind: not traits_of(homes.of(unit, kind)).in_memory
+        )
         stage = SimpleNamespace(homes=homes, plan=plan, shards_grads=sharded, device=torch.device(device))
         return _grad_tier(stage, "u0")
 

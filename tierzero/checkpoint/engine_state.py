@@ -15,6 +15,7 @@ from tierzero.checkpoint.format import dtype_name
 from tierzero.checkpoint.manifest import EngineScalars, SlotLayout, UnitLayout
 from tierzero.checkpoint.protocol import Checkpointable
 from tierzero.common.slices import Kind, SliceKey, Tier
+from tierzero.offload.tiers import traits_of
 from tierzero.stages.plan import SliceSpec
 from tierzero.units.unit import Unit
 
@@ -42,9 +43,9 @@ def wanted_range(engine: Checkpointable, unit: Unit, spec: SliceSpec) -> tuple[i
 
 @contextmanager
 def slice_for_reading(engine: Checkpointable, unit: Unit, spec: SliceSpec) -> Iterator[torch.Tensor]:
-    """The slice's current bytes: its home tensor in memory tiers, a host copy of an NVMe home."""
+    """The slice's current bytes: its home tensor in memory tiers, a host copy of any other home (NVMe)."""
     key = SliceKey(unit.name, spec.kind)
-    if spec.home is not Tier.NVME:
+    if traits_of(spec.home).in_memory:
         yield engine.store.home_tensor(key)
         return
     tensor = engine.store.fetch(key, to=Tier.CPU).wait()

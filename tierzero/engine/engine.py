@@ -152,7 +152,7 @@ class Engine:
 
     def _make_store(self) -> TieredStore:
         # Unless the config sizes the swap file, it holds exactly this rank's NVMe-homed slices.
-        capacity = max(self.plan.nvme_bytes(), IO_ALIGNMENT) if self.cfg.tiers.nvme.capacity is None else None
+        capacity = max(self.plan.home_bytes(Tier.NVME), IO_ALIGNMENT) if self.cfg.tiers.nvme.capacity is None else None
         return TieredStore.from_config(
             self.cfg.tiers, self.cfg.swapper, nvme=any(spec.home is Tier.NVME for spec in self.plan.all()),
             rank=self._ctx.rank, device=self._ctx.device, nvme_capacity=capacity,

@@ -179,7 +179,7 @@ def estimate(
         est.working = {use: n for use, n in run.working[tier].items() if use != "home" and n}
         est.peak = run.peak[tier] if tier is not Tier.NVME else est.home_total
         est.uncounted = run.bounce if tier is Tier.CPU else 0
-    nvme_file = run.plan.nvme_bytes()
+    nvme_file = run.plan.home_bytes(Tier.NVME)
     if cfg.tiers.nvme.capacity is not None and nvme_file:
         nvme_file = cfg.tiers.nvme.capacity
     uses_nvme = nvme_file > 0

@@ -23,11 +23,13 @@ from abc import abstractmethod
 import torch
 
 from tierzero.common.slices import Tier
-from tierzero.offload.base import Region, TierCapacityError, TierStorage
+from tierzero.offload.base import Region, TierCapacityError, TierStorage, TierTraits
 
 
 class MemoryTier(TierStorage):
     """A tier whose regions are 1-D uint8 tensors in one memory."""
+
+    traits = TierTraits(in_memory=True)
 
     def __init__(self, *, tier: Tier, capacity: int | None) -> None:
         if capacity is not None and capacity < 0:

@@ -19,12 +19,11 @@ import torch
 from tierzero.common.sizes import format_size
 from tierzero.common.slices import IO_ALIGNMENT, Tier, align_up
 from tierzero.config import NvmeTierConfig
-from tierzero.offload.base import Region, TierCapacityError, TierStorage
+from tierzero.offload.base import BounceStats, Region, TierCapacityError, TierStorage, TierTraits
 from tierzero.offload.disk.backends import AiofilesBackend, ThreadBackend
-from tierzero.offload.disk.busy import BusyClock
+from tierzero.offload.disk.busy import Busy, BusyClock
 from tierzero.offload.disk.chunk_queue import (
     BouncePool,
-    BounceStats,
     ChecksumTable,
     ChunkIO,
     ChunkQueue,
@@ -117,6 +116,7 @@ class NvmeTier(TierStorage):
     """
 
     tier = Tier.NVME
+    traits = TierTraits(in_memory=False, direct_io=True, ranged=True, cached=True)
 
     def __init__(
         self,
@@ -240,6 +240,9 @@ class NvmeTier(TierStorage):
     def observe_bounce(self, on_change: Callable[[int], None]) -> None:
         """Have `on_change(delta)` told of every bounce byte made or dropped, from now on."""
         self._pool.observe(on_change)
+
+    def busy_now(self) -> Busy:
+        return self.busy.now()
 
     @property
     def inflight_peak(self) -> int:

@@ -1,4 +1,9 @@
-"""The tiers a run's `tiers` section asks for: device, cpu, and NVMe when some state lives there."""
+"""The tiers a run's `tiers` section asks for: device, cpu, and NVMe when some state lives there.
+
+`TIER_CLASSES` names the class behind each tier, so that what a kind of tier can do (its
+`TierTraits`) is known before any tier exists: the slice plan and the estimate ask `traits_of`.
+A new tier is its class, its config section and its line here.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,20 @@ import torch
 
 from tierzero.common.slices import Tier
 from tierzero.config import TiersConfig
-from tierzero.offload.base import TierStorage
+from tierzero.offload.base import TierStorage, TierTraits
 from tierzero.offload.cpu import CpuTier, HostDeviceTier
 from tierzero.offload.device import DeviceTier
 from tierzero.offload.nvme import NvmeTier
 
-__all__ = ["tiers_from_config"]
+__all__ = ["TIER_CLASSES", "tiers_from_config", "traits_of"]
+
+TIER_CLASSES: dict[Tier, type[TierStorage]] = {Tier.DEVICE: DeviceTier, Tier.CPU: CpuTier, Tier.NVME: NvmeTier}
+"""The class of each tier (without a GPU the device tier is `HostDeviceTier`, with the same traits)."""
+
+
+def traits_of(tier: Tier) -> TierTraits:
+    """What `tier` can do, from its class."""
+    return TIER_CLASSES[tier].traits
 
 
 def tiers_from_config(

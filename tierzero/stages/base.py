@@ -166,7 +166,7 @@ class Stage(GradLanding, ABC):
     def leaves_grads_stale(self, unit: str) -> bool:
         """Whether the step leaves the unit's used GRAD slice home unzeroed (`Unit.grads_stale`): an
         NVMe home, which the reduce reaches through `slice` only (stages 2 and 3)."""
-        return self.shards_grads and self.plan.home(unit, Kind.GRAD) is Tier.NVME
+        return self.shards_grads and self.plan.staged(unit, Kind.GRAD)
 
     def dtype_of(self, unit: Unit) -> torch.dtype:
         """The dtype the unit's parameters are gathered and computed in (`Unit.dtype`)."""

@@ -16,6 +16,7 @@ import torch
 
 from tierzero.common.slices import Kind, Tier, align_up
 from tierzero.config import ConfigError, OffloadConfig
+from tierzero.offload.tiers import traits_of
 from tierzero.units.unit import Unit
 
 __all__ = ["KIND_HOMES", "Homes", "SlicePlan", "SliceSpec", "plan_slices"]
@@ -71,11 +72,15 @@ class Homes:
 
     def tier(self, unit: str, what: str) -> Tier:
         """Where `unit`'s slices of the field `what` (params, grads or optimizer) live."""
-        return self.units.get((unit, what), getattr(self, what))
+        return self.units.get((unit, what), self._whole(what))
 
     def tiers(self, what: str) -> set[Tier]:
         """Every tier some unit's slices of the field `what` live on."""
-        return {getattr(self, what), *(tier for (_, kind), tier in self.units.items() if kind == what)}
+        return {self._whole(what), *(tier for (_, kind), tier in self.units.items() if kind == what)}
+
+    def _whole(self, what: str) -> Tier:
+        """The tier of the field `what` for the units `units` does not name."""
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}[what]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +118,12 @@ class SlicePlan:
         """Where `unit`'s slice of `kind` lives; None when the unit keeps none (a frozen unit's grads)."""
         return next((spec.home for spec in self.specs[unit] if spec.kind is kind), None)
 
+    def staged(self, unit: str, kind: Kind) -> bool:
+        """Whether `unit`'s slice of `kind` lives where compute cannot use it in place (a tier whose
+        `TierTraits` say it is not memory: NVMe), so every use moves it through a copy in memory."""
+        home = self.home(unit, kind)
+        return home is not None and not traits_of(home).in_memory
+
     def all(self) -> Iterable[SliceSpec]:
         return (spec for specs in self.specs.values() for spec in specs)
 
@@ -137,9 +148,10 @@ class SlicePlan:
             total += owned[0].numel if owned else next((s.numel for s in specs if s.kind is Kind.GRAD), 0)
         return total
 
-    def nvme_bytes(self) -> int:
-        """What this rank's swap file must hold: every NVMe-homed slice at its I/O-aligned size."""
-        return sum(align_up(spec.nbytes) for spec in self.all() if spec.home is Tier.NVME)
+    def home_bytes(self, tier: Tier) -> int:
+        """What this rank's slices homed on `tier` hold at their I/O-aligned sizes (for NVMe: what the
+        swap file must hold)."""
+        return sum(align_up(spec.nbytes) for spec in self.all() if spec.home is tier)
 
     def fetched_param_bytes(self) -> dict[str, int]:
         """What a fetched copy of each unit's PARAM slice costs the device tier (its region, I/O-aligned)."""

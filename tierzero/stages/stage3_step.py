@@ -107,7 +107,7 @@ class StepInTime:
     def _moves_down(self, unit: Unit) -> bool:
         """fp32, PARAM on NVMe, a host step: the unit's step in backward may take its gathered copy."""
         host_step = unit_step_tier(self.homes, unit.name) is Tier.CPU
-        return not self.mixed(unit) and host_step and self.plan.home(unit.name, Kind.PARAM) is Tier.NVME
+        return not self.mixed(unit) and host_step and self.plan.staged(unit.name, Kind.PARAM)
 
     def _hand_down(self, key: SliceKey, job: Any, unit: Unit, given: dict[Kind, Any]) -> bool:
         """Move the gather's PARAM copy down to the step tier for the unit's step (`_moves_down`)."""
@@ -206,7 +206,7 @@ class StepInTime:
         """Whether the next forward takes `unit`'s new parameters soon, within the prefetcher's
         budgets: a unit the forward's plan fetches now, or one of its first units between steps."""
         prefetch = self.param_prefetch
-        if prefetch is None or self.plan.home(unit, Kind.PARAM) is not Tier.NVME:
+        if prefetch is None or not self.plan.staged(unit, Kind.PARAM):
             return False
         if self._stepping_in_forward:
             return prefetch.wants(unit)

@@ -116,7 +116,7 @@ def _grad_tier(stage: Steppable, unit: str) -> Tier:
     stream while the pipeline reads ahead, where a copy in the compute would block the host.
     Otherwise memory-homed gradients are read in place (copied into step-tier scratch)."""
     tier, home = unit_step_tier(stage.homes, unit), stage.plan.home(unit, Kind.GRAD)
-    if home is Tier.NVME or (home is not tier and stage.shards_grads and stage.device.type == "cuda"):
+    if stage.plan.staged(unit, Kind.GRAD) or (home is not tier and stage.shards_grads and stage.device.type == "cuda"):
         return tier
     return home
 

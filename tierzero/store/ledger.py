@@ -13,7 +13,7 @@ from typing import Any
 
 from tierzero.common.sizes import format_size
 from tierzero.common.slices import Kind, Tier, shown_kinds
-from tierzero.offload.disk.chunk_queue import BounceStats
+from tierzero.offload.base import BounceStats
 from tierzero.offload.staging import StagingStats
 
 __all__ = ["Ledger", "StoreReport", "TierLedger", "TierUsage", "Use"]

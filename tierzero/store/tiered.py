@@ -29,9 +29,9 @@ from tierzero.common.transfer import Transfer, after_all
 from tierzero.config import SwapperConfig, TiersConfig
 from tierzero.offload.base import Region, TierStorage
 from tierzero.offload.cpu import CpuTier, HostDeviceTier
-from tierzero.offload.disk.busy import Busy, BusyClock
+from tierzero.offload.disk.busy import Busy
 from tierzero.offload.memory import MemoryTier
-from tierzero.offload.tiers import tiers_from_config
+from tierzero.offload.tiers import tiers_from_config, traits_of
 from tierzero.store.ledger import Ledger, StoreReport, Use
 from tierzero.store.nvme_cache import NvmeCache
 from tierzero.store.records import FETCHED_STATES, ScratchRecord, SliceRecord, SliceState
@@ -57,15 +57,15 @@ class TieredStore:
         self._nvme_read = self._nvme_written = 0
         self._closed = False
         self._cache: NvmeCache | None = None
-        if cache and Tier.NVME in tiers:
-            cpu, nvme = tiers[Tier.CPU], tiers[Tier.NVME]
+        cached = next((storage for storage in tiers.values() if storage.traits.cached), None)
+        if cache and cached is not None:
+            cpu, nvme = tiers[Tier.CPU], cached
             self._cache = NvmeCache(
                 budget=cache, cpu=cpu, nvme=nvme, swapper=swapper, ledger=self._ledger, on_evict=self._evicted
             )
         swapper.observe_staging(self._host_pool_changed)
-        observe_bounce = getattr(tiers.get(Tier.NVME), "observe_bounce", None)
-        if observe_bounce is not None:
-            observe_bounce(self._host_pool_changed)
+        for storage in tiers.values():
+            storage.observe_bounce(self._host_pool_changed)
 
     @classmethod
     def from_config(cls, tiers: TiersConfig, swapper: SwapperConfig, **where: Any) -> TieredStore:
@@ -94,7 +94,7 @@ class TieredStore:
             region = storage.allocate(numel * dtype.itemsize, label=str(key))
             self._slices[key] = SliceRecord(key=key, numel=numel, dtype=dtype, home=region)
             self._ledger.add(home, key.kind, Use.HOME, region.nbytes)
-            if self._cache is not None and home is Tier.NVME:
+            if self._cached(home):
                 self._cache.track(key, region)
 
     def home_tensor(self, key: SliceKey) -> torch.Tensor:
@@ -111,8 +111,8 @@ class TieredStore:
 
     def fetch(self, key: SliceKey, *, to: Tier) -> Transfer[torch.Tensor]:
         """Bring the slice to `to`; `.wait()` gives a typed 1-D tensor there. Idempotent while fetched."""
-        if to is Tier.NVME:
-            raise ValueError(f"cannot fetch {key} to nvme: fetch to device or cpu")
+        if not self._in_memory(to):
+            raise ValueError(f"cannot fetch {key} to {to.value}: fetch to device or cpu")
         with self._lock:
             record = self._record(key)
             record.settle()
@@ -137,13 +137,13 @@ class TieredStore:
     def _read_copy(self, record: SliceRecord, to: Tier) -> Transfer[torch.Tensor]:
         """Allocate the copy in `to` (or raise, changing nothing) and start reading the home into it."""
         copy = self._storage(to, what=f"a fetched copy of {record.key}").allocate(record.nbytes, label=f"{record.key} fetched")
-        home, cache = record.home, (self._cache if record.home.tier is Tier.NVME else None)
+        home, cache = record.home, (self._cache if self._cached(record.home.tier) else None)
         try:
             transfer = None if cache is None else cache.read(record.key, copy.buffer)
             if transfer is None:
                 storage = self._tiers[home.tier]
                 transfer = self.swapper.read(key=record.key, storage=storage, region=home, dst=copy.buffer, dst_tier=to)
-                self._nvme_read += record.nbytes if home.tier is Tier.NVME else 0
+                self._nvme_read += 0 if self._in_memory(home.tier) else record.nbytes
         except BaseException:
             self._tiers[to].free(copy)
             raise
@@ -164,7 +164,7 @@ class TieredStore:
         with self._lock:
             record = self._record(key)
             record.settle()
-            if to is Tier.NVME or to is record.home.tier:
+            if not self._in_memory(to) or to is record.home.tier:
                 raise ValueError(f"cannot adopt a copy of {key} on {to.value}: it lives on {record.home.tier.value}")
             old, old_tier = record.copy, record.copy_tier
             if src is None:
@@ -247,13 +247,13 @@ class TieredStore:
             else:
                 source, source_tier = record.source_bytes(src)
             assert source is not None and source_tier is not None
-            cache = self._cache if record.home.tier is Tier.NVME else None
+            cache = self._cache if self._cached(record.home.tier) else None
             transfer = None if cache is None else cache.write(key, source)
             if transfer is None:
                 transfer = self.swapper.write(
                     key=key, storage=self._tiers[record.home.tier], region=record.home, src=source, src_tier=source_tier
                 )
-                self._nvme_written += record.nbytes if record.home.tier is Tier.NVME else 0
+                self._nvme_written += 0 if self._in_memory(record.home.tier) else record.nbytes
             record.writes.append(transfer)
             if record.state is not SliceState.HOME:
                 record.state = SliceState.WRITING
@@ -280,7 +280,7 @@ class TieredStore:
             record.settle()
             record.require(SliceState.HOME, action="unregister")
             del self._slices[key]
-            if self._cache is not None and record.home.tier is Tier.NVME:
+            if self._cached(record.home.tier):
                 self._cache.forget(key)
         for write in record.writes:
             write.future.exception()
@@ -299,8 +299,8 @@ class TieredStore:
 
     def allocate(self, *, kind: Kind, numel: int, dtype: torch.dtype, tier: Tier, label: str = "") -> torch.Tensor:
         """Scratch memory (e.g. a gathered unit) in a memory tier, accounted under `kind` until `free`."""
-        if tier is Tier.NVME:
-            raise ValueError(f"scratch {label or kind.value} must be in device or cpu memory, got nvme")
+        if not self._in_memory(tier):
+            raise ValueError(f"scratch {label or kind.value} must be in device or cpu memory, got {tier.value}")
         if numel <= 0:
             raise ValueError(f"scratch {label or kind.value}: numel must be positive, got {numel}")
         region = self._storage(tier, what=f"scratch {label}").allocate(
@@ -325,10 +325,10 @@ class TieredStore:
         self._ledger.add(tier, kind, Use.SCRATCH, nbytes)
 
     def report(self) -> StoreReport:
-        bounce_stats = getattr(self._tiers.get(Tier.NVME), "bounce_stats", None)
-        report = self._ledger.report(staging=self.swapper.stats(), bounce=bounce_stats() if bounce_stats else None)
+        bounce = next((stats for storage in self._tiers.values() if (stats := storage.bounce_stats()) is not None), None)
+        report = self._ledger.report(staging=self.swapper.stats(), bounce=bounce)
         for tier, storage in self._tiers.items():
-            kept = getattr(storage, "kept_bytes", 0)
+            kept = storage.kept_bytes
             if kept and tier in report.tiers:
                 report.tiers[tier] = dataclasses.replace(report.tiers[tier], kept=kept)
         return report
@@ -341,7 +341,7 @@ class TieredStore:
 
     def nvme_busy(self) -> Busy:
         """The NVMe tier's moves so far and the time they were in flight (offload/busy.py); none without one."""
-        return getattr(self._tiers.get(Tier.NVME), "busy", BusyClock()).now()
+        return next((storage.busy_now() for storage in self._tiers.values() if not storage.traits.in_memory), Busy())
 
     def reset_peaks(self) -> None:
         self._ledger.reset_peaks()
@@ -396,6 +396,16 @@ class TieredStore:
             present = ", ".join(t.value for t in self._tiers)
             raise ValueError(f"{what} needs the {tier.value} tier, but this store has only {present}: configure tiers.{tier.value}")
         return storage
+
+    def _in_memory(self, tier: Tier) -> bool:
+        """Whether `tier`'s regions are tensors (its `TierTraits`), asked of the tier itself where the
+        store has it."""
+        storage = self._tiers.get(tier)
+        return (storage.traits if storage is not None else traits_of(tier)).in_memory
+
+    def _cached(self, tier: Tier) -> bool:
+        """Whether slices homed on `tier` go through the host cache in front of it."""
+        return self._cache is not None and not self._in_memory(tier) and self._tiers[tier].traits.cached
 
     def _one_memory(self, a: Tier, b: Tier) -> bool:
         """Whether tiers `a` and `b` are one memory (without a GPU the device tier is host memory)."""

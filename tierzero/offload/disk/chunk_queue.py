@@ -22,7 +22,7 @@ import torch
 from xxhash import xxh3_64_intdigest
 
 from tierzero.common.slices import IO_ALIGNMENT, align_up, aligned_empty
-from tierzero.offload.base import ChecksumError
+from tierzero.offload.base import BounceStats, ChecksumError
 
 # XXH3-64: 9.8 GiB/s on one thread of the Zen 1 dev VM against 6.1 for CRC-32C, 18.9 against
 # 11.9 on two: both drop the GIL on large buffers, so the I/O threads checksum side by side.
@@ -33,21 +33,6 @@ _ZEROS = memoryview(bytes(IO_ALIGNMENT))
 
 #: The largest span one checksum covers; see [Note: checksums by region position].
 CHECKSUM_SPAN = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class BounceStats:
-    """Bounce memory of the NVMe tier: host bytes held now and at peak, and the bound on them."""
-
-    block_size: int
-    limit: int
-    """Blocks the pool may hold: the queue depth."""
-    held: int
-    peak_held: int
-
-    @property
-    def capacity(self) -> int:
-        return self.block_size * self.limit
 
 
 class BouncePool:

@@ -98,7 +98,7 @@ class GradLanding:
     def _counts_as_zeros(self, unit: Unit) -> bool:
         """Whether the unit's GRAD home holds no gradient of this step: a stale NVMe home, or a memory
         home nothing was added into since it was zeroed (`Unit.grads_zero`)."""
-        if self.plan.home(unit.name, Kind.GRAD) is Tier.NVME:
+        if self.plan.staged(unit.name, Kind.GRAD):
             return unit.grads_stale
         return unit.grads_zero
 
@@ -162,7 +162,7 @@ class GradLanding:
         its NVMe home is written only to be read back at once: it would cross the disk twice for
         nothing. The home is left stale (`Unit.grads_stale`): the next reduce starts from zeros."""
         steps_now = self._backward_step is not None and self.last_micro_step
-        return steps_now and self.plan.home(unit.name, Kind.GRAD) is Tier.NVME
+        return steps_now and self.plan.staged(unit.name, Kind.GRAD)
 
     def _grad_complete(self, unit: Unit, *, final: bool) -> None:
         if final and self._backward_step is not None and self.last_micro_step:
