@@ -36,6 +36,7 @@ from tierzero.stages import STAGES, Homes, Stage3, StepScalars
 from tierzero.stages.activations import SavedActivations, checkpoint_units
 from tierzero.stages.binding import bind, unregister_params
 from tierzero.stages.grads.norm import clip_coefficient
+from tierzero.stages.options import StageOptions, StageParts
 from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.store import TieredStore
 from tierzero.store.protocol import SliceStore
@@ -120,25 +121,16 @@ class Engine:
         self._root_locks: dict[Path, RootLock | None] = {}
         """Checkpoint roots this engine saves into, each locked against other runs until close."""
         try:
-            self.param_prefetch: ParamPrefetch | None = None
-            extra: dict[str, Any] = {}
-            if stage_class.shards_params:
-                self.param_prefetch = self._make_prefetch()
-                extra = {
-                    "param_prefetch": self.param_prefetch,
-                    "persistence_threshold": int(cfg.zero.param_persistence_threshold),
-                    "gather_ahead": int(cfg.zero.gather_ahead),
-                    "gather_budget": int(cfg.prefetch.max_live_bytes),
-                    "secondary": self.mesh.secondary,
-                    "weight_block": cfg.zero.quantization_block_size if cfg.zero.quantized_weights else None,
-                }
-            self.stage = stage_class(
-                units=self.units, plan=self.plan, store=self.store, comm=self.comm, replica=self.mesh.replica,
-                optimizer=optimizer, param_dtype=self._param_dtype, homes=homes, device=ctx.device,
-                overlap=bool(cfg.zero.overlap_comm), bucket_bytes=int(cfg.zero.reduce_bucket_size),
-                activations=self._saved_activations(), **extra,
+            self.param_prefetch: ParamPrefetch | None = self._make_prefetch() if stage_class.shards_params else None
+            parts = StageParts(
+                units=self.units, plan=self.plan, store=self.store, comm=self.comm, optimizer=optimizer, homes=homes,
+                activations=self._saved_activations(), replica=self.mesh.replica,
                 grad_hops=self.mesh.grad_hops(cfg.zero.quantized_gradients, block_size=cfg.zero.quant_block),
+                secondary=self.mesh.secondary if stage_class.shards_params else None,
+                param_prefetch=self.param_prefetch,
             )  # fmt: skip
+            options = StageOptions.from_config(cfg, param_dtype=self._param_dtype, device=ctx.device)
+            self.stage = stage_class(parts, options)
             self.stage.grad_norm.enabled = float(cfg.gradient_clipping) > 0 or self._skips_overflow
             self._install()
             if self._ctx.device.type != "meta":  # see [Note: freed host memory]

@@ -15,18 +15,17 @@ from typing import Any, ClassVar
 import torch
 
 from tierzero.comm import collectives as C
-from tierzero.comm.quantized import GradHops
 from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.optim.flat import FlatOptimizer
-from tierzero.stages.activations import SavedActivations, recomputing
+from tierzero.stages.activations import recomputing
 from tierzero.stages.binding import UnitParams, bind
-from tierzero.stages.grads.buckets import DEFAULT_BUCKET_BYTES, GradBuckets
+from tierzero.stages.grads.buckets import GradBuckets
 from tierzero.stages.grads.landing import GradLanding
 from tierzero.stages.grads.norm import GradNorm
+from tierzero.stages.options import StageOptions, StageParts
 from tierzero.stages.plan import Homes, SlicePlan, SliceSpec, plan_slices
 from tierzero.stages.step import BackwardStep, StepScalars, run_step
 from tierzero.stages.step_pipeline import PendingWrite, PipelineReport, Prepared
-from tierzero.store.protocol import SliceStore
 from tierzero.units.unit import Unit, UnitState
 
 
@@ -37,37 +36,23 @@ class Stage(GradLanding, ABC):
     shards_grads: ClassVar[bool]
     shards_params: ClassVar[bool]
 
-    def __init__(
-        self,
-        *,
-        units: list[Unit],
-        plan: SlicePlan,
-        store: SliceStore,
-        comm: C.CommGroup,
-        optimizer: FlatOptimizer,
-        param_dtype: torch.dtype,
-        homes: Homes,
-        device: torch.device,
-        overlap: bool = True,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        activations: SavedActivations | None = None,
-        replica: C.CommGroup | None = None,
-        grad_hops: GradHops | None = None,
-    ) -> None:
-        self.units, self.plan, self.store, self.comm, self.optimizer = units, plan, store, comm, optimizer
-        self.replica = replica
+    def __init__(self, parts: StageParts, options: StageOptions) -> None:
+        self.units, self.plan, self.store, self.comm = parts.units, parts.plan, parts.store, parts.comm
+        self.optimizer: FlatOptimizer = parts.optimizer
+        self.replica = parts.replica
         """Hybrid sharding: the ranks holding this rank's shards, over which gradients are summed too."""
-        self.grad_hops = grad_hops
+        self.grad_hops = parts.grad_hops
         """qgZ: the gradients' reduce-scatter in two hops ([Note: qgZ] in quantized_comm.py)."""
-        self.param_dtype, self.homes, self.device, self.overlap = param_dtype, homes, device, overlap
-        self.bucket_bytes = bucket_bytes
+        self.homes: Homes = parts.homes
+        self.param_dtype, self.device, self.overlap = options.param_dtype, options.device, options.overlap
+        self.bucket_bytes = options.bucket_bytes
         """Collectives wait for this many bytes of ready units before they start (`zero.reduce_bucket_size`)."""
-        self._buckets = GradBuckets(self, bucket_bytes=bucket_bytes)
-        self.activations = activations
+        self._buckets = GradBuckets(self, bucket_bytes=options.bucket_bytes)
+        self.activations = parts.activations
         """Books (or offloads) what autograd saves in forward; None: nothing counted (tierzero/stages/activations.py)."""
         self.last_micro_step = True
         """Set by the engine before each backward: this micro-step ends an accumulation window."""
-        self._anchor = torch.empty(0, device=device, requires_grad=True)
+        self._anchor = torch.empty(0, device=self.device, requires_grad=True)
         self.last_step_report: PipelineReport | None = None
         """What the last optimizer step's pipeline did (resident groups, seconds waiting on reads)."""
         self._backward_step: BackwardStep | None = None

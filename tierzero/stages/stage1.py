@@ -21,6 +21,7 @@ import torch
 from tierzero.comm import collectives as C
 from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.stages.base import Stage, mark_state
+from tierzero.stages.options import StageOptions, StageParts
 from tierzero.stages.step import StepScalars
 from tierzero.stages.step_pipeline import PendingWrite
 from tierzero.units.unit import Unit, UnitState
@@ -43,8 +44,8 @@ class ReplicatedParamsStage(Stage):
 
     shards_params = False
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, parts: StageParts, options: StageOptions) -> None:
+        super().__init__(parts, options)
         elsewhere = self.homes.tiers("params") - {Tier.DEVICE}
         if elsewhere:
             raise ValueError(
@@ -117,8 +118,8 @@ class Stage1(ReplicatedParamsStage):
     number = 1
     shards_grads = False
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, parts: StageParts, options: StageOptions) -> None:
+        super().__init__(parts, options)
         self._scatters: dict[str, _InFlight] = {}
         self._ready: list[Unit] = []
         """Units whose gradients are complete, waiting for their bucket's reduce-scatter."""

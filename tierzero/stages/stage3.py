@@ -48,14 +48,13 @@ from tierzero.prefetch import Phase
 from tierzero.stages.activations import recomputing
 from tierzero.stages.base import Stage, mark_state
 from tierzero.stages.binding import SavedView, bind, tensors_in
-from tierzero.stages.param_prefetch import ParamPrefetch
+from tierzero.stages.options import StageOptions, StageParts
 from tierzero.stages.stage3_step import StepAhead, StepInTime
 from tierzero.stages.step import ForwardStep
 from tierzero.stages.step_pipeline import PendingWrite
 from tierzero.units.unit import Unit, UnitState, is_root
 
 #: `prefetch.max_live_bytes`'s default, for stages built without a config.
-DEFAULT_GATHER_BUDGET = 2**30
 
 
 class Stage3(StepInTime, Stage):
@@ -63,22 +62,12 @@ class Stage3(StepInTime, Stage):
     shards_grads = True
     shards_params = True
 
-    def __init__(
-        self,
-        *,
-        param_prefetch: ParamPrefetch | None = None,
-        persistence_threshold: int = 0,
-        gather_ahead: int = 1,
-        gather_budget: int = DEFAULT_GATHER_BUDGET,
-        secondary: C.CommGroup | None = None,
-        weight_block: int | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.weight_block = weight_block
+    def __init__(self, parts: StageParts, options: StageOptions) -> None:
+        super().__init__(parts, options)
+        self.weight_block = options.weight_block
         """qwZ: gathers over `comm` send int8, a scale per this many elements ([Note: qwZ] in
         quantized_comm.py); None: unquantised."""
-        self.secondary = secondary
+        self.secondary = parts.secondary
         """hpZ: the group that splits each unit's secondary copy ([Note: hpZ's secondary copy])."""
         self._secondary_fresh: set[str] = set()
         """Units whose SECONDARY slice holds this step's parameters."""
@@ -86,13 +75,11 @@ class Stage3(StepInTime, Stage):
         """SECONDARY writes reading a gathered buffer, waited for before it is freed."""
         self._from_secondary: set[str] = set()
         """Units whose gather in flight reads their SECONDARY slice."""
-        self.persistence_threshold = persistence_threshold
+        self.persistence_threshold = options.persistence_threshold
         """Units with fewer parameters stay gathered from forward to backward (`zero.param_persistence_threshold`)."""
-        if gather_ahead < 1:
-            raise ValueError(f"zero.gather_ahead must be at least 1 unit, got {gather_ahead}")
-        self.gather_ahead = gather_ahead
+        self.gather_ahead = options.gather_ahead
         """Block units gathered ahead of the one computing (`zero.gather_ahead`)."""
-        self.gather_budget = gather_budget
+        self.gather_budget = options.gather_budget
         """Bytes the units gathered ahead may hold beyond the first (`prefetch.max_live_bytes`)."""
         # Storage address of each gathered buffer -> its unit, for the pack hook.
         self._by_storage: dict[int, Unit] = {}
@@ -104,7 +91,7 @@ class Stage3(StepInTime, Stage):
         self._order: list[Unit] = []
         """Units in the order the last forward first ran them: what to prefetch next."""
         self._order_now: list[Unit] = []
-        self.param_prefetch = param_prefetch
+        self.param_prefetch = parts.param_prefetch
         """Fetches PARAM slices up the tiers ahead of their gathers (None: each on demand)."""
         self._phase = Phase.FORWARD
         self._forward_step: ForwardStep | None = None
@@ -113,8 +100,8 @@ class Stage3(StepInTime, Stage):
         """Whether a `ForwardStep` steps units now (it hands each unit's new parameters to the forward)."""
         self._step_ahead: StepAhead | None = None
         """The first reads of a step that waits for the end of backward (`begin_step_ahead`)."""
-        if param_prefetch is not None:
-            param_prefetch.blocked = self._awaits_step
+        if self.param_prefetch is not None:
+            self.param_prefetch.blocked = self._awaits_step
 
     # ---- gather and free ----------------------------------------------------------
 
