@@ -1,11 +1,11 @@
-"""The typed config.
+"""The typed config: one dataclass a section, checked at load, from YAML, JSON, dicts or DeepSpeed configs.
 
 The sections (sections.py; the model's in model.py, the optimizer's and scheduler's in
 optim.py, the data's in data.py, the precision's in precision.py) under one root with its cross-section
 rules (schema.py), built from files, dicts and DeepSpeed configs by `load_config`
-(loading.py, deepspeed.py), the files read within bounds (reading.py); field checks
+(loading.py, deepspeed/), the files read within bounds (reading.py); field checks
 (checks.py) and the tree machinery (tree.py) beneath them; docs/config.md rendered by
-markdown.py; the `config` command in cli.py.
+markdown.py; the `config` command in tierzero/cli/config.py.
 """
 
 from tierzero.config.checks import AUTO

@@ -1,5 +1,5 @@
-"""Where state goes: each tier's budget from the config or the machine (budgets.py), the cgroup
-memory limit it reads (cgroup.py)."""
+"""Where state goes (`offload: auto`): each tier's budget from the config or the machine, the
+candidate placements, and the planner that replays the step for each and keeps the fastest that fits."""
 
 from tierzero.placement.budgets import (
     CPU_MARGIN,
