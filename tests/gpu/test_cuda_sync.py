@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tierzero.cli.bench.contenders import PLACEMENTS, EngineTraining, engine_config, token_batch
-from tierzero.cli.bench.copies import profiled_traffic
+from tierzero.cli.bench.train.copies import profiled_traffic
 from tierzero.prefetch import Mode
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tierzero.cli.bench.train_step import bench_train_step
+from tierzero.cli.bench.train.cpu import bench_train_step
 
 
 @pytest.mark.parametrize(("dtype", "clip", "runs"), [("fp32", 0.0, 1), ("fp32", 1.0, 2), ("bf16", 0.0, 1)])

@@ -13,8 +13,8 @@ import torch
 
 from tierzero.cli.bench import gpu_check
 from tierzero.cli.bench.contenders import PLACEMENTS, placement_matrix, run_parity
-from tierzero.cli.bench.copies import memcpy_traffic
-from tierzero.cli.bench.gpu import bench_train_device
+from tierzero.cli.bench.train.copies import memcpy_traffic
+from tierzero.cli.bench.train.gpu import bench_train_device
 from tierzero.cli.main import main
 from tierzero.common.slices import Tier
 

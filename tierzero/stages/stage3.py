@@ -49,8 +49,8 @@ from tierzero.stages.activations import recomputing
 from tierzero.stages.base import Stage, mark_state
 from tierzero.stages.binding import SavedView, bind, tensors_in
 from tierzero.stages.options import StageOptions, StageParts
-from tierzero.stages.stage3_step import StepAhead, StepInTime
 from tierzero.stages.step import ForwardStep
+from tierzero.stages.step_in_time import StepAhead, StepInTime
 from tierzero.stages.step_pipeline import PendingWrite
 from tierzero.units.unit import Unit, UnitState, is_root
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from tierzero import __version__
-from tierzero.cli.bench.gpu import bench_train_device
+from tierzero.cli.bench.train.gpu import bench_train_device
 
 __all__ = ["add_command", "build_report", "command", "environment", "junit_summary", "run_bench", "run_tests"]
 

@@ -1,7 +1,7 @@
 """`tierzero bench train --device cuda`: model TFLOPS, host<->device bandwidth against pinned peak, prefetch hits.
 
 `bench_train_device` alternates steps of plain PyTorch and tierzero on the device, as
-the CPU bench does (tierzero/cli/bench/train_step.py), timing each step between two device
+the CPU bench does (tierzero/cli/bench/train/cpu.py), timing each step between two device
 synchronisations. Then:
 
 - model TFLOPS: 6 x parameters x tokens / median step time (the 6ND convention:
@@ -37,7 +37,7 @@ from tierzero.cli.bench.contenders import (
     max_param_difference,
     token_batch,
 )
-from tierzero.cli.bench.copies import GB, CopyPeak, Traffic, copy_peak, profiled_traffic
+from tierzero.cli.bench.train.copies import GB, CopyPeak, Traffic, copy_peak, profiled_traffic
 from tierzero.models.builtin import count_parameters
 
 __all__ = ["DeviceTrainResult", "bench_train_device"]

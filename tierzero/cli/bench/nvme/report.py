@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from tierzero.cli.bench.nvme_results import PointResult
+from tierzero.cli.bench.nvme.results import PointResult
 from tierzero.cli.bench.report import PlotBar
 from tierzero.cli.bench.workload import Setting
 from tierzero.common.sizes import format_size

@@ -23,9 +23,9 @@ from typing import Any, TextIO
 import torch
 from tqdm import tqdm
 
-from tierzero.cli.bench import nvme_report
 from tierzero.cli.bench.fio import fio_executable, fio_version, run_fio
-from tierzero.cli.bench.nvme_results import PointResult
+from tierzero.cli.bench.nvme import report as sweep_report
+from tierzero.cli.bench.nvme.results import PointResult
 from tierzero.cli.bench.report import format_table, machine_info, now_text, nvme_config_snippet, write_json, write_plot
 from tierzero.cli.bench.through_store import StoreBench, open_store, through_store_lines
 from tierzero.cli.bench.workload import (
@@ -257,10 +257,10 @@ def run_bench(opts: NvmeBenchOptions, *, out: TextIO | None = None) -> dict[str,
     fio_part = None
     if fio is not None:
         depths = {s: fio_job(opts.path, s, Direction.READ, data.nbytes).iodepth for s in grid.settings()}
-        fio_part = nvme_report.fio_json(results, version=fio_version(fio), iodepth=depths)
+        fio_part = sweep_report.fio_json(results, version=fio_version(fio), iodepth=depths)
     report = {
-        "best": nvme_report.best_json(best),
-        "runs": nvme_report.runs_json(results),
+        "best": sweep_report.best_json(best),
+        "runs": sweep_report.runs_json(results),
         "fio": fio_part,
         "through_store": None if store_bench is None else store_bench.to_json(fio_best=fio_best(fio_part, store_bench)),
         "settings": {
@@ -275,7 +275,7 @@ def run_bench(opts: NvmeBenchOptions, *, out: TextIO | None = None) -> dict[str,
     remember(opts.path, {r.point.label: (r.read.median, r.write.median) for r in results}, how="bench nvme")
     if opts.plot_path is not None:
         title = f"tierzero NVMe tier vs fio, {format_size(data.nbytes)} per pass, medians of {opts.repeats}"
-        write_plot(nvme_report.plot_bars(results), opts.plot_path, title=title)
+        write_plot(sweep_report.plot_bars(results), opts.plot_path, title=title)
     return report
 
 
@@ -307,9 +307,9 @@ def fio_best(fio_part: dict[str, Any] | None, store_bench: StoreBench) -> dict[s
 
 
 def print_summary(report: dict[str, Any], results: list[PointResult], best: PointResult, *, out: TextIO) -> None:
-    print(format_table(nvme_report.TABLE_HEADERS, list(nvme_report.table_rows(results))), file=out)
+    print(format_table(sweep_report.TABLE_HEADERS, list(sweep_report.table_rows(results))), file=out)
     print(f"\nbest: {best.point.label}", file=out)
-    for line in nvme_report.ratio_lines(best, report["fio"]):
+    for line in sweep_report.ratio_lines(best, report["fio"]):
         print(f"  {line}", file=out)
     if report["through_store"] is not None:
         for line in through_store_lines(report["through_store"]):

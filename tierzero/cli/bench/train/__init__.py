@@ -1,6 +1,6 @@
 """`tierzero bench train`: an offloaded training step against plain PyTorch, on the CPU or `--device cuda`.
 
-One command over two benches: `train_step` (step ratio and peak RSS on the CPU) and `gpu`
+One command over two benches: `cpu` (step ratio and peak RSS on the CPU) and `gpu`
 (TFLOPS and host<->device bandwidth on CUDA). They measure different things at different
 shapes, so the shape flags default per device rather than in argparse.
 """
@@ -11,8 +11,8 @@ import argparse
 from pathlib import Path
 
 from tierzero.cli.bench.contenders import PLACEMENTS
-from tierzero.cli.bench.gpu import bench_train_device
-from tierzero.cli.bench.train_step import bench_train_step
+from tierzero.cli.bench.train.cpu import bench_train_step
+from tierzero.cli.bench.train.gpu import bench_train_device
 
 __all__ = ["add_command"]
 

@@ -228,7 +228,7 @@ def peak_rss(which: str, *, preset: str, seq: int, batch: int, steps: int, nvme_
     args = json.dumps(
         {"which": which, "preset": preset, "seq": seq, "batch": batch, "steps": steps, "nvme_path": nvme_path, "clip": clip}
     )
-    code = f"from tierzero.cli.bench.train_step import _rss_child; _rss_child({args!r})"
+    code = f"from tierzero.cli.bench.train.cpu import _rss_child; _rss_child({args!r})"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the {which} RSS run failed (exit {done.returncode}):\n{done.stderr[-2000:]}")

@@ -1,6 +1,6 @@
 """What `bench nvme` measures at each sweep point: GB/s of the repeats, beside fio's.
 
-Apart from the sweep (`nvme`) and the report (`nvme_report`), so both can import them.
+Apart from the sweep (`nvme/__init__.py`) and the report (`report.py`), so both can import them.
 """
 
 from __future__ import annotations
