@@ -2,7 +2,8 @@
 
 Buffers are aligned so that the NVMe tier can read and write them with direct
 I/O, without a bounce copy. With CUDA and `pin_memory`, each buffer is pinned
-with `cudaHostRegister` over its exact bytes. The CUDA caching host allocator
+with `cudaHostRegister` over its exact bytes, through the process's `PinnedRegistry`
+([Note: pinned registrations] in pinned.py). The CUDA caching host allocator
 (`torch.empty(..., pin_memory=True)`) is avoided on purpose: it rounds every
 block up to a power of two, so a 40 GiB budget could hold only ~20 GiB of slices.
 
@@ -26,20 +27,7 @@ from tierzero.common.slices import Tier, aligned_empty
 from tierzero.config import CpuTierConfig
 from tierzero.offload.base import Region, TierStorage
 from tierzero.offload.memory import MemoryTier
-
-_CUDA_HOST_REGISTER_PORTABLE = 1
-"""Pinned for every CUDA context, not only the current device's."""
-
-
-def _pin(buffer: torch.Tensor) -> None:
-    error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), _CUDA_HOST_REGISTER_PORTABLE))
-    if error != 0:
-        raise RuntimeError(f"cudaHostRegister of {buffer.numel()} bytes failed with cudaError {error}")
-
-
-def _unpin(buffer: torch.Tensor) -> None:
-    error = int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
-    assert error == 0, f"cudaHostUnregister failed with cudaError {error}"
+from tierzero.offload.pinned import PinnedRegistry, pinned_registry
 
 
 class CpuTier(MemoryTier):
@@ -52,12 +40,14 @@ class CpuTier(MemoryTier):
         pin_memory: bool = True,
         reuse_limit: int | None = None,
         tier: Tier = Tier.CPU,
+        registry: PinnedRegistry | None = None,
     ) -> None:
         super().__init__(tier=tier, capacity=capacity)
         if reuse_limit is not None and reuse_limit < 0:
             raise ValueError(f"reuse_limit must be >= 0 bytes, got {reuse_limit}")
-        # Without CUDA there is nothing to pin against (pinning would raise).
-        self.pinned = pin_memory and torch.cuda.is_available()
+        self._registry = registry or pinned_registry()
+        # Without CUDA (or a runtime standing in for it) there is nothing to pin against.
+        self.pinned = pin_memory and self._registry.available
         self.reuse_limit = reuse_limit
         """Most bytes of freed buffers kept; None: bounded by the high-water mark of live bytes."""
         self._kept: dict[int, list[torch.Tensor]] = defaultdict(list)
@@ -135,7 +125,7 @@ class CpuTier(MemoryTier):
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
         buffer = aligned_empty(nbytes)
         if self.pinned:
-            _pin(buffer)
+            self._registry.pin(buffer)
         return buffer
 
     def _drop_buffer(self, buffer: torch.Tensor) -> None:
@@ -152,7 +142,7 @@ class CpuTier(MemoryTier):
     def _unpin_all(self, buffers: list[torch.Tensor]) -> None:
         if self.pinned:
             for buffer in buffers:
-                _unpin(buffer)
+                self._registry.unpin(buffer)
 
 
 class HostDeviceTier(CpuTier):
