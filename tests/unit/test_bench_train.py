@@ -1,13 +1,15 @@
-"""`tierzero bench train`: the two contenders train the same model on the same batches, so their
+"""`tierzero bench train` and `bench step-host`. Train: the two contenders train the same model on the same batches, so their
 parameters agree at the end (fp32: to float rounding), and --dtype bf16 runs tierzero under
 precision.autocast beside plain autocast, bit for bit."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import pytest
 
+from tierzero.cli.bench.step_host import bench_step_host
 from tierzero.cli.bench.train.cpu import bench_train_step
 
 
@@ -41,3 +43,14 @@ def test_both_contenders_train_the_same_model(dtype: str, clip: float, runs: int
     assert states <= io.read_bytes <= 2 * io.home_bytes
     assert io.read_gbs > 0 and io.write_gbs > 0 and io.serial_s >= io.overlapped_s > 0
     assert "x the serial floor" in result.format()
+
+
+def test_bench_step_host_times_the_engine_beside_plain_autograd_and_bare_adamw() -> None:
+    result = bench_step_host(2_000_000, units=2, steps=2, warmup=1)
+    assert len(result.engine_s) == len(result.plain_s) == len(result.adam_s) == len(result.engine_step_s) == 2
+    assert all(t > 0 for t in (*result.engine_s, *result.plain_s, *result.adam_s, *result.engine_step_s))
+    assert result.host_s == pytest.approx(statistics.median(result.engine_s) - statistics.median(result.plain_s))
+    assert result.ratio == pytest.approx(result.host_s / statistics.median(result.adam_s))
+    text = result.format()
+    assert "2M parameters in 2 units, bf16, clip 1.0" in text and f"host share / AdamW  {result.ratio:.2f}x" in text
+    assert result.to_json()["ratio"] == result.ratio

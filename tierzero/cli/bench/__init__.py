@@ -21,13 +21,14 @@ from tierzero.cli.bench import (
     nvme,
     oversized,
     placement,
+    step_host,
     swap,
     train,
     zero,
     zeropp,
 )
 
-COMMANDS = (nvme, swap, adam, train, activations, load, zero, placement, gpu_check, zeropp, oversized)
+COMMANDS = (nvme, swap, adam, train, step_host, activations, load, zero, placement, gpu_check, zeropp, oversized)
 """The modules of the `bench` subcommands, in the order `tierzero bench --help` lists them; each adds its own."""
 
 

@@ -1,0 +1,191 @@
+"""`tierzero bench step-host`: the host's share of an offloaded step beside the optimizer alone.
+
+On a GPU the optimizer of host-resident states runs on the host while the GPU computes, so the
+step is as long as the host's work whenever that is the longer (../shared/gpu-h200: the 2B step
+waited on the host). That work should be the optimizer and nothing more. This bench measures it
+on the machine it runs on, with no model worth the name: each unit's only parameter is used once
+in the forward (`w.sum()`), so autograd's own kernels are two passes over the parameters, run
+alike by plain PyTorch. Three contenders on the same N parameters, in one process, alternating
+step by step so that a noisy machine slows all alike:
+
+- `engine`: forward, backward and step through tierzero with every state in host memory
+  (`offload: cpu`), clipping and the compute dtype as asked;
+- `plain`: the same model's forward and backward in plain PyTorch, no optimizer;
+- `adam`: a bare `torch._fused_adamw_` over N fp32 parameters, one tensor a unit.
+
+The host's share is `engine - plain`: the gradients' landing, the norm, the clip, the step, the
+new parameters' cast, the gradients' reset and the engine's own bookkeeping. Its ratio to
+`adam` is the figure: 1.0 means the host does the optimizer's work and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import tierzero
+from tierzero.common.sizes import format_size, parse_size
+from tierzero.units.precision import dtype_of
+
+__all__ = ["StepHostResult", "add_command", "bench_step_host"]
+
+
+class _Block(nn.Module):
+    """One unit: a flat parameter the forward reads once."""
+
+    def __init__(self, numel: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(numel, generator=torch.Generator().manual_seed(numel)).mul_(0.01).to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w.sum()
+
+
+class _Model(nn.Module):
+    def __init__(self, numel: int, units: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(numel // units, dtype=dtype) for _ in range(units))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.float().square().sum()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepHostResult:
+    params: int
+    units: int
+    dtype: str
+    clip: float
+    engine_s: tuple[float, ...]
+    plain_s: tuple[float, ...]
+    adam_s: tuple[float, ...]
+    engine_step_s: tuple[float, ...]
+    """The engine's `step()` call alone, inside each `engine_s`."""
+
+    @property
+    def host_s(self) -> float:
+        """The engine's work beyond plain autograd, a step (medians)."""
+        return statistics.median(self.engine_s) - statistics.median(self.plain_s)
+
+    @property
+    def ratio(self) -> float:
+        """The host's share over the bare optimizer: 1.0 is the optimizer's work alone."""
+        return self.host_s / statistics.median(self.adam_s)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "params": self.params, "units": self.units, "dtype": self.dtype, "clip": self.clip,
+            "engine_s": list(self.engine_s), "plain_s": list(self.plain_s), "adam_s": list(self.adam_s),
+            "engine_step_s": list(self.engine_step_s), "host_s": self.host_s, "ratio": self.ratio,
+        }  # fmt: skip
+
+    def format(self) -> str:
+        ms = {name: statistics.median(values) * 1e3 for name, values in (
+            ("engine", self.engine_s), ("plain", self.plain_s), ("adam", self.adam_s), ("step", self.engine_step_s))}  # fmt: skip
+        return (
+            f"bench step-host: {self.params / 1e6:,.0f}M parameters in {self.units} units, {self.dtype}, clip {self.clip}, "
+            f"{torch.get_num_threads()} threads (medians of {len(self.engine_s)} steps)\n"
+            f"  engine step       {ms['engine']:9.1f} ms   (of which engine.step() {ms['step']:.1f} ms)\n"
+            f"  plain fwd+bwd     {ms['plain']:9.1f} ms\n"
+            f"  host share        {self.host_s * 1e3:9.1f} ms   = engine - plain\n"
+            f"  bare fused AdamW  {ms['adam']:9.1f} ms   over {format_size(self.params * 4)} of fp32 parameters\n"
+            f"  host share / AdamW  {self.ratio:.2f}x   (target <= 1.3x)"
+        )
+
+
+def bench_step_host(
+    params: int, *, units: int = 8, dtype: str = "bf16", clip: float = 1.0, steps: int = 5, warmup: int = 2
+) -> StepHostResult:
+    """The three contenders of the module note, `steps` timed steps each after `warmup`."""
+    compute = dtype_of(dtype)
+    engine = tierzero.initialize(_Model(params, units, dtype=torch.float32), _config(dtype, clip))
+    plain = _Model(params, units, dtype=compute)
+    adam = _BareAdam(params, units)
+    x = torch.ones(())
+    times: dict[str, list[float]] = {"engine": [], "plain": [], "adam": [], "step": []}
+
+    def engine_step() -> None:
+        engine.backward(engine(x))
+        began = time.perf_counter()
+        engine.step()
+        times["step"].append(time.perf_counter() - began)
+
+    def plain_step() -> None:
+        plain(x).backward()
+        for p in plain.parameters():
+            p.grad = None
+
+    runs = [("engine", engine_step), ("plain", plain_step), ("adam", adam.step)]
+    try:
+        for i in range(warmup + steps):
+            for name, run in runs[i % 3 :] + runs[: i % 3]:
+                began = time.perf_counter()
+                run()
+                if i >= warmup:
+                    times[name].append(time.perf_counter() - began)
+    finally:
+        engine.close()
+    return StepHostResult(
+        params=params, units=units, dtype=dtype, clip=clip, engine_s=tuple(times["engine"]),
+        plain_s=tuple(times["plain"]), adam_s=tuple(times["adam"]), engine_step_s=tuple(times["step"][warmup:]),
+    )  # fmt: skip
+
+
+def _config(dtype: str, clip: float) -> dict[str, object]:
+    return {
+        "zero": {"stage": 3},
+        "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.1},
+        "gradient_clipping": clip,
+        "precision": {"param_dtype": dtype},
+        "offload": {"params": "cpu", "gradients": "cpu", "optimizer": "cpu"},
+    }
+
+
+class _BareAdam:
+    """torch's fused AdamW over fp32 parameters, one tensor a unit, as torch.optim would step them."""
+
+    def __init__(self, params: int, units: int) -> None:
+        def fresh(fill: float) -> list[torch.Tensor]:
+            return [torch.full((params // units,), fill) for _ in range(units)]
+
+        self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = fresh(0.01), fresh(0.001), fresh(0.0), fresh(0.0)
+        self.count = torch.zeros(())
+
+    def step(self) -> None:
+        self.count += 1
+        torch._fused_adamw_(
+            self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, [], [self.count] * len(self.params),
+            lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
+        )  # fmt: skip
+
+
+def _command(args: argparse.Namespace) -> int:
+    result = bench_step_host(
+        parse_size(args.params), units=args.units, dtype=args.dtype, clip=args.clip, steps=args.steps, warmup=args.warmup
+    )
+    print(result.format())
+    return 0
+
+
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """`tierzero bench step-host`, added to the `bench` sub-parsers."""
+    parser = commands.add_parser(
+        "step-host", help="the host's share of an offloaded step beside a bare fused AdamW",
+        description="Times the engine's work beyond plain autograd (gradient landing, norm, clip, optimizer, "
+        "casts, resets) for N parameters in host memory, beside plain PyTorch's forward and backward and a bare "
+        "torch._fused_adamw_ over the same N, alternating step by step.",
+    )  # fmt: skip
+    parser.add_argument("--params", default="100M", help="parameters (default 100M)")
+    parser.add_argument("--units", type=int, default=8, help="units the parameters are cut into (default 8)")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="compute dtype (default bf16)")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient clipping (default 1.0; 0 turns it off)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.set_defaults(func=_command)
