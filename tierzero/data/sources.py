@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tierzero.common.safe_files import RefusedFile, confined, load_json
+
 __all__ = [
     "DATASET_MARKERS",
     "Format",
@@ -43,6 +45,8 @@ DATASET_MARKERS = ("state.json", "dataset_info.json")
 DATASET_BATCH = 1024
 """Rows read from a saved dataset at a time."""
 HASH_CHUNK = 8 << 20
+STATE_LIMIT = 16 << 20
+"""Bytes a saved dataset's state.json or dataset_dict.json may hold; they list file and split names."""
 
 
 class Format(enum.Enum):
@@ -173,13 +177,14 @@ def _read_dataset(path: Path, field: str) -> Iterator[str]:
         raise ValueError(
             f"data.path {path} is a saved dataset, which needs the datasets package: pip install 'tierzero[data]'"
         ) from None
-    loaded = datasets.load_from_disk(str(path))
-    if isinstance(loaded, datasets.DatasetDict):
-        splits = ", ".join(loaded)
+    if not all((path / m).is_file() for m in DATASET_MARKERS):
+        splits = [str(split) for split in _named_files(path, "dataset_dict.json", "splits")]
         raise ValueError(
-            f"data.path {path} holds a DatasetDict with splits {splits}: point data.path at one split's directory, "
-            f"e.g. {path / next(iter(loaded), 'train')}"
+            f"data.path {path} holds a DatasetDict with splits {', '.join(splits)}: point data.path at one split's "
+            f"directory, e.g. {path / next(iter(splits), 'train')}"
         )
+    _named_files(path, "state.json", "_data_files")  # datasets opens each: none may lead out of `path`
+    loaded = datasets.load_from_disk(str(path))
     if field not in loaded.column_names:
         raise ValueError(
             f"data.path {path}: the dataset has no column {field!r} (its columns: {', '.join(loaded.column_names)}): "
@@ -192,6 +197,30 @@ def _read_dataset(path: Path, field: str) -> Iterator[str]:
                 raise ValueError(f"data.path {path} row {row}: column {field!r} is {_kind(text)}, expected a string")
             row += 1
             yield text
+
+
+def _named_files(path: Path, name: str, key: str) -> list[object]:
+    """The names the list `key` in `path / name` gives (`{"filename": ...}` records or plain names),
+    each confined to `path`; a ValueError naming the file when it cannot be read or a name leads out."""
+    where = path / name
+    try:
+        record = load_json(where, limit=STATE_LIMIT, owned=False)
+    except (OSError, ValueError) as exc:
+        detail = exc.reason if isinstance(exc, RefusedFile) else getattr(exc, "strerror", None) or str(exc)
+        raise ValueError(f"data.path {path}: {where} cannot be read ({detail}): write the dataset again with save_to_disk") from None
+    entries = record.get(key) if isinstance(record, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"data.path {path}: {where} has no list {key!r}: write the dataset again with save_to_disk")
+    names = [entry.get("filename") if isinstance(entry, dict) else entry for entry in entries]
+    for entry in names:
+        try:
+            confined(path, entry)
+        except ValueError:
+            raise ValueError(
+                f"data.path {path}: {where} names {entry!r}, not a file inside the dataset's directory: "
+                "write the dataset again with save_to_disk"
+            ) from None
+    return names
 
 
 def _kind(value: Any) -> str:

@@ -17,6 +17,14 @@ file is rebuilt with a warning. The file name depends on where the inputs are
 instead of leaving old ones behind. Ranks that share a cache directory take turns under
 an flock: the first tokenizes, the others find its file and check it. Files are written
 under temporary names and renamed into place, so a crash leaves no half file trusted.
+
+The cache directory may be shared with other users, who can plant anything under its
+names (they follow from the inputs' paths): the cache reads and writes as [Note: files in
+a shared directory] says. A record or stream that is not this user's small regular file
+is named in one warning and the corpus tokenized again; such a lock file is named and
+passed over (the renames keep the files whole without it); and where the new files
+cannot be renamed over what lies there, this run keeps its ids, uncached, from the file
+it wrote.
 """
 
 from __future__ import annotations
@@ -32,10 +40,12 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import crc32c
 import numpy as np
 
+from tierzero.common.safe_files import RefusedFile, create_new, load_json, open_lock, open_regular, scratch_path
 from tierzero.data.sources import Source, read_documents, source_digest
 from tierzero.data.tokenizer import TextTokenizer
 
@@ -47,6 +57,8 @@ BATCH_DOCUMENTS = 1024
 BATCH_CHARS = 8 << 20
 """A tokenizer batch ends at this many documents or characters, whichever comes first."""
 CRC_CHUNK = 64 << 20
+RECORD_LIMIT = 1 << 20
+"""Bytes a cache record may hold; one holds a few hundred plus the source paths."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,10 +107,7 @@ def token_stream(
             return TokenStream(ids=ids, path=npy, documents=documents, built=False)
         if problem is not None:
             warnings.warn(f"token cache {npy} {problem}: tokenizing the corpus again", stacklevel=2)
-        _build(npy, meta, sources, tokenizer, text_field=text_field, digest=digest)
-        ids, documents, problem = _open_cache(npy, meta, digest, tokenizer.dtype)
-    if ids is None:
-        raise OSError(f"token cache {npy} was written but reads back {problem or 'with another digest'}: check the disk, or set data.cache_dir elsewhere")
+        ids, documents = _build(npy, meta, sources, tokenizer, text_field=text_field, digest=digest)
     return TokenStream(ids=ids, path=npy, documents=documents, built=True)
 
 
@@ -111,11 +120,18 @@ def _stream_digest(sources: list[Source], tokenizer: TextTokenizer, text_field: 
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive flock on `path`; where the file system has none, go on unlocked (writes are atomic anyway)."""
+    """Hold an exclusive flock on `path`; where the file system has none, or something planted holds
+    the name, go on unlocked (writes are atomic anyway)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = open_lock(path)
+    except RefusedFile as exc:
+        fd = -1
+        warnings.warn(f"token cache lock {exc}: going on without it", stacklevel=4)
     except OSError as exc:
         raise OSError(f"data.cache_dir {path.parent} cannot be written ({exc.strerror}): set data.cache_dir to a writable directory") from None
+    if fd < 0:
+        yield
+        return
     try:
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -127,15 +143,20 @@ def _locked(path: Path) -> Iterator[None]:
 def _open_cache(npy: Path, meta: Path, digest: str, dtype: np.dtype) -> tuple[np.ndarray | None, int, str | None]:
     """(ids, documents, None) for a good cache; (None, 0, None) for none or a stale one; (None, 0, why) for a damaged one."""
     try:
-        record = json.loads(meta.read_text())
+        record = load_json(meta, limit=RECORD_LIMIT)
     except FileNotFoundError:
         return None, 0, None
+    except RefusedFile as exc:
+        return None, 0, f"has an unreadable record {meta.name} ({exc.reason})"
     except (OSError, ValueError) as exc:
         return None, 0, f"has an unreadable record {meta.name} ({type(exc).__name__})"
     if not isinstance(record, dict) or record.get("digest") != digest or record.get("version") != CACHE_VERSION:
         return None, 0, None
     try:
-        ids = np.load(npy, mmap_mode="r", allow_pickle=False)
+        with os.fdopen(open_regular(npy), "rb") as f:
+            ids = _map_ids(f)
+    except RefusedFile as exc:
+        return None, 0, f"cannot be read ({exc.reason})"
     except (OSError, ValueError) as exc:
         return None, 0, f"cannot be read ({(str(exc).splitlines() or [type(exc).__name__])[0][:120]})"
     if ids.dtype != dtype or ids.shape != (record.get("tokens"),):
@@ -143,6 +164,17 @@ def _open_cache(npy: Path, meta: Path, digest: str, dtype: np.dtype) -> tuple[np
     if _crc(ids) != record.get("crc32c"):
         return None, 0, "fails its CRC-32C check"
     return ids, int(record.get("documents", 0)), None
+
+
+def _map_ids(f: BinaryIO) -> np.ndarray:
+    """The 1-D array of the .npy open in `f`, memory-mapped read-only; the mapping outlives `f`."""
+    f.seek(0)
+    major, _ = np.lib.format.read_magic(f)
+    read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read_header(f)
+    if fortran or dtype.hasobject or len(shape) != 1:
+        raise ValueError(f"it holds a {shape} {dtype} array, not a flat one of ids")
+    return np.memmap(f, dtype=dtype, mode="r", shape=shape, offset=f.tell())
 
 
 def _crc(ids: np.ndarray) -> int:
@@ -160,39 +192,65 @@ def _npy_header(dtype: np.dtype, count: int) -> bytes:
     return out.getvalue()
 
 
-def _build(npy: Path, meta: Path, sources: list[Source], tokenizer: TextTokenizer, *, text_field: str, digest: str) -> None:
-    """Tokenize every document into `npy`, then write its record `meta`: each under a temporary name, renamed into place."""
-    suffix = f".tmp-{os.getpid()}"
-    tmp_npy, tmp_meta = npy.with_name(npy.name + suffix), meta.with_name(meta.name + suffix)
+def _build(
+    npy: Path, meta: Path, sources: list[Source], tokenizer: TextTokenizer, *, text_field: str, digest: str
+) -> tuple[np.ndarray, int]:
+    """Tokenize every document into `npy`, then write its record `meta`, each under a fresh scratch name
+    and renamed into place; the ids (mapped from the file written, whatever now lies at `npy`) and the
+    count of documents."""
+    tmp_npy, tmp_meta = scratch_path(npy), scratch_path(meta)
     dtype = tokenizer.dtype
+    made: list[Path] = []  # only names it created are its to remove: a planted one is left as it is
     try:
-        with open(tmp_npy, "wb") as f:
-            # numpy pads a header so its shape can grow to 21 digits: the real count fits the same bytes.
-            header = _npy_header(dtype, 0)
-            f.write(header)
-            count = documents = crc = 0
-            for texts in _batches(itertools.chain.from_iterable(read_documents(s, text_field=text_field) for s in sources)):
-                chunk, kept = _with_eos(tokenizer.encode_batch(texts), tokenizer.eos_id, dtype)
-                documents += kept
-                f.write(chunk.tobytes())
-                crc = crc32c.crc32c(chunk.view(np.uint8), value=crc)
-                count += chunk.size
-            final = _npy_header(dtype, count)
-            assert len(final) == len(header), "the .npy header grew with the count"
-            f.seek(0)
-            f.write(final)
-            f.flush()
-            os.fsync(f.fileno())
+        with os.fdopen(_create(tmp_npy, made), "w+b") as f:
+            count, documents, crc = _write_ids(f, sources, tokenizer, text_field=text_field)
+            ids = _map_ids(f)
+        if ids.shape != (count,) or ids.dtype != dtype or _crc(ids) != crc:
+            raise OSError(f"token cache {npy} was written but reads back {ids.shape} {ids.dtype} with another CRC-32C: "
+                          "check the disk, or set data.cache_dir elsewhere")  # fmt: skip
         record = {"version": CACHE_VERSION, "digest": digest, "tokens": count, "documents": documents, "crc32c": crc,
                   "dtype": dtype.name, "tokenizer": tokenizer.directory, "sources": [str(s.path) for s in sources]}
-        tmp_meta.write_text(json.dumps(record, indent=1))
-        # The old record goes first: a crash between the renames leaves new ids under no record, which reads as stale.
-        meta.unlink(missing_ok=True)
-        os.replace(tmp_npy, npy)
-        os.replace(tmp_meta, meta)
+        with os.fdopen(_create(tmp_meta, made), "w") as out:
+            out.write(json.dumps(record, indent=1))
+        try:
+            # The old record goes first: a crash between the renames leaves new ids under no record, which reads as stale.
+            meta.unlink(missing_ok=True)
+            os.replace(tmp_npy, npy)
+            os.replace(tmp_meta, meta)
+        except OSError as exc:
+            warnings.warn(f"token cache {npy} cannot be replaced ({exc.strerror or exc}): this run keeps its ids uncached", stacklevel=3)
     finally:
-        tmp_npy.unlink(missing_ok=True)
-        tmp_meta.unlink(missing_ok=True)
+        for path in made:
+            path.unlink(missing_ok=True)
+    return ids, documents
+
+
+def _create(path: Path, made: list[Path]) -> int:
+    fd = create_new(path)
+    made.append(path)
+    return fd
+
+
+def _write_ids(f: BinaryIO, sources: list[Source], tokenizer: TextTokenizer, *, text_field: str) -> tuple[int, int, int]:
+    """Write the stream as a .npy to `f`, synced; its count of ids, of documents, and its CRC-32C."""
+    dtype = tokenizer.dtype
+    # numpy pads a header so its shape can grow to 21 digits: the real count fits the same bytes.
+    header = _npy_header(dtype, 0)
+    f.write(header)
+    count = documents = crc = 0
+    for texts in _batches(itertools.chain.from_iterable(read_documents(s, text_field=text_field) for s in sources)):
+        chunk, kept = _with_eos(tokenizer.encode_batch(texts), tokenizer.eos_id, dtype)
+        documents += kept
+        f.write(chunk.tobytes())
+        crc = crc32c.crc32c(chunk.view(np.uint8), value=crc)
+        count += chunk.size
+    final = _npy_header(dtype, count)
+    assert len(final) == len(header), "the .npy header grew with the count"
+    f.seek(0)
+    f.write(final)
+    f.flush()
+    os.fsync(f.fileno())
+    return count, documents, crc
 
 
 def _batches(documents: Iterable[str]) -> Iterator[list[str]]:

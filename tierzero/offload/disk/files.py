@@ -18,6 +18,10 @@ where a planted symlink could turn the tier's writes onto another file. So:
   never by path, with O_NOFOLLOW, and a reopened swap file must be the very file
   created (same st_dev and st_ino), so renaming the directory away or swapping a file
   in it afterwards redirects nothing.
+- Whatever other users leave under the path is only read, by the leftover scan, and only
+  as [Note: files in a shared directory] (common/safe_files.py) allows: a run directory of
+  another user is passed over, and an owner file that is a FIFO, a device, a symlink, too
+  large, another user's or not a record is named once and makes its directory no leftover.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
+import math
 import os
 import secrets
 import shutil
@@ -41,8 +47,11 @@ from typing import Any
 
 import psutil
 
+from tierzero.common.safe_files import RefusedFile, load_json, say_once
 from tierzero.common.sizes import format_size
 from tierzero.common.slices import IO_ALIGNMENT, aligned_empty
+
+log = logging.getLogger(__name__)
 
 
 class NvmeSpaceError(OSError):
@@ -353,23 +362,48 @@ def _signals_deferred() -> Iterator[None]:
                 os.kill(os.getpid(), signum)
 
 
+OWNER_LIMIT = 4096
+"""Bytes an owner record may hold; its writer's is under 200."""
+PID_MAX = 1 << 22
+"""Linux's largest pid (`/proc/sys/kernel/pid_max` can be no higher)."""
+
+
 def read_owner(path: Path) -> dict[str, Any] | None:
-    """An owner record, or None while it is unreadable (its rank may be writing it right now)."""
+    """An owner record, or None while it is unreadable (its rank may be writing it right now) and
+    when it is refused: not this user's small regular file, or not a record of a pid, host and
+    start time (named once in the log). See [Note: files in a shared directory]."""
     try:
-        record = json.loads(path.read_text())
-        int(record["pid"]), float(record["started"])
-    except (OSError, ValueError, KeyError, TypeError):
+        record = load_json(path, limit=OWNER_LIMIT)
+    except RefusedFile as exc:
+        say_once(log, f"tierzero: ignoring {exc}")
+        return None
+    except (OSError, ValueError):
+        return None
+    if not _owner_record(record):
+        say_once(log, f"tierzero: ignoring {path}: not an owner record (a pid, host and start time)")
         return None
     return record
 
 
+def _owner_record(record: Any) -> bool:
+    if not isinstance(record, dict):
+        return False
+    pid, started, host = record.get("pid"), record.get("started"), record.get("host")
+    return (
+        type(pid) is int and 0 < pid <= PID_MAX
+        and type(started) in (int, float) and math.isfinite(started)
+        and isinstance(host, str)
+    )  # fmt: skip
+
+
 def owner_alive(owner: dict[str, Any]) -> bool:
-    """Whether the owner's process still runs; a pid reused by a process started later does not count."""
+    """Whether the owner's process still runs; a pid reused by a process started later does not count.
+    A pid psutil cannot look up counts as alive: what is not understood is never cleaned."""
     try:
         created = psutil.Process(int(owner["pid"])).create_time()
     except psutil.NoSuchProcess:
         return False
-    except psutil.AccessDenied:
+    except (psutil.AccessDenied, ValueError, OverflowError):
         return True
     return created <= float(owner["started"]) + 1.0
 

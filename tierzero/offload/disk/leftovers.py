@@ -3,8 +3,9 @@
 A run killed harder than its clean-up can handle (SIGKILL, the OOM killer, a power
 cut) leaves `<path>/<run id>/` with its preallocated swap files. A directory is a
 leftover only when every `rank*.owner` in it names a process on this host that is gone
-(files.owner_alive); anything else, a live run or one whose owner file is still
-being written, is never touched. `tierzero clean` (cli/clean.py) removes them.
+(files.owner_alive); anything else, a live run, one whose owner file is still being
+written, another user's directory or one holding a file that is no owner record, is never
+touched. `tierzero clean` (cli/clean.py) removes them.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierzero.common.safe_files import is_ours
 from tierzero.common.sizes import format_size
 from tierzero.offload.disk.files import owner_alive, read_owner
 
@@ -38,7 +41,9 @@ def find_leftovers(path: str | os.PathLike[str]) -> list[Leftover]:
     """Run directories under `path` whose owners all ran on this host and are all dead."""
     found = []
     host = socket.gethostname()
-    for run_dir in sorted(p for p in Path(path).iterdir() if p.is_dir() and not p.is_symlink()):
+    for run_dir in sorted(Path(path).iterdir()):
+        if not _own_directory(run_dir):
+            continue
         owners = [read_owner(f) for f in sorted(run_dir.glob("rank*.owner"))]
         if not owners or any(o is None or o.get("host") != host or owner_alive(o) for o in owners):
             continue
@@ -48,6 +53,16 @@ def find_leftovers(path: str | os.PathLike[str]) -> list[Leftover]:
             continue  # another process is removing it right now
         found.append(Leftover(dir=run_dir, pid=int(owners[0]["pid"]), size_bytes=size))
     return found
+
+
+def _own_directory(path: Path) -> bool:
+    """Whether `path` is a directory of this user, not a symlink: another user's runs, and whatever
+    they plant, are theirs to clean (see [Note: files in a shared directory])."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and is_ours(st)
 
 
 def leftovers_notice(path: Path, leftovers: list[Leftover]) -> str:
