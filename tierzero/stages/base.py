@@ -121,12 +121,14 @@ class Stage(GradLanding, ABC):
         self.store.write_back(key, value.contiguous()).wait()
 
     @contextmanager
-    def slice(self, unit: Unit, kind: Kind, *, write: bool) -> Iterator[torch.Tensor]:
-        """The slice on the compute device for the duration of the block, written home if `write`."""
+    def slice(self, unit: Unit, kind: Kind, *, write: bool, unread: bool = False) -> Iterator[torch.Tensor]:
+        """The slice on the compute device for the duration of the block, written home if `write`.
+        `unread`: the block writes every element without reading one, so a stale GRAD slice is
+        handed over as it is rather than as zeros."""
         key = SliceKey(unit.name, kind)
         if kind is Kind.GRAD and write:
             unit.grads_zero = False  # whatever the caller does with it
-        if kind is Kind.GRAD and unit.grads_stale:
+        if kind is Kind.GRAD and unit.grads_stale and not unread:
             yield from self._fresh_grads(unit, key)
             return
         tensor = self.store.fetch(key, to=Tier.DEVICE).wait()
@@ -149,9 +151,11 @@ class Stage(GradLanding, ABC):
             self.store.free(zeros)
 
     def leaves_grads_stale(self, unit: str) -> bool:
-        """Whether the step leaves the unit's used GRAD slice home unzeroed (`Unit.grads_stale`): an
-        NVMe home, which the reduce reaches through `slice` only (stages 2 and 3)."""
-        return self.shards_grads and self.plan.staged(unit, Kind.GRAD)
+        """Whether the step leaves the unit's used GRAD slice home unzeroed (`Unit.grads_stale`) for
+        the next reduce to write over, never read (stages 2 and 3): zeroing it would cost a pass over
+        the gradients, and on NVMe a write and a read of zeros, for bits the next sum does not need
+        ([Note: stale gradients] in grads/landing.py)."""
+        return self.shards_grads
 
     def dtype_of(self, unit: Unit) -> torch.dtype:
         """The dtype the unit's parameters are gathered and computed in (`Unit.dtype`)."""

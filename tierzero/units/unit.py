@@ -108,8 +108,9 @@ class Unit:
     has_grads: bool = False
     """Some use of the unit produced gradients since the last optimizer step."""
     grads_stale: bool = False
-    """The GRAD slice's home holds an old gradient that counts as zeros: the step left it on NVMe
-    rather than write zeros over it, and the next reduce starts from zeros instead of reading it."""
+    """The GRAD slice's home holds an old gradient that counts as zeros: the step left it rather
+    than write zeros over it, and the next reduce writes over it instead of reading it
+    ([Note: stale gradients] in tierzero/stages/grads/landing.py)."""
     grads_zero: bool = False
     """The GRAD slice's home, in memory, holds zeros: registered or zeroed, and written since by
     nothing. Its complete gradient may then go to a step in backward as autograd left it, the home

@@ -1,12 +1,18 @@
 """Where a unit's reduced gradient lands: added into its GRAD slice at home, or handed over
 from memory to the unit's optimizer step in this backward.
 
-A stale GRAD slice (`Unit.grads_stale`: an NVMe home the last step left unzeroed) is not read:
-its sum starts in fresh scratch, which `add_into` fills in one pass, writing zeros plus each
-gradient (`g + 0.0`, so a -0.0 lands as the +0.0 that zeros plus it give) and zeros where
-no gradient is: the same bits as zeroing the scratch and adding, at half the memory traffic.
-Without a GPU, scratch handed over to a host step changes tier without a copy
-(`SliceStore.adopt_scratch`).
+[Note: stale gradients]
+At stages 2 and 3 a step leaves the GRAD slices it used as they are (`Unit.grads_stale`)
+instead of zeroing them: the next reduce writes over a stale slice and never reads it. Where
+the home is memory the compute device works in (its own, or host memory without a GPU) the
+sum is written over it in place; elsewhere (NVMe, host memory under a GPU) it starts in
+device scratch and goes home in one write, so that the old sum is never read up. A home known
+to hold zeros (`Unit.grads_zero`) is written over the same way. `add_into` fills either in one
+pass, writing zeros plus each gradient (`g + 0.0`, so a -0.0 lands as the +0.0 that zeros plus
+it give) and zeros where no gradient is: the same bits as zeroing the slice and adding, without
+the step's zero fill or the landing's read. Whoever reads a stale slice some other way
+(`Stage.slice`) gets zeros. Without a GPU, scratch handed over to a host step changes tier
+without a copy (`SliceStore.adopt_scratch`).
 """
 
 from __future__ import annotations
@@ -100,7 +106,15 @@ class GradLanding:
         home nothing was added into since it was zeroed (`Unit.grads_zero`)."""
         if self.plan.staged(unit.name, Kind.GRAD):
             return unit.grads_stale
-        return unit.grads_zero
+        return unit.grads_zero or unit.grads_stale
+
+    def _lands_in_place(self, unit: Unit) -> bool:
+        """Whether the unit's GRAD home is memory the compute device works in (its own, or host memory
+        without a GPU), where a stale home is written over in place; elsewhere (NVMe, host memory
+        under a GPU) the sum starts in device scratch and goes home in one write."""
+        if self.plan.staged(unit.name, Kind.GRAD):
+            return False
+        return self.plan.home(unit.name, Kind.GRAD) is Tier.DEVICE or self._on_host()
 
     def finish_reduces(self) -> None:
         self._buckets.finish()
@@ -117,7 +131,7 @@ class GradLanding:
         `final`: the unit's gradient is complete."""
         key = SliceKey(unit.name, Kind.GRAD)
         hands_over = final and self._hands_over_grad(unit)
-        if unit.grads_stale:
+        if unit.grads_stale and not self._lands_in_place(unit):
             spec = self.plan.spec(unit.name, Kind.GRAD)
             grads = self.scratch(unit, spec.numel, spec.dtype, kind=Kind.GRAD)
             try:
@@ -137,10 +151,14 @@ class GradLanding:
             assert self._backward_step is not None
             handed = self.store.adopt_scratch(key, to=self._backward_step.grad_tier(unit), scratch=grads)
         elif not hands_over:
-            with self.slice(unit, Kind.GRAD, write=True) as shard:
-                yield shard, False
+            # A home known to hold zeros is written, not read and added to: zeros plus each
+            # gradient, in one pass (`add_into`), the same bits as adding it to the zeros.
+            zeros = self._counts_as_zeros(unit)
+            with self.slice(unit, Kind.GRAD, write=True, unread=zeros) as shard:
+                yield shard, zeros
                 if final:
                     self.note_grad(unit, shard)
+            unit.grads_stale = False
             self._grad_complete(unit, final=final)
             return
         else:
