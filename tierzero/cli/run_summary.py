@@ -23,6 +23,8 @@ class RunSummary:
     steps: int = 0
     planned_steps: int = 0
     losses: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    """The learning rate each step ran at (`engine.lr` before it)."""
     tokens: int = 0
     """Tokens trained on, over all ranks."""
     seconds: float = 0.0
@@ -50,6 +52,9 @@ class RunSummary:
     """The NVMe tier's moves in the steps after the first, and the time they were in flight."""
     linear_gradients: str | None = None
     """Where the linear layers' gradients ran (`kernels.chosen_text`), with the onednn kernel."""
+    complete_at: int | None = None
+    """A resumed run whose checkpoint had done train.steps already: the step it was at. Nothing ran,
+    and nothing is summarised."""
 
     @property
     def tokens_per_s(self) -> float:

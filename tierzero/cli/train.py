@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -27,19 +28,23 @@ import torch
 from tqdm import tqdm
 
 from tierzero.api import initialize
-from tierzero.checkpoint import PeftAdapters, TransformersDirectory, find_checkpoint, probe_root
+from tierzero.checkpoint import PeftAdapters, TransformersDirectory, probe_root
 from tierzero.checkpoint.export import check_export
 from tierzero.cli.config import parse_overrides
+from tierzero.cli.resume import checkpoint_due, no_checkpoint_under, resume_from
+from tierzero.cli.run_header import RunHeader
 from tierzero.cli.run_summary import TIERS, PartClock, RunSummary
 from tierzero.comm.dist import roll_call_s, unanswered_ranks
 from tierzero.common.sizes import format_size
-from tierzero.config import load_config
+from tierzero.config import ConfigError, TierZeroConfigWarning, read_config
+from tierzero.config.precision import cpu_flags, slow_bf16_note
 from tierzero.data import batches_from_config, check_vocab
 from tierzero.engine.micro_step import micro_step
 from tierzero.models.builtin import build_model, count_parameters
 from tierzero.offload.disk.busy import Busy
 from tierzero.placement.disk import learn
 from tierzero.placement.progress import said_to
+from tierzero.pretrained.files import check_positions
 from tierzero.pretrained.lora import is_peft_model
 from tierzero.units.kernels import chosen_text
 
@@ -85,18 +90,26 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
-    """`tierzero train`: 0 when done, 130 when interrupted; user errors raise ValueError/OSError."""
+    """`tierzero train`: 0 when done (or done already), 130 when interrupted; user errors raise ValueError/OSError."""
     overrides = parse_overrides(args.overrides, nvme_path=args.nvme_path)
     if args.steps is not None:
         overrides["train.steps"] = args.steps
-    cfg = load_config(args.config, overrides=overrides)
+    loaded = read_config(args.config, overrides=overrides)
+    cfg = loaded.config
+    if not loaded.names_workload:
+        raise ConfigError(
+            f"{args.config} names no model and no data, so it would train the built-in {cfg.model.parameter_count():,}-parameter "
+            "byte-level demo GPT on Python's own sources: set model.pretrained to a transformers model directory and "
+            "data.path to your text (or model.type: gpt to train the demo model)"
+        )
     step = None if isinstance(args.resume, bool) else args.resume
     summary = train(
         cfg, resume=args.resume is not False, resume_step=step, progress=not args.no_progress, out=out or sys.stdout, export=args.export,
-        process_ends=args.process_ends,
+        process_ends=args.process_ends, autos=loaded.autos,
     )
-    # rank 0's, named by the launcher: the engine's close may have ended the process group
-    if args.summary_json is not None and int(os.environ.get("RANK", "0")) == 0:
+    # rank 0's, named by the launcher: the engine's close may have ended the process group; none
+    # when the run was complete already (the file of the run that completed it stays)
+    if args.summary_json is not None and int(os.environ.get("RANK", "0")) == 0 and summary.complete_at is None:
         Path(args.summary_json).write_text(json.dumps(dataclasses.asdict(summary), indent=1))
     if summary.interrupted:
         print("tierzero: interrupted", file=sys.stderr)
@@ -134,23 +147,30 @@ def _demo_config() -> Path:
 
 def train(
     cfg: Any, *, resume: bool = False, resume_step: int | None = None, progress: bool = True, out: TextIO | None = None,
-    export: str | os.PathLike[str] | None = None, process_ends: bool = False,
+    export: str | os.PathLike[str] | None = None, process_ends: bool = False, autos: tuple[str, ...] = (),
 ) -> RunSummary:  # fmt: skip
     """Train `cfg.model` on `cfg.data` for `cfg.train.steps` optimizer steps; rank 0 reports to `out`.
 
-    `resume`: continue from the newest complete checkpoint under checkpoint.dir, or the one of `resume_step`.
+    `resume`: continue from the newest complete checkpoint under checkpoint.dir, or the one of `resume_step`;
+    a checkpoint at train.steps or past them trains nothing, says so in one line and prints no summary
+    (`RunSummary.complete_at`). A checkpoint.dir that does not exist is refused before it is created.
     `export`: after the last step, write that directory for transformers' `from_pretrained`
     (tierzero/checkpoint/export.py); refused before training when the run cannot make it.
     `process_ends`: the process exits after this call (the command line), so Ctrl-C pressed
     once the run was interrupted stays ignored rather than handed back to the caller.
+    `autos`: what the config's "auto" values became (`LoadedConfig.autos`), for the header.
     """
     out, resume = out or sys.stdout, resume or resume_step is not None
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir is not None else None
     if resume and root is None:
         raise ValueError("--resume needs checkpoint.dir, where the checkpoints are: set it in the config or with --set checkpoint.dir=PATH")
+    if resume and not root.is_dir():  # before probe_root, which would create it: a failed --resume leaves nothing
+        raise FileNotFoundError(no_checkpoint_under(root))
     if root is not None:
         probe_root(root)  # before the engine is built: a directory that cannot be written costs seconds, not the run
     tokenizer = check_export(cfg.to_dict(), Path(export), what="--export") if export is not None else None
+    if cfg.model.pretrained is not None:  # its positions, before minutes of building and reading
+        check_positions(Path(cfg.model.pretrained), seq_len=cfg.train.seq_len)
     torch.manual_seed(cfg.train.seed)
     # Built-ins are built on meta and materialised by the engine one unit at a time, so
     # host memory never holds the whole fp32 model. A transformers model stays on the CPU:
@@ -159,10 +179,13 @@ def train(
     model = build_model(cfg.model, device=device, seed=cfg.train.seed)
     check_vocab(cfg, model)  # before the engine: a model that cannot embed the data's ids is refused in seconds
     summary = RunSummary(planned_steps=cfg.train.steps, parameters=count_parameters(model))
+    trained, model_class = count_parameters(model, trainable_only=True), type(model).__name__
     with _CtrlC(ignore_after=process_ends) as ctrl_c:
         with said_to(out):  # a plan's minute of measuring, said as it goes (only rank 0 plans)
             engine = initialize(model, cfg)
         rank, world = _rank_and_world()
+        if rank == 0 and not torch.cuda.is_available() and (note := slow_bf16_note(cfg.precision, flags=cpu_flags())):
+            warnings.warn(note, TierZeroConfigWarning, stacklevel=1)  # once a run, on rank 0
         if engine.placement is not None:
             summary.predicted_step_s = engine.placement.prediction.step_s
             summary.predicted_parts = engine.placement.prediction.part_seconds()
@@ -172,9 +195,19 @@ def train(
             if root is not None:
                 engine.claim_checkpoint_root(root)
             if resume:
-                _resume(engine, root, resume_step, show=rank == 0, out=out)
-            data = batches_from_config(cfg, rank=rank, world_size=world)
-            _loop(engine, cfg, data=data, summary=summary, ctrl_c=ctrl_c, show=rank == 0, progress=progress, out=out)
+                done = resume_from(engine, root, resume_step, show=rank == 0, out=out)
+                summary.complete_at = done if done >= cfg.train.steps else None
+            if summary.complete_at is None:
+                if rank == 0:  # after the plan's table and the resume's lines: the last word before the first step
+                    header = RunHeader.of(cfg, engine, model_class=model_class, parameters=summary.parameters, trained=trained, autos=autos)
+                    out.write("\n".join(header.lines(world_size=world)) + "\n")
+                data = batches_from_config(cfg, rank=rank, world_size=world)
+                _loop(engine, cfg, data=data, summary=summary, ctrl_c=ctrl_c, show=rank == 0, progress=progress, out=out)
+            elif rank == 0:
+                out.write(
+                    f"the run is already complete at step {summary.complete_at} (train.steps {cfg.train.steps}): "
+                    "nothing to train; raise train.steps (or --steps) to train further\n"
+                )
             if export is not None and not summary.interrupted:
                 _export(engine, Path(export), tokenizer=tokenizer, out=out)
         except BaseException as exc:
@@ -193,7 +226,7 @@ def train(
             learn(cfg.tiers.nvme.path, cfg.tiers.nvme, summary.nvme_busy, seconds=seconds, steps=steps)
         if cfg.precision.linear_kernel == "onednn":
             summary.linear_gradients = chosen_text()
-        if rank == 0:
+        if rank == 0 and summary.complete_at is None:
             out.write(summary.format())
             out.flush()
     return summary
@@ -234,7 +267,7 @@ def _loop(
         # Parts are timed only where a plan predicted them: the summary sets the two side by side.
         clock = PartClock(cuda=device.type == "cuda") if summary.predicted_parts else None
         for step in range(start, cfg.train.steps):
-            t0, moved = time.perf_counter(), traffic()
+            t0, moved, lr = time.perf_counter(), traffic(), float(engine.lr)
             loss = _train_step(
                 engine, data, step=step, accumulation=accumulation, device=device, is_hf=cfg.model.is_transformers, clock=clock
             )  # fmt: skip
@@ -251,13 +284,14 @@ def _loop(
             else:
                 summary.nvme_busy = busy() - after_first
             summary.losses.append(loss)
+            summary.lrs.append(lr)
             _note_memory(engine, summary, process)
-            postfix = _postfix(loss, tokens_per_step / elapsed, summary, engine)
+            postfix = _postfix(loss, lr, tokens_per_step / elapsed, summary, engine)
             bar.set_postfix_str(postfix, refresh=False)
             bar.update(1)
             if show and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
                 bar.write(f"step {step + 1}/{cfg.train.steps} {postfix}", file=out)
-            if _checkpoint_due(cfg, step + 1):
+            if checkpoint_due(cfg, step + 1):
                 saved = engine.save_checkpoint()
                 if show:
                     bar.write(f"saved checkpoint {saved}", file=out)
@@ -311,19 +345,6 @@ class _CtrlC:
             raise KeyboardInterrupt
 
 
-def _resume(engine: Any, root: Path, step: int | None, *, show: bool, out: TextIO) -> None:
-    """Load the newest complete checkpoint under `root` (or step `step`'s), saying why newer ones were passed over."""
-    try:
-        chosen = find_checkpoint(root, step=step, note=lambda line: out.write(f"{line}\n") if show else None)
-    except FileNotFoundError as exc:
-        if step is not None:
-            raise FileNotFoundError(f"--resume {step}: {exc}") from None
-        raise FileNotFoundError(f"--resume found no complete checkpoint under {root}: run without --resume to start from step 0") from None
-    loaded = engine.load_checkpoint(chosen)
-    if show:
-        out.write(f"resumed from {loaded} at step {engine.micro_steps // engine.cfg.gradient_accumulation_steps}\n")
-
-
 def _lost_rank(exc: BaseException, *, rank: int, world: int, step: int, timeout_s: float) -> ConnectionError | None:
     """A one-line error for a collective that failed because a peer died (its sockets closed) or hung (timeout).
 
@@ -351,12 +372,6 @@ def _lost_rank(exc: BaseException, *, rank: int, world: int, step: int, timeout_
     )
 
 
-def _checkpoint_due(cfg: Any, steps_done: int) -> bool:
-    """After the last step, and every checkpoint.every steps, when checkpoint.dir is set."""
-    every = cfg.checkpoint.every
-    return cfg.checkpoint.dir is not None and (steps_done == cfg.train.steps or (every > 0 and steps_done % every == 0))
-
-
 def _train_step(
     engine: Any, data: Any, *, step: int, accumulation: int, device: torch.device, is_hf: bool, clock: PartClock | None
 ) -> float:
@@ -378,10 +393,10 @@ def _train_step(
     return total.item() / accumulation
 
 
-def _postfix(loss: float, tokens_per_s: float, summary: RunSummary, engine: Any) -> str:
+def _postfix(loss: float, lr: float, tokens_per_s: float, summary: RunSummary, engine: Any) -> str:
     # Peaks, not end-of-step values: a stage-3 device tier is empty between steps.
     tiers = " ".join(f"{tier}<={format_size(summary.peak_tier_bytes[tier])}" for tier in TIERS if tier in summary.peak_tier_bytes)
-    parts = [f"loss={loss:.4f}", f"tok/s={tokens_per_s:,.0f}", tiers]
+    parts = [f"loss={loss:.4f}", f"lr={lr:.3g}", f"tok/s={tokens_per_s:,.0f}", tiers]
     # Seconds compute waited on I/O in the last step, where the engine reports its prefetcher.
     report_fn = getattr(engine, "prefetch_report", None)
     report = report_fn() if callable(report_fn) else None

@@ -11,7 +11,7 @@ markdown.py; the `config` command in tierzero/cli/config.py.
 from tierzero.config.checks import AUTO
 from tierzero.config.data import DataConfig
 from tierzero.config.errors import ConfigError, TierZeroConfigWarning
-from tierzero.config.loading import load_config
+from tierzero.config.loading import LoadedConfig, load_config, read_config
 from tierzero.config.markdown import config_markdown
 from tierzero.config.model import ModelConfig
 from tierzero.config.optim import OptimizerConfig, SchedulerConfig
@@ -41,6 +41,7 @@ __all__ = [
     "DataConfig",
     "DeviceTierConfig",
     "DistConfig",
+    "LoadedConfig",
     "ModelConfig",
     "NvmeTierConfig",
     "OffloadConfig",
@@ -56,4 +57,5 @@ __all__ = [
     "ZeroConfig",
     "config_markdown",
     "load_config",
+    "read_config",
 ]

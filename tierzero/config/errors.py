@@ -12,7 +12,9 @@ def one_line(text: str) -> str:
 
 
 class TierZeroConfigWarning(UserWarning):
-    """A config key was ignored, e.g. a DeepSpeed key with no tierzero equivalent."""
+    """A config key was ignored (e.g. a DeepSpeed key with no tierzero equivalent), or this machine serves
+    it poorly (bf16 on a CPU without bf16 instructions). The `tierzero` command prints each as one
+    `tierzero: warning: ...` line."""
 
 
 class ConfigError(ValueError):

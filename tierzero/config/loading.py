@@ -8,8 +8,11 @@ it names the DeepSpeed key as well as the tierzero key it became.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +21,35 @@ from tierzero.config.errors import ConfigError
 from tierzero.config.optim import TORCH_WEIGHT_DECAY
 from tierzero.config.reading import check_bounds, read_mapping_file
 from tierzero.config.schema import Config
-from tierzero.config.tree import build, set_dotted
+from tierzero.config.tree import build, plain, set_dotted
 
 DEEPSPEED_MARKER = "zero_optimization"
 """A dict with this top-level key is a DeepSpeed config and is translated first."""
 
 
+@dataclass(frozen=True, slots=True)
+class LoadedConfig:
+    """A `Config`, and what only its source knows: whether it named a workload, and its "auto" values."""
+
+    config: Config
+    names_workload: bool
+    """The source or the overrides name a model (any key of `model`) or data (`data.path`)."""
+    autos: tuple[str, ...] = ()
+    """Each DeepSpeed "auto" value and what it resolved to, e.g.
+    `train_micro_batch_size_per_gpu -> train.micro_batch_size 4`."""
+
+
 def load_config(
     source: Config | Mapping[str, Any] | str | os.PathLike[str], *, overrides: Mapping[str, Any] | None = None
 ) -> Config:
-    """Build and validate a `Config`.
+    """Build and validate a `Config` (see `read_config`)."""
+    return read_config(source, overrides=overrides).config
+
+
+def read_config(
+    source: Config | Mapping[str, Any] | str | os.PathLike[str], *, overrides: Mapping[str, Any] | None = None
+) -> LoadedConfig:
+    """Build and validate a `Config`, noting what its source said (`LoadedConfig`).
 
     `source` is a path to a .yaml/.yml/.json file, a dict, or a `Config` (re-validated,
     and returned as is unless overrides change it). A dict or file with a top-level "zero_optimization" key is read as a
@@ -53,7 +75,32 @@ def load_config(
             raise
         raise translation.explain(exc) from None
     # An unchanged Config comes back as the same object, once re-validated (its swap dir may be gone).
-    return source if isinstance(source, Config) and cfg == source else cfg
+    cfg = source if isinstance(source, Config) and cfg == source else cfg
+    autos = () if translation is None else tuple(_resolved(cfg, key, keys) for key, keys in translation.autos.items())
+    return LoadedConfig(cfg, names_workload=_names_workload(raw), autos=autos)
+
+
+def _names_workload(raw: Mapping[str, Any]) -> bool:
+    """A model section with any key, or a data.path: the config says what to train on what."""
+    model, data = raw.get("model"), raw.get("data")
+    return (isinstance(model, Mapping) and bool(model)) or (isinstance(data, Mapping) and data.get("path") is not None)
+
+
+def _resolved(cfg: Config, ds_key: str, keys: tuple[str, ...]) -> str:
+    """`ds_key -> key value, ...`: what a DeepSpeed "auto" became."""
+    if not keys:
+        return f"{ds_key} -> not used by tierzero"
+    return f"{ds_key} -> " + ", ".join(f"{key} {_shown(cfg, key)}" for key in keys)
+
+
+def _shown(cfg: Config, key: str) -> str:
+    *parents, leaf = key.split(".")
+    node: Any = cfg
+    for name in parents:
+        node = getattr(node, name)
+    spec = next(spec for spec in dataclasses.fields(node) if spec.name == leaf)
+    value = plain(getattr(node, leaf), human=spec.metadata["check"].is_size)
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _env_world_size() -> int:

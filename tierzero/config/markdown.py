@@ -32,6 +32,14 @@ line saying what is wrong. Sizes are bytes, written as an integer or with a unit
 `4096`, `512MB`, `8GiB` (KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024).
 A DeepSpeed config (a file with a `zero_optimization` key) is accepted as it is and
 translated; see the table at the end.
+
+`tierzero train` needs to be told what to train: a config (with its `--set` overrides) that
+names no model and no data is refused, in one line naming `model.pretrained` and
+`data.path`, rather than training the built-in demo GPT on Python's own sources. A `model`
+section with any key in it (`model: {type: gpt}` for the demo model, `model.pretrained` for a
+checkpoint) or a `data.path` counts as naming one; a DeepSpeed config names neither, so
+add `--set model.pretrained=DIR --set data.path=TEXT`. `tierzero.initialize` takes its model
+from the caller and asks for neither.
 """
 
 

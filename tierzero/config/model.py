@@ -76,7 +76,8 @@ class ModelConfig(Section):
     d_ff: int = setting(256, int_check(1, limit=1 << 18))
     """Width of the MLP's inner layer."""
     max_seq_len: int = setting(128, int_check(1, limit=1 << 20))
-    """Longest sequence the model takes (the GPT's learned positions, the Llama's rotary table)."""
+    """Longest sequence the built-in model takes (the GPT's learned positions, the Llama's rotary table);
+    with model.pretrained the checkpoint's config.json says it."""
     dropout: float = setting(0.0, float_check(lo=0.0, hi=1.0))
     """Dropout probability (0 keeps runs deterministic)."""
     transformers_class: str | None = setting(None, OPTIONAL_NAME)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from tierzero.config.checks import (
@@ -26,6 +27,10 @@ OPTIONAL_DTYPE = Check(
     lambda value: None if value is None else choice_check(tuple(DTYPE_BYTES)).convert(value),
 )
 """`precision.reduce_dtype`: a compute dtype, or null for the param_dtype."""
+
+CPU_INFO = Path("/proc/cpuinfo")
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+"""CPU flags of the instructions that compute in bf16; without them PyTorch emulates bf16 in fp32."""
 
 LINEAR_KERNELS = ("torch", "onednn")
 """`precision.linear_kernel`: PyTorch's own, or oneDNN's fp32 CPU linear (`tierzero.units.kernels`)."""
@@ -89,3 +94,31 @@ class PrecisionConfig(Section):
         import torch
 
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.param_dtype]
+
+
+def cpu_flags(path: Path = CPU_INFO) -> frozenset[str] | None:
+    """The instruction-set flags of this machine's first CPU in `path` (Linux's /proc/cpuinfo);
+    None where the file is missing or names none (another OS, an emulator that hides them)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name.strip() in ("flags", "Features"):  # x86's name, then Arm's
+            return frozenset(value.split())
+    return None
+
+
+def slow_bf16_note(precision: PrecisionConfig, *, flags: frozenset[str] | None) -> str | None:
+    """One line when `precision` computes in bf16 on a CPU whose `flags` lack bf16 instructions, else None.
+
+    Only for compute on the CPU: the caller asks where no GPU does the work. Unknown flags say nothing.
+    """
+    if precision.param_dtype != "bf16" or flags is None or flags.intersection(BF16_CPU_FLAGS):
+        return None
+    return (
+        f"precision.param_dtype is bf16, but this CPU has no bf16 instructions ({' or '.join(BF16_CPU_FLAGS)} in "
+        f"{CPU_INFO}): PyTorch emulates them, several times slower than fp32 (13x in one run); set "
+        "precision.param_dtype: fp32 on this machine"
+    )

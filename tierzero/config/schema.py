@@ -86,7 +86,9 @@ def _check_stage_allows_offload(stage: int, offload: OffloadConfig) -> None:
 
 
 def _check_sequence_fits(model: ModelConfig, train: TrainConfig) -> None:
-    if model.type != "transformers" and train.seq_len > model.max_seq_len:
+    # A pretrained model's positions are in its config.json, checked where the directory is read
+    # (tierzero.pretrained.files.check_positions): model.max_seq_len says nothing of them.
+    if model.type != "transformers" and model.pretrained is None and train.seq_len > model.max_seq_len:
         raise ConfigError(
             f"train.seq_len {train.seq_len} is above model.max_seq_len {model.max_seq_len}: "
             "lower train.seq_len or raise model.max_seq_len",

@@ -157,7 +157,9 @@ class TrainConfig(Section):
     steps: int = setting(100, int_check(1))
     """Optimizer steps `tierzero train` runs (`--steps` overrides it)."""
     seq_len: int = setting(128, int_check(1, limit=1 << 20))
-    """Tokens (bytes) per training sequence; at most model.max_seq_len for the built-in models."""
+    """Tokens (bytes) per training sequence; at most model.max_seq_len for the built-in models, and at
+    most the checkpoint's positions (max_position_embeddings or n_positions in its config.json) with
+    model.pretrained."""
     log_every: int = setting(10, int_check(1))
     """`tierzero train` writes a log line every this many steps (the progress bar updates every step)."""
 

@@ -22,6 +22,8 @@ import torch
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+POSITION_KEYS = ("max_position_embeddings", "n_positions")
+"""The config.json keys that give a model's positions: Llama's and most models', GPT-2's."""
 #: The fix every refusal of a damaged file ends with.
 _REFETCH = "download or save_pretrained the model again"
 
@@ -100,6 +102,31 @@ def require_config(directory: Path) -> Path:
             f"{config} {what}: point at the folder save_pretrained wrote (config.json beside model.safetensors)"
         )
     return config
+
+
+def position_limit(directory: Path) -> tuple[int, str] | None:
+    """The longest sequence the model of `directory/config.json` has positions for, and the key
+    that says so (the first of POSITION_KEYS it holds); None when it names none."""
+    config = require_config(directory)
+    value = _json(config.read_bytes(), where=f"{config} is not valid JSON")
+    for key in POSITION_KEYS:
+        limit = value.get(key)
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            return limit, key
+    return None
+
+
+def check_positions(directory: Path, *, seq_len: int) -> None:
+    """Refuse, in one line, a `train.seq_len` longer than the checkpoint's positions: past them a
+    learned position table has no row, and a rotary model was never trained there."""
+    found = position_limit(directory)
+    if found is None or seq_len <= found[0]:
+        return
+    limit, key = found
+    raise PretrainedError(
+        f"train.seq_len {seq_len} is above the {limit} positions of model.pretrained {directory} "
+        f"({key} {limit} in its {CONFIG_FILE}): set train.seq_len to at most {limit}"
+    )
 
 
 def _scan_index(index: Path) -> dict[str, TensorInfo]:

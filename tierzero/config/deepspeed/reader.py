@@ -34,6 +34,8 @@ class Translation:
     """tierzero keys whose value is DeepSpeed's default for a key the config left out."""
     overridden: list[str] = field(default_factory=list)
     """tierzero keys (or sections) set by overrides after the translation."""
+    autos: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """DeepSpeed key whose value is "auto" -> the tierzero keys it leaves to tierzero (none: ignored)."""
 
     def set(self, key: str, value: Any, *, origin: str, absent: bool = False) -> None:
         *parents, leaf = key.split(".")
@@ -48,6 +50,12 @@ class Translation:
     def forget(self, key: str) -> None:
         """`key` (and every key under it) was overridden: its value no longer comes from DeepSpeed."""
         self.overridden.append(key)
+        for ds_key, keys in list(self.autos.items()):
+            kept = tuple(k for k in keys if not _under(k, key))
+            if keys and not kept:
+                del self.autos[ds_key]  # no longer auto: the override set every key it stood for
+            else:
+                self.autos[ds_key] = kept
         for known in [k for k in self.origins if _under(k, key)]:
             del self.origins[known]
             self.absent.discard(known)

@@ -32,7 +32,9 @@ which `tierzero.config.load_config` then validates like any other. Rules:
   pin_memory is on if either asks.
 - DeepSpeed's "Adam" is AdamW unless optimizer.params.adam_w_mode is false, as in DeepSpeed.
 - Every key with no tierzero equivalent, including keys DeepSpeed does not know,
-  gives exactly one TierZeroConfigWarning naming it, and is ignored.
+  gives exactly one TierZeroConfigWarning naming it (`tierzero train` prints it as one
+  `tierzero: warning:` line), and is ignored. `tierzero train` lists each "auto" value
+  and what it resolved to in its start-up header.
 - An error about a value that came from a DeepSpeed key names that key first, then the
   tierzero key it became: "zero_optimization.offload_param.nvme_path (tiers.nvme.path in
   tierzero) ...". The fix it suggests is in tierzero keys, which `--set` takes.
@@ -40,6 +42,7 @@ which `tierzero.config.load_config` then validates like any other. Rules:
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -47,7 +50,7 @@ from typing import Any
 from tierzero.common.slices import IO_ALIGNMENT, align_up
 from tierzero.config.checks import show
 from tierzero.config.deepspeed.optim import translate_optimizer, translate_precision, translate_scheduler
-from tierzero.config.deepspeed.reader import Reader, Translation, elements, positive_int
+from tierzero.config.deepspeed.reader import AUTO, Reader, Translation, elements, positive_int
 from tierzero.config.errors import ConfigError
 
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -101,10 +104,58 @@ _DEEPSPEED_NAMES = {
 """tierzero key -> the DeepSpeed key that sets it, for the rows of the table that map one key to one."""
 
 
+def _sides(text: str) -> list[str]:
+    """"aio.block_size / queue_depth" -> ["aio.block_size", "aio.queue_depth"]: later names take the first's parent."""
+    first, *rest = (part.strip() for part in text.split(" / "))
+    parent = first.rpartition(".")[0]
+    return [first, *(name if "." in name or not parent else f"{parent}.{name}" for name in rest)]
+
+
+def _row_keys() -> list[tuple[str, tuple[str, ...]]]:
+    """The mapping table as (DeepSpeed key or pattern, the tierzero keys it sets), one row a key."""
+    pairs = []
+    for ds, tz, _ in _MAPPING_ROWS:
+        ds_keys, tz_keys = _sides(ds), _sides(tz)
+        if len(tz_keys) == 1:
+            tz_keys = tz_keys * len(ds_keys)
+        for ds_key, targets in zip(ds_keys, tz_keys):
+            keys = tuple(t.strip() for t in targets.split(","))
+            pairs.append((ds_key, tuple(k for k in keys if re.fullmatch(r"[\w.*]+", k))))
+    return pairs
+
+
+_ROW_KEYS = _row_keys()
+
+
+def tierzero_keys(ds_key: str) -> tuple[str, ...]:
+    """The tierzero keys the DeepSpeed key `ds_key` sets, from the mapping table; () when none."""
+    if ds_key.startswith("bfloat16."):  # DeepSpeed's other name for the bf16 section
+        ds_key = "bf16." + ds_key.removeprefix("bfloat16.")
+    if ds_key == "train_batch_size":  # only checked, but "auto" leaves it to these two (and the world size)
+        return ("train.micro_batch_size", "gradient_accumulation_steps")
+    for pattern, keys in _ROW_KEYS:
+        if fnmatch.fnmatchcase(ds_key, pattern):
+            leaf = ds_key.rpartition(".")[2]
+            return tuple(k.replace("*", leaf) for k in keys)
+    return ()
+
+
+def auto_keys(value: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of `value` whose value is "auto", in the order written."""
+    if not isinstance(value, Mapping):
+        return []
+    found = []
+    for name, child in value.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        found += [key] if child == AUTO else auto_keys(child, key)
+    return found
+
+
 def translate_deepspeed(ds: Mapping[str, Any], *, world_size: int = 1) -> Translation:
     """Translate a DeepSpeed config dict (see the module docstring for the rules)."""
     top = Reader("", dict(ds))
     out = Translation(names=_DEEPSPEED_NAMES)
+    out.autos = {key: tierzero_keys(key) for key in auto_keys(ds)}
     dtype_bytes = translate_precision(top, out)
     translate_optimizer(top, out)
     translate_scheduler(top, out)
