@@ -3,9 +3,9 @@
 On a GPU the optimizer of host-resident states runs on the host while the GPU computes, so the
 step is as long as the host's work whenever that is the longer (../shared/gpu-h200: the 2B step
 waited on the host). That work should be the optimizer and nothing more. This bench measures it
-on the machine it runs on, with no model worth the name: each unit's only parameter is used once
-in the forward (`w.sum()`), so autograd's own kernels are two passes over the parameters, run
-alike by plain PyTorch. Three contenders on the same N parameters, in one process, alternating
+on the machine it runs on, with no model worth the name: each unit's only parameter meets a fixed
+vector once in the forward (`(w * v).sum()`), so autograd's own kernels are a product and a sum
+over the parameters and a product that writes their dense gradient, run alike by plain PyTorch. Three contenders on the same N parameters, in one process, alternating
 step by step so that a noisy machine slows all alike:
 
 - `engine`: forward, backward and step through tierzero with every state in host memory
@@ -36,20 +36,23 @@ __all__ = ["StepHostResult", "add_command", "bench_step_host"]
 
 
 class _Block(nn.Module):
-    """One unit: a flat parameter the forward reads once."""
+    """One unit: a flat parameter the forward reads once, against a fixed vector, so that its
+    gradient is a dense tensor as a real layer's is (a sum's would be a broadcast view)."""
 
-    def __init__(self, numel: int, *, dtype: torch.dtype) -> None:
+    def __init__(self, numel: int, *, dtype: torch.dtype, compute: torch.dtype) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.randn(numel, generator=torch.Generator().manual_seed(numel)).mul_(0.01).to(dtype))
+        values = torch.randn(2, numel, generator=torch.Generator().manual_seed(numel)).mul_(0.01)
+        self.w = nn.Parameter(values[0].to(dtype))
+        self.register_buffer("v", values[1].to(compute))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.w.sum()
+        return x + (self.w * self.v).sum()
 
 
 class _Model(nn.Module):
-    def __init__(self, numel: int, units: int, *, dtype: torch.dtype) -> None:
+    def __init__(self, numel: int, units: int, *, dtype: torch.dtype, compute: torch.dtype) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_Block(numel // units, dtype=dtype) for _ in range(units))
+        self.blocks = nn.ModuleList(_Block(numel // units, dtype=dtype, compute=compute) for _ in range(units))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -105,8 +108,9 @@ def bench_step_host(
 ) -> StepHostResult:
     """The three contenders of the module note, `steps` timed steps each after `warmup`."""
     compute = dtype_of(dtype)
-    engine = tierzero.initialize(_Model(params, units, dtype=torch.float32), _config(dtype, clip))
-    plain = _Model(params, units, dtype=compute)
+    # The engine is handed fp32 parameters, as a user builds them, and keeps its own compute copy.
+    engine = tierzero.initialize(_Model(params, units, dtype=torch.float32, compute=compute), _config(dtype, clip))
+    plain = _Model(params, units, dtype=compute, compute=compute)
     adam = _BareAdam(params, units)
     x = torch.ones(())
     times: dict[str, list[float]] = {"engine": [], "plain": [], "adam": [], "step": []}
