@@ -161,6 +161,10 @@ class _CountedOptimizer:
         self._store.stepped(param.numel())
         self._optimizer.step(param=param, **kwargs)
 
+    def step_converting(self, *, param: torch.Tensor, **kwargs: Any) -> None:
+        self._store.stepped(param.numel())
+        self._optimizer.step_converting(param=param, **kwargs)
+
 
 def _replay(cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_asked: bool) -> tuple[_Replay, Engine]:
     """Set-up and two steps on a fresh meta model and counting store; the bytes each step moved.

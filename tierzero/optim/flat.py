@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from tierzero.common.slices import Kind
-from tierzero.units.slice_layout import ParamGroup, SliceLayout, adam_pieces, cpu_vector_width
+from tierzero.units.slice_layout import ParamGroup, Piece, SliceLayout, adam_pieces, cpu_vector_width
 
 
 class OptimizerType(enum.Enum):
@@ -119,19 +119,39 @@ class FlatOptimizer(ABC):
         uses it as scratch (the engine zeroes gradients after a step anyway). Adam and
         AdamW leave it untouched.
         """
-        if step < 1:
-            raise ValueError(f"optimizer step numbers start at 1, got {step}: pass the 1-based count of updates")
         one = OptimSlice(param=param, grad=grad, states=states, layout=layout)
         _check_slice(one, self.state_kinds)
+        self._apply(one, step=step, hypers=self._hypers(step, lr, layout))
+
+    converts_gradients = False
+    """Whether `step_converting` runs on the host: a gradient of any dtype, converted and scaled on the way in."""
+
+    def step_converting(
+        self,
+        *,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        scale: float,
+        states: Mapping[Kind, torch.Tensor],
+        step: int,
+        lr: float | Sequence[float],
+        layout: SliceLayout | None = None,
+    ) -> None:
+        """`step` with `grad` (any float dtype, left as it is) copied to fp32 and multiplied by `scale`
+        as its gradient: the same bits, without an fp32 copy of the whole gradient (optimizers with
+        `converts_gradients`; see [Note: the converting step])."""
+        raise NotImplementedError(f"{type(self).__name__} steps fp32 gradients only: pass one to `step`")
+
+    def _hypers(self, step: int, lr: float | Sequence[float], layout: SliceLayout | None) -> list[ParamGroup]:
+        if step < 1:
+            raise ValueError(f"optimizer step numbers start at 1, got {step}: pass the 1-based count of updates")
         if isinstance(lr, (int, float)):
-            hypers = [ParamGroup(lr=float(lr), weight_decay=self.spec.weight_decay)]
             if layout is not None and any(layout.tensor_groups):
                 raise ValueError("the slice layout names parameter groups: pass one learning rate per group")
-        else:
-            if len(lr) != len(self.groups):
-                raise ValueError(f"the optimizer has {len(self.groups)} parameter groups, got {len(lr)} learning rates")
-            hypers = [ParamGroup(lr=float(rate), weight_decay=g.weight_decay) for rate, g in zip(lr, self.groups)]
-        self._apply(one, step=step, hypers=hypers)
+            return [ParamGroup(lr=float(lr), weight_decay=self.spec.weight_decay)]
+        if len(lr) != len(self.groups):
+            raise ValueError(f"the optimizer has {len(self.groups)} parameter groups, got {len(lr)} learning rates")
+        return [ParamGroup(lr=float(rate), weight_decay=g.weight_decay) for rate, g in zip(lr, self.groups)]
 
     @abstractmethod
     def _apply(self, s: OptimSlice, *, step: int, hypers: Sequence[ParamGroup]) -> None:
@@ -139,9 +159,22 @@ class FlatOptimizer(ABC):
 
 
 class FlatAdam(FlatOptimizer):
-    """Adam or AdamW through torch's fused kernels."""
+    """Adam or AdamW through torch's fused kernels.
+
+    [Note: the converting step]
+    A bf16 gradient stepped on the host used to be copied whole into an fp32 scratch slice,
+    scaled there in a second pass and read a third time by the kernel: two extra passes over
+    four bytes an element, and a scratch slice as large as the unit's. `step_converting` copies
+    and scales `STEP_CHUNK` elements at a time into one buffer and runs the kernel on that chunk
+    while it is fresh: bench step-host's host share fell from 3.46-3.50x to 3.25-3.27x of a bare
+    AdamW at 100M bf16 (docs/BENCHMARKS.md, session 28). The kernel is elementwise, each tensor of its list stepped
+    on its own, so cutting a run of whole vectors at a multiple of the vector width from its
+    start leaves every element in the lane or the scalar tail it had ([Note: vector lanes and
+    scalar tails]): the same bits as the whole slice in one call.
+    """
 
     __slots__ = ()
+    converts_gradients = True
 
     @property
     def state_kinds(self) -> tuple[Kind, ...]:
@@ -151,31 +184,95 @@ class FlatAdam(FlatOptimizer):
         by_group: dict[int, _AdamLists] = {}
         copies_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         _add_adam_slice(s, by_group, copies_back)
+        self._run(by_group, copies_back, step=step, hypers=hypers, device=s.param.device)
+
+    def step_converting(
+        self,
+        *,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        scale: float,
+        states: Mapping[Kind, torch.Tensor],
+        step: int,
+        lr: float | Sequence[float],
+        layout: SliceLayout | None = None,
+    ) -> None:
+        hypers = self._hypers(step, lr, layout)
+        _check_slice(OptimSlice(param=param, grad=param, states=states, layout=layout), self.state_kinds)
+        if grad.numel() != param.numel() or grad.device != param.device or not grad.is_floating_point():
+            raise ValueError(
+                f"a converted gradient must be a float slice of the param's size and device, "
+                f"got {grad.dtype} {tuple(grad.shape)} on {grad.device}"
+            )
+        full = (param, grad, states[Kind.EXP_AVG], states[Kind.EXP_AVG_SQ])
+        direct, scratch, lanes = _pieces(param, layout)
+        # The meta device of a dry run reads nothing: one call a run, no cache to keep.
+        chunk = STEP_CHUNK if param.device.type != "meta" else max(param.numel(), 1)
+        buffer = torch.empty(min(chunk, param.numel()), dtype=torch.float32, device=param.device)
+        for a, b, group in direct:
+            for lo in range(a, b, chunk):
+                hi = min(lo + chunk, b)
+                g = _converted(grad[lo:hi], buffer[: hi - lo], scale)
+                lists = ([full[0][lo:hi]], [g], [full[2][lo:hi]], [full[3][lo:hi]])
+                self._run({group: lists}, [], step=step, hypers=hypers, device=param.device)
+        if scratch:
+            by_group: dict[int, _AdamLists] = {}
+            copies_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+            _add_scratch(full, scratch, lanes, by_group, copies_back, grad_scale=scale)
+            self._run(by_group, copies_back, step=step, hypers=hypers, device=param.device)
+
+    def _run(
+        self,
+        by_group: dict[int, _AdamLists],
+        copies_back: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        step: int,
+        hypers: Sequence[ParamGroup],
+        device: torch.device,
+    ) -> None:
         # torch.optim keeps the step count as a float32 tensor beside the parameter and
         # the kernel derives the bias corrections from it.
-        count = torch.full((), float(step), dtype=torch.float32, device=s.param.device)
+        count = torch.full((), float(step), dtype=torch.float32, device=device)
         kernel = torch._fused_adamw_ if self.spec.type is OptimizerType.ADAMW else torch._fused_adam_
         beta1, beta2 = self.spec.betas
         # One kernel per group, as torch.optim runs one per param group.
         for group, lists in sorted(by_group.items()):
             kernel(
-                *lists,
-                [],
-                [count] * len(lists[0]),
-                lr=hypers[group].lr,
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=hypers[group].weight_decay,
-                eps=self.spec.eps,
-                amsgrad=False,
-                maximize=False,
-            )
+                *lists, [], [count] * len(lists[0]), lr=hypers[group].lr, beta1=beta1, beta2=beta2,
+                weight_decay=hypers[group].weight_decay, eps=self.spec.eps, amsgrad=False, maximize=False,
+            )  # fmt: skip
         for dst, src in copies_back:
             dst.copy_(src)
 
 
+STEP_CHUNK = 1 << 22
+"""Elements `step_converting` converts at a time (16 MiB of fp32): the fastest of 2^18 to 2^23 on
+the session-28 host; smaller chunks pay the kernel's cost per call (its threads' start-up) more
+often than they gain from the cache."""
+
+
+def _converted(grad: torch.Tensor, out: torch.Tensor, scale: float) -> torch.Tensor:
+    """`grad` in fp32 times `scale`, in `out`: the copy and the multiply the whole-slice path makes."""
+    out.copy_(grad)
+    if scale != 1.0:
+        out.mul_(scale)
+    return out
+
+
 #: The fused kernel's tensor lists: params, grads, exp_avgs, exp_avg_sqs.
 _AdamLists = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+
+
+def _pieces(param: torch.Tensor, layout: SliceLayout | None) -> tuple[list[Piece], list[Piece], int]:
+    """(runs stepped in place, runs stepped in lane-sized scratch, the vector width) of a slice."""
+    if layout is None:
+        return [(0, param.numel(), 0)], [], 1
+    if param.device.type != "cpu":
+        # Other kernels treat every element alike: one view per run of a group.
+        return layout.group_runs(param.numel()), [], 1
+    lanes = cpu_vector_width()
+    direct, scratch = adam_pieces(param.numel(), layout, lanes)
+    return direct, scratch, lanes
 
 
 def _add_adam_slice(
@@ -183,32 +280,33 @@ def _add_adam_slice(
 ) -> None:
     """Append the views of one slice to each group's kernel lists ([Note: vector lanes and scalar tails])."""
     full = (s.param, s.grad, s.states[Kind.EXP_AVG], s.states[Kind.EXP_AVG_SQ])
-
-    def lists(group: int) -> _AdamLists:
-        return by_group.setdefault(group, ([], [], [], []))
-
-    if s.layout is None:
-        for dst, t in zip(lists(0), full, strict=True):
-            dst.append(t)
-        return
-    if s.param.device.type != "cpu":
-        # Other kernels treat every element alike: one view per run of a group.
-        for a, b, group in s.layout.group_runs(s.param.numel()):
-            for dst, t in zip(lists(group), full, strict=True):
-                dst.append(t[a:b])
-        return
-    lanes = cpu_vector_width()
-    direct, scratch = adam_pieces(s.param.numel(), s.layout, lanes)
+    direct, scratch, lanes = _pieces(s.param, s.layout)
     for a, b, group in direct:
-        for dst, t in zip(lists(group), full, strict=True):
+        for dst, t in zip(by_group.setdefault(group, ([], [], [], [])), full, strict=True):
             dst.append(t[a:b])
+    _add_scratch(full, scratch, lanes, by_group, copies_back)
+
+
+def _add_scratch(
+    full: tuple[torch.Tensor, ...],
+    scratch: Sequence[Piece],
+    lanes: int,
+    by_group: dict[int, _AdamLists],
+    copies_back: list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    grad_scale: float = 1.0,
+) -> None:
+    """Each scratch run in a lane-sized buffer of its own, copied back after the kernel (the gradient,
+    `full[1]`, only read: converted to fp32 and scaled by `grad_scale` on the way in)."""
     for a, b, group in scratch:
-        for i, (dst, t) in enumerate(zip(lists(group), full, strict=True)):
-            buf = torch.zeros(lanes, dtype=t.dtype, device=t.device)
+        for i, (dst, t) in enumerate(zip(by_group.setdefault(group, ([], [], [], [])), full, strict=True)):
+            buf = torch.zeros(lanes, dtype=torch.float32, device=t.device)
             buf[: b - a] = t[a:b]
             dst.append(buf)
-            if i != 1:  # the gradient is only read
+            if i != 1:
                 copies_back.append((t[a:b], buf[: b - a]))
+            elif grad_scale != 1.0:
+                buf[: b - a].mul_(grad_scale)
 
 
 class FlatSGD(FlatOptimizer):

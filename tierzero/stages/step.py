@@ -358,16 +358,17 @@ def _step_unit(
     # scratch by SGD's weight decay, in place): same bits as a copy, one slice-sized pass
     # fewer. Judged by tier, not by tensor, so that the estimate's meta tensors count alike:
     # without a GPU every memory tier is host memory.
-    in_place = source.dtype == torch.float32 and (_grad_tier(stage, unit.name) is tier or stage.device.type == "cpu")
-    g = source if in_place else store.allocate(
+    same_memory = _grad_tier(stage, unit.name) is tier or stage.device.type == "cpu"
+    in_place = source.dtype == torch.float32 and same_memory
+    # A low-precision gradient in the memory of a host step is converted a chunk at a time by
+    # the optimizer itself ([Note: the converting step] in optim/flat.py): no fp32 scratch slice.
+    converting = not in_place and same_memory and _steps_on_host(stage, tier) and stage.optimizer.converts_gradients
+    g = source if in_place or converting else store.allocate(
         kind=Kind.GRAD, numel=source.numel(), dtype=torch.float32, tier=tier, label=f"{unit.name} step"
     )
     master, scratch_master = _master(stage, unit, fetched, tier)
+    scale = scalars.grad_scale * clip_coef
     try:
-        if not in_place:
-            g.copy_(source)
-        if scalars.grad_scale * clip_coef != 1.0:
-            g.mul_(scalars.grad_scale * clip_coef)
         states = {kind: fetched[kind] for kind in stage.optimizer.state_kinds}
         # Cut at the unit's original tensors, so that each element takes the vector lane or the
         # scalar tail torch.optim's per-tensor kernel would give it: the same bits as torch.
@@ -376,7 +377,16 @@ def _step_unit(
             offset=unit.shard_range(stage.comm.rank)[0],
             groups=[slot.group for slot in unit.slots],
         )
-        stage.optimizer.step(param=master, grad=g, states=states, step=scalars.step, lr=lrs, layout=layout)
+        if converting:
+            stage.optimizer.step_converting(
+                param=master, grad=source, scale=scale, states=states, step=scalars.step, lr=lrs, layout=layout
+            )
+        else:
+            if not in_place:
+                g.copy_(source)
+            if scale != 1.0:
+                g.mul_(scale)
+            stage.optimizer.step(param=master, grad=g, states=states, step=scalars.step, lr=lrs, layout=layout)
         writes = stage.publish(unit, master)
         if stage.leaves_grads_stale(unit.name):
             unit.grads_stale = True  # the pipeline releases the slice unwritten (`keep_home`)
@@ -384,11 +394,18 @@ def _step_unit(
             grads.zero_()
             unit.grads_zero = True
     finally:
-        if not in_place:
+        if not in_place and not converting:
             store.free(g)
         if scratch_master:
             store.free(master)
     return writes
+
+
+def _steps_on_host(stage: Steppable, tier: Tier) -> bool:
+    """Whether the step runs on the host: the cpu tier's, or any tier's without a GPU (the meta device
+    of a dry run standing for such a machine), judged by tier so that the dry run counts alike."""
+    on_host = stage.device.type == "cpu" or (stage.device.type == "meta" and not torch.cuda.is_available())
+    return tier is Tier.CPU or on_host
 
 
 def _master(stage: Steppable, unit: Unit, fetched: dict[Kind, torch.Tensor], tier: Tier) -> tuple[torch.Tensor, bool]:

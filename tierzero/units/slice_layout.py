@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ParamGroup", "SliceLayout", "adam_pieces", "cpu_vector_width"]
+__all__ = ["ParamGroup", "Piece", "SliceLayout", "adam_pieces", "cpu_vector_width"]
 
 # [Note: vector lanes and scalar tails]
 # torch's CPU fused Adam runs each tensor of its list through SIMD vectors, except the
