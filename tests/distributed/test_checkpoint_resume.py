@@ -51,6 +51,11 @@ class _DyingOptimizer:
         self._inner.step(**kwargs)
         self._die()
 
+    def step_converting(self, **kwargs: Any) -> None:
+        """A bf16 gradient's step on the host ([Note: the converting step]): the same unit step."""
+        self._inner.step_converting(**kwargs)
+        self._die()
+
 
 def _install_kill_hooks(engine: Any, rank: int) -> None:
     import tierzero.checkpoint.save_load as ckpt
