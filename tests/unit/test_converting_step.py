@@ -42,12 +42,14 @@ def test_the_converting_step_gives_the_bits_of_the_whole_slice(
         b = [t.clone() for t in (param, m, v)]
         whole = grad.to(torch.float32, copy=True).mul_(scale)
         opt.step(param=a[0], grad=whole, states={Kind.EXP_AVG: a[1], Kind.EXP_AVG_SQ: a[2]}, step=step, lr=[1e-2, 3e-3], layout=layout)
+        cast = torch.full((numel,), float("nan"), dtype=torch.bfloat16)
         opt.step_converting(
             param=b[0], grad=grad, scale=scale, states={Kind.EXP_AVG: b[1], Kind.EXP_AVG_SQ: b[2]}, step=step,
-            lr=[1e-2, 3e-3], layout=layout,
+            lr=[1e-2, 3e-3], layout=layout, cast=cast,
         )  # fmt: skip
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)
+        assert torch.equal(cast, a[0].to(torch.bfloat16))  # every element cast, scratch runs too
         assert not torch.equal(a[0], param)  # it stepped
     assert grad.dtype == grad_dtype  # the gradient is only read
 

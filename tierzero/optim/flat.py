@@ -136,10 +136,12 @@ class FlatOptimizer(ABC):
         step: int,
         lr: float | Sequence[float],
         layout: SliceLayout | None = None,
+        cast: torch.Tensor | None = None,
     ) -> None:
         """`step` with `grad` (any float dtype, left as it is) copied to fp32 and multiplied by `scale`
         as its gradient: the same bits, without an fp32 copy of the whole gradient (optimizers with
-        `converts_gradients`; see [Note: the converting step])."""
+        `converts_gradients`; see [Note: the converting step]). `cast`: a slice of the compute dtype
+        that receives the new parameters, each chunk as soon as it is stepped."""
         raise NotImplementedError(f"{type(self).__name__} steps fp32 gradients only: pass one to `step`")
 
     def _hypers(self, step: int, lr: float | Sequence[float], layout: SliceLayout | None) -> list[ParamGroup]:
@@ -196,8 +198,11 @@ class FlatAdam(FlatOptimizer):
         step: int,
         lr: float | Sequence[float],
         layout: SliceLayout | None = None,
+        cast: torch.Tensor | None = None,
     ) -> None:
         hypers = self._hypers(step, lr, layout)
+        if cast is not None and (cast.numel() != param.numel() or cast.device != param.device):
+            raise ValueError(f"cast must be a slice of the param's size and device, got {tuple(cast.shape)} on {cast.device}")
         _check_slice(OptimSlice(param=param, grad=param, states=states, layout=layout), self.state_kinds)
         if grad.numel() != param.numel() or grad.device != param.device or not grad.is_floating_point():
             raise ValueError(
@@ -215,11 +220,15 @@ class FlatAdam(FlatOptimizer):
                 g = _converted(grad[lo:hi], buffer[: hi - lo], scale)
                 lists = ([full[0][lo:hi]], [g], [full[2][lo:hi]], [full[3][lo:hi]])
                 self._run({group: lists}, [], step=step, hypers=hypers, device=param.device)
+                if cast is not None:
+                    cast[lo:hi].copy_(param[lo:hi])
         if scratch:
             by_group: dict[int, _AdamLists] = {}
             copies_back: list[tuple[torch.Tensor, torch.Tensor]] = []
             _add_scratch(full, scratch, lanes, by_group, copies_back, grad_scale=scale)
             self._run(by_group, copies_back, step=step, hypers=hypers, device=param.device)
+            for a, b, _ in scratch if cast is not None else ():
+                cast[a:b].copy_(param[a:b])
 
     def _run(
         self,

@@ -318,8 +318,9 @@ class Stage(GradLanding, ABC):
             yield master, fetched
 
     @abstractmethod
-    def publish(self, unit: Unit, master: torch.Tensor) -> list[PendingWrite]:
-        """Bring the compute-dtype parameters up to date with the stepped fp32 slice.
+    def publish(self, unit: Unit, master: torch.Tensor, *, cast: torch.Tensor | None = None) -> list[PendingWrite]:
+        """Bring the compute-dtype parameters up to date with the stepped fp32 slice (`cast`: that slice
+        already in the unit's compute dtype, where the step made it on its way).
 
         Returns the writes it started whose sources must outlive the call.
         """

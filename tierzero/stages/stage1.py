@@ -85,7 +85,7 @@ class ReplicatedParamsStage(Stage):
         start, end = unit.shard_range(self.comm.rank)
         yield unit.gathered[start:end], unit.gathered
 
-    def publish(self, unit: Unit, master: torch.Tensor) -> list[PendingWrite]:
+    def publish(self, unit: Unit, master: torch.Tensor, *, cast: torch.Tensor | None = None) -> list[PendingWrite]:
         """Queue the all-gather of the updated slice into the full compute-dtype parameters."""
         self.unshard(unit)
         assert unit.gathered is not None
@@ -94,7 +94,8 @@ class ReplicatedParamsStage(Stage):
             if master.data_ptr() != unit.gathered.data_ptr():
                 unit.gathered.copy_(master)
             return []
-        self._unpublished.append((unit, master.to(device=self.device, dtype=self.dtype_of(unit), copy=True)))
+        fresh = master if cast is None else cast
+        self._unpublished.append((unit, fresh.to(device=self.device, dtype=self.dtype_of(unit), copy=cast is None)))
         if sum(u.gathered.nbytes for u, _ in self._unpublished if u.gathered is not None) >= self.bucket_bytes:
             self._send_gathers()
         return []

@@ -379,12 +379,14 @@ class Stage3(StepInTime, Stage):
     def grad_slice(self, grads: torch.Tensor, unit: Unit) -> torch.Tensor:
         return grads
 
-    def publish(self, unit: Unit, master: torch.Tensor) -> list[PendingWrite]:
+    def publish(self, unit: Unit, master: torch.Tensor, *, cast: torch.Tensor | None = None) -> list[PendingWrite]:
         if not self.mixed(unit):
             return []  # the PARAM slice is its own master: the step pipeline writes it home
         # Straight to the home tier in the compute dtype, without reading the old slice first.
         key = SliceKey(unit.name, Kind.PARAM)
-        if self.device.type == "cuda" and master.device.type == "cpu":
+        if cast is not None:
+            value = cast  # made by the step on its way ([Note: the converting step]); pinned for a GPU
+        elif self.device.type == "cuda" and master.device.type == "cpu":
             # Pinned (torch's caching host allocator), so that its copy up does not block.
             value = torch.empty(master.numel(), dtype=self.dtype_of(unit), pin_memory=True).copy_(master)
         else:

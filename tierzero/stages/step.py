@@ -69,9 +69,11 @@ class Steppable(Protocol):
 
     def mixed(self, unit: Unit) -> bool: ...
 
+    def dtype_of(self, unit: Unit) -> torch.dtype: ...
+
     def grad_slice(self, grads: torch.Tensor, unit: Unit) -> torch.Tensor: ...
 
-    def publish(self, unit: Unit, master: torch.Tensor) -> list[PendingWrite]: ...
+    def publish(self, unit: Unit, master: torch.Tensor, *, cast: torch.Tensor | None = None) -> list[PendingWrite]: ...
 
     def unshard(self, unit: Unit) -> None: ...
 
@@ -377,17 +379,19 @@ def _step_unit(
             offset=unit.shard_range(stage.comm.rank)[0],
             groups=[slot.group for slot in unit.slots],
         )
+        cast = _cast_slice(stage, unit, master) if converting else None
         if converting:
             stage.optimizer.step_converting(
-                param=master, grad=source, scale=scale, states=states, step=scalars.step, lr=lrs, layout=layout
-            )
+                param=master, grad=source, scale=scale, states=states, step=scalars.step, lr=lrs, layout=layout,
+                cast=cast,
+            )  # fmt: skip
         else:
             if not in_place:
                 g.copy_(source)
             if scale != 1.0:
                 g.mul_(scale)
             stage.optimizer.step(param=master, grad=g, states=states, step=scalars.step, lr=lrs, layout=layout)
-        writes = stage.publish(unit, master)
+        writes = stage.publish(unit, master, cast=cast)
         if stage.leaves_grads_stale(unit.name):
             unit.grads_stale = True  # the pipeline releases the slice unwritten (`keep_home`)
         else:
@@ -399,6 +403,15 @@ def _step_unit(
         if scratch_master:
             store.free(master)
     return writes
+
+
+def _cast_slice(stage: Steppable, unit: Unit, master: torch.Tensor) -> torch.Tensor | None:
+    """Where a mixed unit's converting step casts its new parameters as it goes (None for an fp32 unit):
+    pinned when they go up to a GPU, so that their copy does not block."""
+    if not stage.mixed(unit):
+        return None
+    pinned = stage.device.type == "cuda" and master.device.type == "cpu"
+    return torch.empty(master.numel(), dtype=stage.dtype_of(unit), device=master.device, pin_memory=pinned)
 
 
 def _steps_on_host(stage: Steppable, tier: Tier) -> bool:
