@@ -106,6 +106,14 @@ def _settled(store: TieredStore, cached: int) -> None:
     assert _cache_bytes(store) == cached
 
 
+def _copies_gone(store: TieredStore) -> None:
+    """Wait until no fetched copy is left in host memory: a released copy goes once its write lands."""
+    deadline = time.monotonic() + 10
+    while store.report().tiers[Tier.CPU].current_by_use[Use.FETCHED] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert store.report().tiers[Tier.CPU].current_by_use[Use.FETCHED] == 0
+
+
 def _step(store: TieredStore, key: SliceKey, *, to: Tier, value: torch.Tensor, reads: int = 1) -> None:
     """What a step does to a slice: read it `reads` times, then write its new value back."""
     for _ in range(reads):
@@ -135,7 +143,9 @@ def test_the_cached_set_moves_no_disk_bytes_and_an_eviction_writes_the_newest_va
         _step(store, b, to=Tier.DEVICE, value=value[b][1], reads=0)
         assert store.nvme_traffic() == (0, SLICE)
         # c is read twice between its writes, as b was, a once: c takes the place of a, whose
-        # newest value goes to disk, and c's own write goes to the cache.
+        # newest value goes to disk, and c's own write goes to the cache. a's fetched copy goes once
+        # its write into the cache lands, in the swapper's thread: the peak starts after that.
+        _copies_gone(store)
         store.reset_peaks()
         _step(store, c, to=Tier.CPU, value=value[c][1], reads=1)
         assert store.nvme_traffic() == (2 * SLICE, 2 * SLICE)
