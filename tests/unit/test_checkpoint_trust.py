@@ -149,8 +149,8 @@ def test_consolidate_refuses_to_write_into_the_checkpoint_root(saved: tuple[Path
     for checkpoint, out in [(root / "2", shard), (root, root / "model.safetensors"), (root / "2", root / "2" / "hf")]:
         assert main(["consolidate", str(checkpoint), str(out)]) == 2
         assert capsys.readouterr().err == (
-            f"tierzero: error: consolidate output {out} is inside the checkpoint root {root}: it would replace or be "
-            "pruned with the checkpoints there; write it outside\n"
+            f"tierzero: error: consolidate output {out} lies inside the run's checkpoint root {root}: writing there would "
+            "overwrite or delete what the run reads; name an output that neither is, holds nor lies inside it\n"
         )
     assert shard.read_bytes() == before and not (root / "model.safetensors").exists() and not (root / "2" / "hf").exists()
     assert consolidate(root / "1", tmp_path / "m.safetensors").step == 1  # beside the root is fine

@@ -200,10 +200,11 @@ def test_the_tokenizer_comes_from_data_tokenizer_or_the_pretrained_directory(tmp
     run = {"model": {"type": "transformers"}, "data": {"tokenizer": str(tok)}}
     assert check_export(run, tmp_path / "out", what="--export") == tok
     assert check_export({"model": {"pretrained": str(tok)}}, tmp_path / "out", what="--export") == tok
-    assert check_export({"model": {"pretrained": str(tmp_path)}}, tmp_path / "out", what="--export") is None
-    with pytest.raises(ValueError, match=f"^data.tokenizer {tmp_path} holds no tokenizer files"):
-        check_export({"model": {"type": "transformers"}, "data": {"tokenizer": str(tmp_path)}}, tmp_path / "out", what="--export")
-    with pytest.raises(ValueError, match="is inside checkpoint.dir"):
+    (tmp_path / "bare").mkdir()
+    assert check_export({"model": {"pretrained": str(tmp_path / "bare")}}, tmp_path / "out", what="--export") is None
+    with pytest.raises(ValueError, match=f"^data.tokenizer {tmp_path / 'bare'} holds no tokenizer files"):
+        check_export({"model": {"type": "transformers"}, "data": {"tokenizer": str(tmp_path / "bare")}}, tmp_path / "out", what="--export")
+    with pytest.raises(ValueError, match="lies inside the run's checkpoint.dir"):
         check_export({"model": {"type": "transformers"}, "checkpoint": {"dir": str(tmp_path)}}, tmp_path / "o", what="--export")
 
 

@@ -17,8 +17,9 @@ It streams: one unit's full buffer is rebuilt from the rank files at a time, so 
 is bounded by the largest unit (in fp32), never the model; `--hf` adds one tensor cast to the
 written dtype, and writes each tensor to its shard as it comes. The checkpoint's files are verified
 first, every number of its manifest against them; the output is written beside its final
-name and renamed when complete, never inside the checkpoint's root (it would replace the
-checkpoint's own files, or be pruned with them).
+name and renamed when complete, never on, in or around the checkpoint's root (it would replace
+the checkpoint's own files, or be pruned with them) nor what the run read (its model.pretrained,
+data and tokenizer, as the manifest records them).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from tierzero.checkpoint.export import (
     PretrainedWriter,
     check_export,
     copy_tokenizer,
+    run_inputs,
     saved_name,
     tied_targets,
     write_model_files,
@@ -56,6 +58,7 @@ from tierzero.checkpoint.format import (
 )
 from tierzero.checkpoint.manifest import MANIFEST, MODULE_PREFIX, Manifest, UnitLayout
 from tierzero.checkpoint.shards import ShardReader
+from tierzero.common.output_paths import refuse_overlap
 from tierzero.pretrained import PretrainedError, build_meta_model
 
 __all__ = [
@@ -86,8 +89,8 @@ def consolidate(checkpoint: str | Path, out: str | Path, *, note: Callable[[str]
     """Write the checkpoint's full fp32 model to `out` (a .safetensors file), unit by unit."""
     directory = find_checkpoint(checkpoint, note=note)
     out = Path(out)
-    refuse_inside_root(directory, out)
     manifest = Manifest.read(directory)
+    refuse_inputs(directory, manifest, out)
     reader, module = _open(directory, manifest)
     entries = [
         TensorEntry(slot.names[0], slot.numel, torch.float32, slot.shape) for unit in manifest.units for slot in unit.slots
@@ -128,15 +131,13 @@ def _open(directory: Path, manifest: Manifest) -> tuple[ShardReader, dict[str, t
     return reader, module
 
 
-def refuse_inside_root(directory: Path, out: Path) -> None:
-    """ValueError when `out` lies in the root that holds the checkpoint `directory` (or in it)."""
+def refuse_inputs(directory: Path, manifest: Manifest, out: Path, *, tokenizer: str | Path | None = None) -> None:
+    """ValueError when `out` is, holds or lies inside the root that holds the checkpoint `directory`
+    (it would replace or be pruned with the checkpoints there) or what its run read, as its manifest
+    records it; see [Note: an output never eats an input]."""
     root = directory.parent if directory.name.isdigit() else directory
-    base, target = root.resolve(), out.resolve()
-    if target == base or base in target.parents:
-        raise ValueError(
-            f"consolidate output {out} is inside the checkpoint root {root}: it would replace or be pruned with "
-            "the checkpoints there; write it outside"
-        )
+    inputs = {"checkpoint root": root, **run_inputs(manifest.config), "--tokenizer": tokenizer}
+    refuse_overlap(out, inputs, what="consolidate output")
 
 
 def _full_fp32(reader: ShardReader, unit: UnitLayout) -> torch.Tensor:
@@ -150,7 +151,7 @@ def _full_fp32(reader: ShardReader, unit: UnitLayout) -> torch.Tensor:
 def consolidate_pretrained(checkpoint: str | Path, out_dir: str | Path, *, note: Callable[[str], None] | None = None) -> Consolidated:
     """`out_dir/model.safetensors`, plus `config.json` when the checkpoint's run was a transformers model."""
     out_dir, directory = Path(out_dir), find_checkpoint(checkpoint, note=note)
-    refuse_inside_root(directory, out_dir)
+    refuse_inputs(directory, Manifest.read(directory), out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     done = consolidate(directory, out_dir / "model.safetensors")
     model = _model_section(Manifest.read(directory), directory)
@@ -175,8 +176,8 @@ def consolidate_hf(
     own (see `check_export`). Tied weights are stored under the name save_pretrained keeps.
     """
     out_dir, directory = Path(out_dir), find_checkpoint(checkpoint, note=note)
-    refuse_inside_root(directory, out_dir)
     manifest = Manifest.read(directory)
+    refuse_inputs(directory, manifest, out_dir, tokenizer=tokenizer)
     source = check_export(manifest.config, out_dir, what="--hf", tokenizer=None if tokenizer is None else Path(tokenizer))
     model = _run_model(_model_section(manifest, directory))
     dtype = dtype or dtype_from_name(manifest.param_dtype, where=str(directory / MANIFEST))

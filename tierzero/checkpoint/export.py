@@ -46,6 +46,7 @@ from tierzero.checkpoint.format import (
     write_bytes_atomic,
 )
 from tierzero.checkpoint.protocol import Exportable
+from tierzero.common.output_paths import check_writable, refuse_overlap
 from tierzero.common.sizes import format_size, parse_size
 from tierzero.pretrained.files import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
 
@@ -249,6 +250,20 @@ def saved_name(names: Sequence[str], targets: Sequence[re.Pattern[str]]) -> str:
     return kept[0] if kept else sorted(names)[-1]
 
 
+def run_inputs(run_config: Mapping[str, Any]) -> dict[str, str | None]:
+    """What a run reads, by key, from its config (a manifest's or the live one): what no output may touch."""
+
+    def key(section: str, name: str) -> str | None:
+        part = run_config.get(section)
+        value = part.get(name) if isinstance(part, Mapping) else None
+        return value if isinstance(value, str) else None
+
+    return {
+        "model.pretrained": key("model", "pretrained"), "data.path": key("data", "path"),
+        "data.tokenizer": key("data", "tokenizer"), "checkpoint.dir": key("checkpoint", "dir"),
+    }  # fmt: skip
+
+
 def check_export(
     run_config: Mapping[str, Any], out: Path, *, what: str, tokenizer: Path | None = None, module: nn.Module | None = None
 ) -> Path | None:
@@ -257,6 +272,7 @@ def check_export(
     The model must be a transformers one: `module` when given (the live model), else the one
     the run config's model section names. The tokenizer is `tokenizer` when given, else the
     run's `data.tokenizer`, else the `model.pretrained` directory's own tokenizer when it has one.
+    An `out` on one of the run's inputs, or where this user cannot write, is refused.
     """
     model = run_config.get("model")
     model = model if isinstance(model, Mapping) else {}
@@ -273,9 +289,8 @@ def check_export(
         )
     if out.exists() and not out.is_dir():
         raise ValueError(f"{what} {out} is a file: name a directory (new, or one an earlier export wrote)")
-    root = (run_config.get("checkpoint") or {}).get("dir")
-    if root is not None and (out.resolve() == Path(root).resolve() or Path(root).resolve() in out.resolve().parents):
-        raise ValueError(f"{what} {out} is inside checkpoint.dir {root}: the checkpoints' pruning would delete it; write it outside")
+    refuse_overlap(out, {**run_inputs(run_config), "--tokenizer": tokenizer}, what=what)
+    check_writable(out, what=what, directory=True)
     data = run_config.get("data")
     if tokenizer is None and isinstance(data, Mapping) and data.get("tokenizer") is not None:
         tokenizer = Path(str(data["tokenizer"])).expanduser()

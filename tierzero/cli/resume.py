@@ -1,13 +1,15 @@
-"""Where `tierzero train` resumes from, and when it saves a checkpoint."""
+"""Where `tierzero train` resumes from, when it saves a checkpoint, and when a non-finite loss stops it."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from tierzero.checkpoint import find_checkpoint
 
-__all__ = ["checkpoint_due", "no_checkpoint_under", "resume_from"]
+__all__ = ["NonFiniteLoss", "NonFiniteLosses", "checkpoint_due", "no_checkpoint_under", "resume_from"]
 
 
 def resume_from(engine: Any, root: Path, step: int | None, *, show: bool, out: TextIO) -> int:
@@ -35,3 +37,35 @@ def checkpoint_due(cfg: Any, steps_done: int) -> bool:
     """After the last step, and every checkpoint.every steps, when checkpoint.dir is set."""
     every = cfg.checkpoint.every
     return cfg.checkpoint.dir is not None and (steps_done == cfg.train.steps or (every > 0 and steps_done % every == 0))
+
+
+class NonFiniteLoss(ValueError):
+    """The run stopped on a NaN or inf loss: one line, exit 2 (a ValueError, as every user-facing stop)."""
+
+
+@dataclass(slots=True)
+class NonFiniteLosses:
+    """The steps in a row whose loss was NaN or inf: the run stops at `limit` (train.max_nonfinite),
+    or at the last step when its loss is one, so that nothing is saved or exported from such a step.
+
+    Only the loss counts: an fp16 step the loss scaler skipped for overflowed gradients has a finite loss.
+    """
+
+    limit: int
+    in_a_row: int = 0
+
+    def saves(self, loss: float, *, step: int, steps: int) -> bool:
+        """Whether step `step` (from 1) of `steps` may be saved: True for a finite loss; NonFiniteLoss
+        when this one is the limit's or the last step's; False for one the limit still tolerates."""
+        if math.isfinite(loss):
+            self.in_a_row = 0
+            return True
+        self.in_a_row += 1
+        if self.in_a_row < self.limit and step < steps:
+            return False
+        row = f" ({self.in_a_row} steps in a row)" if self.in_a_row > 1 else ""
+        raise NonFiniteLoss(
+            f"step {step}/{steps}: the loss is {loss}{row} (train.max_nonfinite {self.limit}): the run stops and saves "
+            "nothing from this step; lower optimizer.lr, check the data, or raise train.max_nonfinite, then --resume "
+            "from the last checkpoint"
+        )

@@ -31,10 +31,11 @@ from tierzero.api import initialize
 from tierzero.checkpoint import PeftAdapters, TransformersDirectory, probe_root
 from tierzero.checkpoint.export import check_export
 from tierzero.cli.config import parse_overrides
-from tierzero.cli.resume import checkpoint_due, no_checkpoint_under, resume_from
+from tierzero.cli.resume import NonFiniteLosses, checkpoint_due, no_checkpoint_under, resume_from
 from tierzero.cli.run_header import RunHeader
 from tierzero.cli.run_summary import TIERS, PartClock, RunSummary
 from tierzero.comm.dist import roll_call_s, unanswered_ranks
+from tierzero.common.output_paths import check_writable
 from tierzero.common.sizes import format_size
 from tierzero.config import ConfigError, TierZeroConfigWarning, read_config
 from tierzero.config.precision import cpu_flags, slow_bf16_note
@@ -52,6 +53,8 @@ __all__ = ["RunSummary", "add_demo_command", "add_train_command", "run_demo", "r
 
 DEMO_CONFIG = Path("configs") / "demo.yaml"
 DEMO_SWAP = Path(".tierzero-swap")
+MAX_STEPS = 10**9
+"""The most optimizer steps `--steps` takes: past any run, and far inside the int64 step counters a checkpoint keeps."""
 
 
 def add_train_command(subparsers: Any) -> None:
@@ -93,6 +96,8 @@ def run_train(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     """`tierzero train`: 0 when done (or done already), 130 when interrupted; user errors raise ValueError/OSError."""
     overrides = parse_overrides(args.overrides, nvme_path=args.nvme_path)
     if args.steps is not None:
+        if not 1 <= args.steps <= MAX_STEPS:
+            raise ValueError(f"--steps {args.steps} is outside 1..{MAX_STEPS}: give at most {MAX_STEPS} optimizer steps")
         overrides["train.steps"] = args.steps
     loaded = read_config(args.config, overrides=overrides)
     cfg = loaded.config
@@ -102,6 +107,8 @@ def run_train(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             "byte-level demo GPT on Python's own sources: set model.pretrained to a transformers model directory and "
             "data.path to your text (or model.type: gpt to train the demo model)"
         )
+    if args.summary_json is not None:  # before training: found after it, the summary would be lost
+        check_writable(args.summary_json, what="--summary-json", directory=False)
     step = None if isinstance(args.resume, bool) else args.resume
     summary = train(
         cfg, resume=args.resume is not False, resume_step=step, progress=not args.no_progress, out=out or sys.stdout, export=args.export,
@@ -266,12 +273,14 @@ def _loop(
         busy, after_first = getattr(engine.store, "nvme_busy", Busy), Busy()
         # Parts are timed only where a plan predicted them: the summary sets the two side by side.
         clock = PartClock(cuda=device.type == "cuda") if summary.predicted_parts else None
+        nonfinite = NonFiniteLosses(limit=cfg.train.max_nonfinite)
         for step in range(start, cfg.train.steps):
             t0, moved, lr = time.perf_counter(), traffic(), float(engine.lr)
             loss = _train_step(
                 engine, data, step=step, accumulation=accumulation, device=device, is_hf=cfg.model.is_transformers, clock=clock
             )  # fmt: skip
             ctrl_c.check()
+            saves = nonfinite.saves(loss, step=step + 1, steps=cfg.train.steps)  # the same on every rank: the loss is reduced
             elapsed = time.perf_counter() - t0
             summary.step_seconds.append(elapsed)
             if clock is not None:
@@ -291,7 +300,10 @@ def _loop(
             bar.update(1)
             if show and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
                 bar.write(f"step {step + 1}/{cfg.train.steps} {postfix}", file=out)
-            if checkpoint_due(cfg, step + 1):
+            if checkpoint_due(cfg, step + 1) and not saves:
+                if show:
+                    bar.write(f"no checkpoint at step {step + 1}: its loss is {loss}", file=out)
+            elif checkpoint_due(cfg, step + 1):
                 saved = engine.save_checkpoint()
                 if show:
                     bar.write(f"saved checkpoint {saved}", file=out)

@@ -162,6 +162,10 @@ class TrainConfig(Section):
     model.pretrained."""
     log_every: int = setting(10, int_check(1))
     """`tierzero train` writes a log line every this many steps (the progress bar updates every step)."""
+    max_nonfinite: int = setting(1, int_check(1))
+    """`tierzero train` stops (exit 2) after this many steps in a row whose loss is NaN or inf (1: at the
+    first), naming the step; a checkpoint due at such a step is not saved. An fp16 step skipped for
+    overflowed gradients is not counted: only the loss is."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
