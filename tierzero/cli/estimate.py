@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -122,6 +123,10 @@ def _comm_lines(result: Estimate) -> list[str]:
 
 # ---------------------------------------------------------------- the command
 
+MAX_WORLD_SIZE = 1 << 16
+"""The most ranks `estimate --world-size` takes: its work grows with the ranks (tens of seconds at 2^18,
+a quarter of an hour at 10^8), and 65,536 data-parallel ranks is past any machine it would plan for."""
+
 #: Where `tierzero estimate` looks for `tierzero bench nvme --json` results when --nvme-bench is not given.
 DEFAULT_BENCH_PATHS = ("bench-nvme.json", "results/bench-nvme.json")
 
@@ -195,9 +200,8 @@ def add_estimate_command(subparsers: Any) -> None:
 def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
     """`tierzero estimate`: 0 when the config fits, 1 when it does not; user errors raise ValueError."""
     out = out or sys.stdout
+    _check_flags(args)
     cfg = load_config(args.config, overrides=parse_overrides(args.overrides, nvme_path=args.nvme_path))
-    if args.flops is not None and args.flops <= 0:
-        raise ValueError(f"--flops must be a positive GFLOP/s rate, got {args.flops}")
     flops = None
     if args.flops is not None:
         flops = Bandwidth(read=args.flops * 1e9, write=args.flops * 1e9, source=f"given {args.flops:g} GFLOP/s (--flops)")
@@ -222,6 +226,17 @@ def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
     else:
         out.write(format_estimate(result, budgets=budgets))
     return 0 if result.fits else 1
+
+
+def _check_flags(args: Any) -> None:
+    """Refuse, before any work, a world size past MAX_WORLD_SIZE and a rate that is no number of GFLOP/s."""
+    if not 1 <= args.world_size <= MAX_WORLD_SIZE:
+        raise ValueError(
+            f"--world-size {args.world_size} is outside 1..{MAX_WORLD_SIZE}, the ranks an estimate covers: "
+            f"give at most {MAX_WORLD_SIZE}"
+        )
+    if args.flops is not None and not (math.isfinite(args.flops) and args.flops > 0):
+        raise ValueError(f"--flops must be a positive GFLOP/s rate, got {args.flops}")
 
 
 def _local_world_size(args: Any) -> int | None:

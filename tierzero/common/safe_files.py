@@ -26,6 +26,7 @@ import logging
 import os
 import secrets
 import stat
+import sys
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -37,6 +38,7 @@ __all__ = [
     "create_new",
     "is_ours",
     "load_json",
+    "loads_bounded",
     "open_lock",
     "open_regular",
     "read_capped",
@@ -117,11 +119,26 @@ def read_capped(path: str | os.PathLike[str], *, limit: int, dir_fd: int | None 
 def load_json(path: str | os.PathLike[str], *, limit: int, dir_fd: int | None = None, owned: bool = True) -> Any:
     """The JSON value in `path`, read as `read_capped` does. FileNotFoundError when missing, `RefusedFile`
     when refused, ValueError when it is not JSON in UTF-8 or nests deeper than Python's recursion limit."""
-    data = read_capped(path, limit=limit, dir_fd=dir_fd, owned=owned)
+    return loads_bounded(read_capped(path, limit=limit, dir_fd=dir_fd, owned=owned), name=str(path))
+
+
+def loads_bounded(data: bytes | str, *, name: str) -> Any:
+    """`json.loads(data)`, with the two ways JSON breaks Python itself as a one-line ValueError naming
+    `name` (the file, or the file and line): nesting past the recursion limit (a RecursionError) and
+    an integer of more digits than `int()` converts (a ValueError from deep inside json, naming nothing).
+    Other JSON errors (json.JSONDecodeError, UnicodeDecodeError) pass through for the caller to word."""
     try:
         return json.loads(data)
     except RecursionError:
-        raise ValueError(f"{path} nests deeper than a JSON file may") from None
+        raise ValueError(f"{name} nests deeper than a JSON file may") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise
+    except ValueError as exc:
+        if "integer string conversion" not in str(exc):
+            raise
+        raise ValueError(
+            f"{name} holds an integer of more than {sys.get_int_max_str_digits()} digits, more than Python reads"
+        ) from None
 
 
 def scratch_path(path: Path) -> Path:

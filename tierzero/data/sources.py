@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierzero.common.safe_files import RefusedFile, confined, load_json
+from tierzero.common.safe_files import RefusedFile, confined, load_json, loads_bounded
 
 __all__ = [
     "DATASET_MARKERS",
@@ -153,10 +153,12 @@ def _read_jsonl(path: Path, field: str) -> Iterator[str]:
                 continue  # blank lines (a trailing newline, spacing) hold no document
             where = f"data.path file {path} line {number}"
             try:
-                record = json.loads(raw)
+                record = loads_bounded(raw, name=where)
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 detail = exc.reason if isinstance(exc, UnicodeDecodeError) else exc.msg
                 raise ValueError(f"{where} is not a JSON object ({detail}): fix or remove the line") from None
+            except ValueError as exc:  # nested past the recursion limit, or an integer past int()'s digits
+                raise ValueError(f"{exc}: fix or remove the line") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{where} is a JSON {type(record).__name__}, expected an object with a {field!r} field: fix or remove the line")
             if field not in record:
@@ -167,7 +169,21 @@ def _read_jsonl(path: Path, field: str) -> Iterator[str]:
             text = record[field]
             if not isinstance(text, str):
                 raise ValueError(f"{where}: field {field!r} is {_kind(text)}, expected a string: fix the line")
+            if b"\\u" in raw and not _encodes(text):
+                raise ValueError(
+                    f"{where}: field {field!r} holds a lone surrogate escape (such as \\ud800), which is no character "
+                    "in UTF-8: fix the line"
+                )
             yield text
+
+
+def _encodes(text: str) -> bool:
+    """Whether `text` is UTF-8-encodable: JSON's \\u escapes can spell half a surrogate pair, which is not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _read_dataset(path: Path, field: str) -> Iterator[str]:
@@ -184,6 +200,7 @@ def _read_dataset(path: Path, field: str) -> Iterator[str]:
             f"directory, e.g. {path / next(iter(splits), 'train')}"
         )
     _named_files(path, "state.json", "_data_files")  # datasets opens each: none may lead out of `path`
+    _record(path, "dataset_info.json")  # datasets reads it as an object, with a traceback for anything else
     loaded = datasets.load_from_disk(str(path))
     if field not in loaded.column_names:
         raise ValueError(
@@ -203,12 +220,7 @@ def _named_files(path: Path, name: str, key: str) -> list[object]:
     """The names the list `key` in `path / name` gives (`{"filename": ...}` records or plain names),
     each confined to `path`; a ValueError naming the file when it cannot be read or a name leads out."""
     where = path / name
-    try:
-        record = load_json(where, limit=STATE_LIMIT, owned=False)
-    except (OSError, ValueError) as exc:
-        detail = exc.reason if isinstance(exc, RefusedFile) else getattr(exc, "strerror", None) or str(exc)
-        raise ValueError(f"data.path {path}: {where} cannot be read ({detail}): write the dataset again with save_to_disk") from None
-    entries = record.get(key) if isinstance(record, dict) else None
+    entries = _record(path, name).get(key)
     if not isinstance(entries, list):
         raise ValueError(f"data.path {path}: {where} has no list {key!r}: write the dataset again with save_to_disk")
     names = [entry.get("filename") if isinstance(entry, dict) else entry for entry in entries]
@@ -221,6 +233,21 @@ def _named_files(path: Path, name: str, key: str) -> list[object]:
                 "write the dataset again with save_to_disk"
             ) from None
     return names
+
+
+def _record(path: Path, name: str) -> dict[str, Any]:
+    """The JSON object in `path / name`, a file `save_to_disk` wrote; a ValueError naming it otherwise."""
+    where = path / name
+    try:
+        record = load_json(where, limit=STATE_LIMIT, owned=False)
+    except (OSError, ValueError) as exc:
+        detail = exc.reason if isinstance(exc, RefusedFile) else getattr(exc, "strerror", None) or str(exc)
+        raise ValueError(f"data.path {path}: {where} cannot be read ({detail}): write the dataset again with save_to_disk") from None
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"data.path {path}: {where} holds {_kind(record)}, not a JSON object: write the dataset again with save_to_disk"
+        )
+    return record
 
 
 def _kind(value: Any) -> str:

@@ -12,10 +12,13 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from torch import nn
+
+from tierzero.common.safe_files import loads_bounded
 
 __all__ = ["BYTE_VOCAB", "TextTokenizer", "check_vocab", "load_tokenizer", "model_vocab_size"]
 
@@ -60,6 +63,8 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> TextTokenizer:
         raise ValueError(f"data.tokenizer {directory} needs the transformers package: pip install 'tierzero[data]'") from None
     try:
         loaded = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except RecursionError:
+        raise ValueError(f"data.tokenizer {directory}: {_too_deep(directory)}: replace it with the file save_pretrained wrote") from None
     except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
         detail = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         raise ValueError(
@@ -82,6 +87,18 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> TextTokenizer:
     backend.no_padding()
     vocab = max(len(loaded), backend.get_vocab_size(with_added_tokens=True))
     return TextTokenizer(directory=directory, backend=backend, eos_id=int(loaded.eos_token_id), vocab_size=vocab)
+
+
+def _too_deep(directory: str) -> str:
+    """Which JSON file of `directory` nests past the recursion limit, in loads_bounded's words: looked for only
+    once transformers hit it, so that a good tokenizer.json (megabytes) is not parsed twice on every load."""
+    for path in sorted(p for p in Path(directory).glob("*.json") if p.is_file()):
+        try:
+            loads_bounded(path.read_bytes(), name=path.name)
+        except ValueError as exc:
+            if "nests deeper" in str(exc):
+                return str(exc)
+    return "a JSON file nests deeper than a JSON file may"
 
 
 def model_vocab_size(model: nn.Module) -> int:

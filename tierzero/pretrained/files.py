@@ -19,11 +19,18 @@ from typing import Any
 
 import torch
 
+from tierzero.common.safe_files import loads_bounded
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 POSITION_KEYS = ("max_position_embeddings", "n_positions")
 """The config.json keys that give a model's positions: Llama's and most models', GPT-2's."""
+HEAD_KEYS = (("hidden_size", "num_attention_heads"), ("n_embd", "n_head"))
+"""The config.json keys of a model's width and of the attention heads it is split into: most models', GPT-2's."""
+SIZE_KEYS = ("vocab_size", *(key for pair in HEAD_KEYS for key in pair), "num_hidden_layers", "n_layer")
+"""The config.json keys that, where present, must be positive integers: transformers' own checks let
+some through (vocab_size 0 builds) and word the rest as tracebacks without the file."""
 #: The fix every refusal of a damaged file ends with.
 _REFETCH = "download or save_pretrained the model again"
 
@@ -104,11 +111,28 @@ def require_config(directory: Path) -> Path:
     return config
 
 
+def read_config(directory: Path) -> dict[str, Any]:
+    """`directory/config.json` as a JSON object with its SIZE_KEYS positive integers and its heads
+    dividing its width; PretrainedError naming the file and the key otherwise."""
+    config = require_config(directory)
+    value = _json(config.read_bytes(), name=str(config), where=f"{config} is not valid JSON")
+    for key in SIZE_KEYS:
+        size = value.get(key, 1)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise PretrainedError(f"{config}: {key} is {json.dumps(size)[:40]}, expected a positive integer: fix {CONFIG_FILE}")
+    for width, heads in HEAD_KEYS:
+        # A config with its own head_dim may project its width to heads of any size (Gemma, Qwen3).
+        if "head_dim" not in value and value.get(width, 0) % value.get(heads, 1):
+            raise PretrainedError(
+                f"{config}: {heads} {value[heads]} does not divide {width} {value[width]}: fix {CONFIG_FILE}"
+            )
+    return value
+
+
 def position_limit(directory: Path) -> tuple[int, str] | None:
     """The longest sequence the model of `directory/config.json` has positions for, and the key
     that says so (the first of POSITION_KEYS it holds); None when it names none."""
-    config = require_config(directory)
-    value = _json(config.read_bytes(), where=f"{config} is not valid JSON")
+    value = read_config(directory)
     for key in POSITION_KEYS:
         limit = value.get(key)
         if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
@@ -150,7 +174,7 @@ def _scan_index(index: Path) -> dict[str, TensorInfo]:
 
 
 def _weight_map(index: Path) -> dict[str, str]:
-    value = _json(index.read_bytes(), where=f"{index} is not valid JSON")
+    value = _json(index.read_bytes(), name=str(index), where=f"{index} is not valid JSON")
     weight_map = value.get("weight_map")
     valid = isinstance(weight_map, dict) and all(isinstance(v, str) and "/" not in v for v in weight_map.values())
     if not valid or not weight_map:
@@ -171,18 +195,38 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         if 8 + length > size:
             raise PretrainedError(f"{path} is truncated: its header claims {8 + length} bytes, the file has {size}: {_REFETCH}")
         raw = f.read(length)
-    header = _json(raw, where=f"{path} has a header that is not valid JSON")
+    header = _json(raw, name=f"{path}'s header", where=f"{path} has a header that is not valid JSON")
     header.pop("__metadata__", None)
     data_bytes = size - 8 - length
-    return {name: _entry(path, name, entry, data_bytes=data_bytes, data_start=8 + length) for name, entry in header.items()}
+    tensors = {name: _entry(path, name, entry, data_bytes=data_bytes, data_start=8 + length) for name, entry in header.items()}
+    _refuse_overlaps(path, tensors)
+    return tensors
 
 
-def _json(raw: bytes, *, where: str) -> dict[str, Any]:
+def _refuse_overlaps(path: Path, tensors: dict[str, TensorInfo]) -> None:
+    """PretrainedError naming two tensors whose bytes overlap: loading one would write into the other.
+    Empty tensors (begin == end) hold no bytes and may share any offset."""
+    spans = sorted((info.data_offsets, name) for name, info in tensors.items() if info.numel)
+    previous: tuple[tuple[int, int], str] | None = None
+    for (begin, end), name in spans:
+        if previous is not None and begin < previous[0][1]:
+            (other_begin, other_end), other = previous
+            raise PretrainedError(
+                f"{path}: tensors {other} (data bytes [{other_begin}, {other_end})) and {name} ([{begin}, {end})) "
+                f"overlap: its header is corrupt; {_REFETCH}"
+            )
+        if previous is None or end > previous[0][1]:
+            previous = ((begin, end), name)
+
+
+def _json(raw: bytes, *, name: str, where: str) -> dict[str, Any]:
     try:
-        value = json.loads(raw.decode("utf-8"))
+        value = loads_bounded(raw.decode("utf-8"), name=name)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         detail = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
         raise PretrainedError(f"{where} ({detail}): it is corrupt or was replaced; {_REFETCH}") from None
+    except ValueError as exc:  # nested past the recursion limit, or an integer past int()'s digits
+        raise PretrainedError(f"{exc}: it is corrupt or was replaced; {_REFETCH}") from None
     if not isinstance(value, dict):
         raise PretrainedError(f"{where} (a JSON {type(value).__name__}, expected an object): {_REFETCH}")
     return value

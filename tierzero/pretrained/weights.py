@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tierzero.pretrained.files import PretrainedError, TensorInfo, require_config, scan_directory
+from tierzero.pretrained.files import PretrainedError, TensorInfo, read_config, require_config, scan_directory
 from tierzero.pretrained.lora import adapter_parameter_names, is_peft_model
 from tierzero.units.unit import ParamSlot, Unit
 
@@ -272,6 +272,7 @@ def build_meta_model(directory: str | Path) -> nn.Module:
     No code from the directory runs (no trust_remote_code) and nothing is downloaded.
     """
     config_path = require_config(Path(directory))
+    read_config(config_path.parent)  # its JSON and sizes, refused here in one line rather than deep in transformers
     try:
         import transformers
     except ImportError:
@@ -280,9 +281,20 @@ def build_meta_model(directory: str | Path) -> nn.Module:
         config = transformers.AutoConfig.from_pretrained(str(config_path.parent), local_files_only=True)
         with torch.device("meta"):
             return transformers.AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError, OSError) as exc:
-        detail = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+    except (ValueError, KeyError, OSError, *_config_errors()) as exc:
+        # huggingface_hub's validation errors span two lines: the field, then the cause.
+        detail = " ".join(line.strip() for line in str(exc).splitlines())[:200] or type(exc).__name__
         raise PretrainedError(
             f"{config_path}: transformers {transformers.__version__} cannot build a causal LM from it ({detail}): "
             "fix config.json or upgrade transformers"
         ) from None
+
+
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What transformers' config classes raise for a bad value, beside ValueError: huggingface_hub's
+    strict-dataclass errors (absent from an older huggingface_hub, whose transformers raised ValueError)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
