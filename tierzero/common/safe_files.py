@@ -93,8 +93,14 @@ def open_regular(path: str | os.PathLike[str], *, dir_fd: int | None = None, own
     """A read-only descriptor of `path` (relative to `dir_fd` when given) if it is a regular file,
     and one of this user's while `owned`; else `RefusedFile`. A missing file is FileNotFoundError."""
     _check(path, os.stat(path, dir_fd=dir_fd, follow_symlinks=False), owned=owned)
+    return _open_checked(path, _READ_FLAGS, dir_fd=dir_fd, owned=owned)
+
+
+def _open_checked(path: str | os.PathLike[str], flags: int, *, dir_fd: int | None = None, owned: bool) -> int:
+    """`os.open` with `flags` (O_NOFOLLOW among them), then the same checks on what was opened: a name
+    swapped since the lstat for a symlink or a socket, or for anything `_check` refuses, is refused."""
     try:
-        fd = os.open(path, _READ_FLAGS, dir_fd=dir_fd)
+        fd = os.open(path, flags, 0o600, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENXIO):  # swapped for a symlink or a socket since the lstat
             raise RefusedFile(path, "a symlink or a socket, not a regular file") from None
@@ -159,18 +165,7 @@ def open_lock(path: str | os.PathLike[str]) -> int:
         _check(path, os.lstat(path), owned=True)
     except FileNotFoundError:
         pass
-    try:
-        fd = os.open(path, _READ_FLAGS | os.O_CREAT, 0o600)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENXIO):
-            raise RefusedFile(path, "a symlink or a socket, not a regular file") from None
-        raise
-    try:
-        _check(path, os.fstat(fd), owned=True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _open_checked(path, _READ_FLAGS | os.O_CREAT, owned=True)
 
 
 def confined(directory: Path, name: object) -> Path:

@@ -414,11 +414,16 @@ def _cast_slice(stage: Steppable, unit: Unit, master: torch.Tensor) -> torch.Ten
     return torch.empty(master.numel(), dtype=stage.dtype_of(unit), device=master.device, pin_memory=pinned)
 
 
+def computes_on_host(device: torch.device) -> bool:
+    """Whether the units compute in host memory: on the CPU, or in the estimate's dry run (the meta
+    device) standing for a machine without a GPU."""
+    return device.type == "cpu" or (device.type == "meta" and not torch.cuda.is_available())
+
+
 def _steps_on_host(stage: Steppable, tier: Tier) -> bool:
-    """Whether the step runs on the host: the cpu tier's, or any tier's without a GPU (the meta device
-    of a dry run standing for such a machine), judged by tier so that the dry run counts alike."""
-    on_host = stage.device.type == "cpu" or (stage.device.type == "meta" and not torch.cuda.is_available())
-    return tier is Tier.CPU or on_host
+    """Whether the step runs on the host: the cpu tier's, or any tier's where the units compute on the
+    host, judged by tier so that the dry run counts alike."""
+    return tier is Tier.CPU or computes_on_host(stage.device)
 
 
 def _master(stage: Steppable, unit: Unit, fetched: dict[Kind, torch.Tensor], tier: Tier) -> tuple[torch.Tensor, bool]:

@@ -26,7 +26,7 @@ import torch
 from tierzero.comm import collectives as C
 from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.stages.grads.pieces import GradPieces
-from tierzero.stages.step import BackwardStep
+from tierzero.stages.step import BackwardStep, computes_on_host
 from tierzero.units.unit import Unit
 
 __all__ = ["GradLanding", "add_into"]
@@ -97,9 +97,8 @@ class GradLanding:
         return GradPieces.take(unit, grads, tier=tier, nbytes=spec.nbytes)
 
     def _on_host(self) -> bool:
-        """Whether the gradients are in host memory: computed on the CPU, or in the estimate's dry run
-        (the meta device) standing for a machine without a GPU."""
-        return self.device.type == "cpu" or (self.device.type == "meta" and not torch.cuda.is_available())
+        """Whether the gradients are in host memory (`computes_on_host`)."""
+        return computes_on_host(self.device)
 
     def _counts_as_zeros(self, unit: Unit) -> bool:
         """Whether the unit's GRAD home holds no gradient of this step: a stale NVMe home, or a memory
