@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from tierzero.comm.dist import roll_call_s, setup, unanswered_ranks
+from tierzero.comm.dist import RollCallAnswerer, roll_call_s, setup, unanswered_ranks
 
 pytestmark = pytest.mark.serial  # timed to a second or two: `make test` runs it alone on the cores
 
@@ -34,6 +34,24 @@ def test_the_ranks_that_never_answer_are_named(monkeypatch: pytest.MonkeyPatch) 
     started = time.monotonic()
     assert unanswered_ranks(rank=2, world_size=4, tag="0", wait_s=5.0) == []
     assert time.monotonic() - started < 2.0  # everyone answered: no wait
+
+
+def test_a_rank_busy_elsewhere_answers_from_its_thread_until_it_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 is alive but its main thread could not answer (here: it is this test's main thread, in the
+    roll call for rank 0); its answerer answers for it. Rank 2 has none (it died) and is named alone."""
+    port = _port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    answerer = RollCallAnswerer(rank=1, world_size=3, tag="0")
+    try:
+        assert unanswered_ranks(rank=0, world_size=3, tag="0", wait_s=1.0) == [2]
+        assert store.get("tierzero/roll-call/0/1") == b"here"
+    finally:
+        answerer.stop()
+    stopped = RollCallAnswerer(rank=1, world_size=3, tag="1")
+    stopped.stop()  # failed for a reason of its own: on its way out, never counted as present
+    assert unanswered_ranks(rank=0, world_size=3, tag="1", wait_s=0.5) == [1, 2]
 
 
 def test_without_a_store_to_ask_nobody_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

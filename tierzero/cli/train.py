@@ -34,7 +34,7 @@ from tierzero.cli.config import parse_overrides
 from tierzero.cli.resume import NonFiniteLosses, checkpoint_due, no_checkpoint_under, resume_from
 from tierzero.cli.run_header import RunHeader
 from tierzero.cli.run_summary import TIERS, PartClock, RunSummary
-from tierzero.comm.dist import roll_call_s, unanswered_ranks
+from tierzero.comm.dist import RollCallAnswerer, launch_tag, roll_call_s, unanswered_ranks
 from tierzero.common.output_paths import check_writable
 from tierzero.common.sizes import format_size
 from tierzero.config import ConfigError, TierZeroConfigWarning, read_config
@@ -198,6 +198,7 @@ def train(
             summary.predicted_parts = engine.placement.prediction.part_seconds()
             if rank == 0:
                 out.write("\n".join(engine.placement.lines()) + "\n")
+        answerer = RollCallAnswerer(rank=rank, world_size=world, tag=launch_tag())
         try:
             if root is not None:
                 engine.claim_checkpoint_root(root)
@@ -220,12 +221,14 @@ def train(
         except BaseException as exc:
             # Asked before the close, which may take down the store the roll call needs (rank 0's).
             lost = _lost_rank(exc, rank=rank, world=world, step=engine.global_step + 1, timeout_s=cfg.dist.timeout)
+            answerer.stop()  # failed: from now on, never counted as present
             # The first error is the one to report; a close that fails after it would hide it.
             with contextlib.suppress(Exception):
                 _close(engine, ctrl_c)
             if lost is not None:
                 raise lost from exc
             raise
+        answerer.stop()
         _close(engine, ctrl_c)
         summary.interrupted = summary.interrupted or ctrl_c.count > 0
         if world == 1 and summary.nvme_busy is not None and cfg.tiers.nvme.path is not None:
@@ -370,10 +373,7 @@ def _lost_rank(exc: BaseException, *, rank: int, world: int, step: int, timeout_
     if not (isinstance(exc, torch.distributed.DistError) or "gloo" in text or "NCCL" in text):
         return None
     cause = text.splitlines()[0] if text else type(exc).__name__
-    # One roll call per launch, whatever step each rank had reached: a rank may fail in the next
-    # step's forward while a peer still waits in this step's backward.
-    tag = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    gone = unanswered_ranks(rank=rank, world_size=world, tag=tag, wait_s=roll_call_s(timeout_s))
+    gone = unanswered_ranks(rank=rank, world_size=world, tag=launch_tag(), wait_s=roll_call_s(timeout_s))
     who, those = "another rank", "that rank"  # no store to ask, or every rank answered: the cause says more
     if gone:
         who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))}"

@@ -8,6 +8,7 @@ otherwise. Without those variables the run is a single process and needs no grou
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,6 +19,8 @@ import torch.distributed as dist
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 ROLL_CALL_S = 2.0
 """The longest a rank that saw a collective fail waits for the others' answers (`unanswered_ranks`)."""
+ANSWER_POLL_S = 0.05
+"""How often a `RollCallAnswerer` looks for a roll call in the store."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,28 +72,89 @@ def setup(*, timeout_s: float = 600.0) -> DistContext:
     return _context(created=True)
 
 
+def launch_tag() -> str:
+    """The roll calls' key prefix: one roll call per launch (torchrun's restart count), whatever
+    step each rank had reached, since a rank may fail in the next step's forward while a peer
+    still waits in this step's backward."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
 def unanswered_ranks(*, rank: int, world_size: int, tag: str, wait_s: float = ROLL_CALL_S) -> list[int] | None:
     """After a collective failed: the ranks that do not answer a roll call within `wait_s` seconds.
 
     Every rank that saw the failure writes its own key under `tag` in the store the launcher
     named (MASTER_ADDR:MASTER_PORT: torchrun's agent on the first node, or rank 0's process),
-    then waits for the others' keys; a rank that died or hung never writes one. None when
+    and the roll call's key, which the other ranks' `RollCallAnswerer` threads answer; then it
+    waits for the others' keys. A rank that died or is stopped never writes one. None when
     there is no such store to ask: the variables are unset (the user made the group), or
     the store went with the ranks that were lost.
     """
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if host is None or port is None:
+    address = _store_address()
+    if address is None:
         return None
-    keys = [f"tierzero/roll-call/{tag}/{r}" for r in range(world_size)]
+    keys = _roll_call_keys(tag, world_size)
     try:
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=wait_s))
+        store = dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=wait_s))
         store.set(keys[rank], "here")
+        store.set(_asked_key(tag), "asked")
         deadline = time.monotonic() + wait_s
         while not store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.05)
         return [r for r, key in enumerate(keys) if not store.check([key])]
     except (RuntimeError, OSError):  # torch's DistStoreError and DistNetworkError are RuntimeErrors
         return None
+
+
+class RollCallAnswerer:
+    """Answers a peer's roll call (`unanswered_ranks`) from a thread of its own while the rank trains.
+
+    A rank can be alive and still unable to answer from its main thread: blocked in a
+    collective that waits for data from a peer that already failed out of it (a ring
+    all-gather's left neighbour), it notices only when that peer's process exits, after the
+    peer's roll call has ended. Answered from here, such a rank counts as present, and the
+    roll call names only the ranks that died or were stopped (whose threads are gone with them).
+    Stop it as soon as the rank itself fails for any other reason, so that a rank on its way
+    out is never counted as present.
+    """
+
+    def __init__(self, *, rank: int, world_size: int, tag: str) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        address = _store_address()
+        if world_size > 1 and address is not None:
+            self._thread = threading.Thread(
+                target=self._answer, args=(address, _roll_call_keys(tag, world_size)[rank], _asked_key(tag)),
+                name="tierzero-roll-call", daemon=True,
+            )  # fmt: skip
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _answer(self, address: tuple[str, int], own: str, asked: str) -> None:
+        try:
+            store = dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=ROLL_CALL_S))
+            while not self._stop.wait(ANSWER_POLL_S):
+                if store.check([asked]):
+                    store.set(own, "here")
+                    return
+        except (RuntimeError, OSError):  # no store to answer in: a roll call finds none either
+            return
+
+
+def _store_address() -> tuple[str, int] | None:
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return None if host is None or port is None else (host, int(port))
+
+
+def _roll_call_keys(tag: str, world_size: int) -> list[str]:
+    return [f"tierzero/roll-call/{tag}/{r}" for r in range(world_size)]
+
+
+def _asked_key(tag: str) -> str:
+    return f"tierzero/roll-call/{tag}/asked"
 
 
 def teardown(ctx: DistContext) -> None:
