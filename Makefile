@@ -26,9 +26,14 @@ demo: install
 # 2-core VM, against 8-10 min in one process.
 TEST_WORKERS ?= 2
 
+# A failure in the parallel part still runs the serial part; make fails at the end with the
+# first non-zero status (pytest's 5, "no tests collected", included).
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
-	$(BIN)/python -m pytest -q -m serial
+	@parallel=0; serial=0; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" || parallel=$$?; \
+	$(BIN)/python -m pytest -q -m serial || serial=$$?; \
+	if [ $$parallel -ne 0 ]; then echo "make test: the parallel tests failed (pytest exit $$parallel)"; exit $$parallel; fi; \
+	if [ $$serial -ne 0 ]; then echo "make test: the serial tests failed (pytest exit $$serial)"; exit $$serial; fi
 
 # tests/gpu and `bench train --device cuda`, one JSON of results (gpu-check.json); fails
 # without CUDA. `make gpu-check DRY_RUN=1` runs the same code on the CPU to check the report.
