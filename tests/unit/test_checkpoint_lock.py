@@ -13,6 +13,7 @@ from test_checkpoint import assert_same_params, config, make_model, train
 import tierzero
 from tierzero.checkpoint import (
     CheckpointDirError,
+    CheckpointWriteError,
     RootLock,
     claim_root,
     list_checkpoints,
@@ -97,4 +98,7 @@ def test_engines_saving_through_the_api_hold_their_root_until_closed(tmp_path: P
         assert list_checkpoints(root) == [saved]
         first.close()
         assert not (root / LOCK_FILE).exists()
-        assert second.save_checkpoint(root) == saved  # free once the first engine is closed: step 1 again
+        # Free once the first engine is closed, but its step 1 is another run's: left alone, never replaced.
+        with pytest.raises(CheckpointWriteError, match=rf"{saved} already exists and is not a checkpoint of this run: it is left alone"):
+            second.save_checkpoint(root)
+        assert list_checkpoints(root) == [saved]

@@ -3,6 +3,7 @@ an object that is no Engine but has them saves and loads."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,7 @@ class FakeEngine:
     global_step: int = 0
     micro_steps: int = 0
     lr: float = 0.1
+    run_id: str = field(default_factory=lambda: secrets.token_hex(8))
 
 
 def fake_engine() -> FakeEngine:
@@ -131,7 +133,7 @@ def test_the_protocol_alone_is_enough_to_save_and_load(tmp_path: Path) -> None:
     for tensor in other.store.slices.values():
         tensor.fill_(-1.0)
     assert load_checkpoint(other, tmp_path) == tmp_path / "7"
-    assert (other.global_step, other.micro_steps, other.lr) == (7, 7, 0.05)
+    assert (other.global_step, other.micro_steps, other.lr, other.run_id) == (7, 7, 0.05, engine.run_id)
     for key, tensor in saved.items():
         assert torch.equal(other.store.slices[key], tensor), key
     for name, tensor in other.module.state_dict().items():

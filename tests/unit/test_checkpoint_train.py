@@ -104,7 +104,7 @@ def test_resume_says_why_it_passed_over_the_newest_step(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     _run(_config(tmp_path, ckpt), "--steps", "4")  # saves 2 and 4
     (ckpt / "4" / "manifest.json").unlink()  # as a save killed before its manifest, or a manifest deleted
-    resumed = _run(_config(tmp_path, ckpt), "--resume")
+    resumed = _run(_config(tmp_path, ckpt), "--resume", "--steps", "3")  # step 4 would meet the passed-over directory
     assert resumed.startswith(
         f"loading {ckpt / '2'}, not the newer {ckpt / '4'}: it holds no manifest.json: its save never finished, "
         f"or the manifest was removed\nresumed from {ckpt / '2'} at step 2\n"

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from tierzero.checkpoint.agree import RankFailure, all_gather_objects, on_every_rank
 from tierzero.checkpoint.engine_state import checkpoint_nbytes
+from tierzero.checkpoint.find import refuse_used_root
 from tierzero.checkpoint.format import DIR_MODE, create_file, make_private_dir
 from tierzero.checkpoint.protocol import Checkpointable
 from tierzero.common.sizes import format_size
@@ -176,8 +177,9 @@ def _same_file(fd: int, path: Path) -> bool:
     return (held.st_dev, held.st_ino) == (on_disk.st_dev, on_disk.st_ino)
 
 
-def claim_root(engine: Checkpointable, root: Path) -> RootLock:
-    """Collective: rank 0 locks `root` and checks that one checkpoint of this run fits; every rank agrees.
+def claim_root(engine: Checkpointable, root: Path, *, fresh: bool = False) -> RootLock:
+    """Collective: rank 0 locks `root` and checks that one checkpoint of this run fits, and with
+    `fresh` (a run that resumes nothing) that no run's checkpoints are there; every rank agrees.
 
     Returns the lock (held on rank 0 only) for the caller to release when the run ends.
     """
@@ -189,7 +191,9 @@ def claim_root(engine: Checkpointable, root: Path) -> RootLock:
         nonlocal lock
         if comm.rank != 0:
             return
-        lock = RootLock.acquire(root)
+        lock = RootLock.acquire(root)  # first: a root in use says so, whatever it holds
+        if fresh:
+            refuse_used_root(root)
         stat = os.statvfs(root)
         free = stat.f_bavail * stat.f_frsize
         if free < need:

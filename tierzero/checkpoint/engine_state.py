@@ -86,12 +86,15 @@ def read_scalars(engine: Checkpointable) -> EngineScalars:
         micro_steps=engine.micro_steps,
         lr=engine.lr,
         loss_scaler=engine.loss_scaler.state_dict(),
+        run_id=engine.run_id,
     )
 
 
 def restore_scalars(engine: Checkpointable, scalars: EngineScalars) -> None:
     engine.global_step, engine.micro_steps, engine.lr = scalars.global_step, scalars.micro_steps, scalars.lr
     engine.loss_scaler.load_state_dict(scalars.loss_scaler)
+    if scalars.run_id is not None:  # resumed: later saves continue (and prune) that run
+        engine.run_id = scalars.run_id
 
 
 def require_step_boundary(engine: Checkpointable, *, action: str) -> None:

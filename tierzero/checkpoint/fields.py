@@ -59,6 +59,12 @@ class Fields:
             raise self.bad(key, value, f"one of {sorted(choices)}" if choices else "a non-empty string")
         return value
 
+    def run_id(self, key: str) -> str:
+        value = self.get(key)
+        if not (isinstance(value, str) and 0 < len(value) <= 64 and value.isascii() and value.isalnum()):
+            raise self.bad(key, value, "up to 64 ASCII letters and digits")
+        return value
+
     def texts(self, key: str) -> tuple[str, ...]:
         value = self.array(key)
         if not value or not all(isinstance(v, str) and v for v in value):

@@ -11,16 +11,23 @@ caller is told why, in one line.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierzero.checkpoint.format import CheckpointError
-from tierzero.checkpoint.manifest import MANIFEST
+from tierzero.checkpoint.format import CheckpointError, read_json
+from tierzero.checkpoint.manifest import FORMAT, MANIFEST
+from tierzero.common.safe_files import say_once
 
-__all__ = ["LATEST", "TMP_PREFIX", "CheckpointFallbackWarning", "find_checkpoint", "list_checkpoints"]
+__all__ = [
+    "LATEST", "TMP_PREFIX", "CheckpointFallbackWarning", "find_checkpoint", "list_checkpoints", "refuse_used_root",
+    "run_checkpoints", "run_of",
+]  # fmt: skip
+
+log = logging.getLogger(__name__)
 
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
@@ -39,6 +46,40 @@ class _Skipped:
 def list_checkpoints(root: str | Path) -> list[Path]:
     """Complete checkpoints under `root` (step-named directories with a manifest), oldest first."""
     return _scan(Path(root))[0]
+
+
+def run_checkpoints(root: str | Path, run_id: str) -> list[Path]:
+    """The complete checkpoints under `root` that the run `run_id` wrote, oldest first: the only ones
+    its saves count and prune. Any other step directory is named once in the log and left alone."""
+    own = []
+    for path in list_checkpoints(root):
+        if run_of(path) == run_id:
+            own.append(path)
+        else:
+            say_once(log, f"tierzero: {path} is not a checkpoint of this run: it is never pruned or counted by it")
+    return own
+
+
+def refuse_used_root(root: str | Path) -> None:
+    """A fresh run's checkpoint root holds no run's checkpoints: a root belongs to one run, so that no
+    run prunes, or resumes from, another's steps. ValueError naming `--resume` and a fresh directory."""
+    used = list_checkpoints(root)
+    if used:
+        steps = ", ".join(p.name for p in used[-3:])
+        raise CheckpointError(
+            f"checkpoint.dir {root} already holds another run's checkpoints (steps {steps}): continue that run "
+            "with --resume, or give this one a fresh checkpoint.dir"
+        )
+
+
+def run_of(directory: Path) -> str | None:
+    """The run id `directory`'s manifest names; None when it names none or cannot be read."""
+    try:
+        engine = read_json(directory / MANIFEST).get("engine")
+    except (OSError, CheckpointError):
+        return None
+    run = engine.get("run_id") if isinstance(engine, dict) else None
+    return run if isinstance(run, str) else None
 
 
 def _scan(root: Path) -> tuple[list[Path], list[_Skipped]]:
@@ -68,6 +109,12 @@ def _incomplete(path: Path) -> str | None:
     manifest = path / MANIFEST
     if manifest.is_symlink() or not manifest.is_file():
         return f"it holds no {MANIFEST}: its save never finished, or the manifest was removed"
+    try:
+        written_by = read_json(manifest).get("format")
+    except (OSError, CheckpointError):
+        return None  # unreadable: loading it says why, rather than passing over it quietly
+    if written_by != FORMAT:
+        return f"its {MANIFEST} is not a tierzero checkpoint's (format {str(written_by)[:40]!r}): another program's directory, left alone"
     return None
 
 

@@ -141,9 +141,12 @@ class EngineScalars:
     micro_steps: int
     lr: float
     loss_scaler: dict[str, Any]
+    run_id: str | None = None
+    """The run that wrote it (None: a checkpoint from before runs were named, which no run prunes)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"global_step": self.global_step, "micro_steps": self.micro_steps, "lr": self.lr, "loss_scaler": self.loss_scaler}
+        named = {} if self.run_id is None else {"run_id": self.run_id}
+        return {"global_step": self.global_step, "micro_steps": self.micro_steps, "lr": self.lr, "loss_scaler": self.loss_scaler} | named
 
     @classmethod
     def from_json(cls, f: Fields) -> EngineScalars:
@@ -153,6 +156,7 @@ class EngineScalars:
             micro_steps=f.integer("micro_steps", hi=MAX_STEP),
             lr=f.number("lr", lo=0.0),
             loss_scaler={key: scaler.number(key) for key in scaler.raw},
+            run_id=f.run_id("run_id") if "run_id" in f.raw else None,
         )
 
 

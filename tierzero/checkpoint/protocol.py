@@ -111,6 +111,8 @@ class Checkpointable(Protocol):
     """Micro-steps counted, a multiple of the accumulation steps at a boundary; set by a load."""
     lr: float
     """The learning rate in force; set by a load."""
+    run_id: str
+    """The run the checkpoints belong to: saves prune only its own; set by a load."""
 
     @property
     def cfg(self) -> RunConfig:

@@ -58,6 +58,8 @@ from tierzero.checkpoint.find import (
     TMP_PREFIX,
     find_checkpoint,
     list_checkpoints,
+    run_checkpoints,
+    run_of,
 )
 from tierzero.checkpoint.format import (
     DIR_MODE,
@@ -205,6 +207,11 @@ def _publish(engine: Checkpointable, root: Path, tmp: Path, per_rank: list[list[
     write_json(tmp / MANIFEST, manifest.to_json(), algorithm=algorithm)
     fsync_dir(tmp)
     replaced = None
+    if os.path.lexists(final) and run_of(final) != engine.run_id:
+        raise FileExistsError(
+            f"{final} already exists and is not a checkpoint of this run: it is left alone; "
+            "move it away, or save into a fresh checkpoint.dir"
+        )
     if os.path.lexists(final):
         # The same step saved twice (e.g. right after a resume): the new copy replaces it.
         replaced = root / f"{TMP_PREFIX}old-{final.name}-{secrets.token_hex(4)}"
@@ -214,12 +221,12 @@ def _publish(engine: Checkpointable, root: Path, tmp: Path, per_rank: list[list[
     write_text_atomic(root / LATEST, f"{final.name}\n")
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
-    _prune(root, keep=keep, current=final)
+    _prune(root, keep=keep, current=final, run_id=engine.run_id)
     return final
 
 
-def _prune(root: Path, *, keep: int | None, current: Path) -> None:
-    """Delete all but the newest `keep` checkpoints, and `.tmp-*` directories of saves that died."""
+def _prune(root: Path, *, keep: int | None, current: Path, run_id: str) -> None:
+    """Delete all but the newest `keep` checkpoints of the run `run_id`, and `.tmp-*` directories of saves that died."""
     for stale in root.glob(f"{TMP_PREFIX}*"):
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
@@ -227,7 +234,7 @@ def _prune(root: Path, *, keep: int | None, current: Path) -> None:
         stale.unlink(missing_ok=True)
     if keep is None:
         return
-    complete = list_checkpoints(root)
+    complete = run_checkpoints(root, run_id)
     for old in complete[: max(0, len(complete) - keep)]:
         if old != current:
             shutil.rmtree(old, ignore_errors=True)

@@ -201,7 +201,7 @@ def train(
         answerer = RollCallAnswerer(rank=rank, world_size=world, tag=launch_tag())
         try:
             if root is not None:
-                engine.claim_checkpoint_root(root)
+                engine.claim_checkpoint_root(root, fresh=not resume)  # a root belongs to one run
             if resume:
                 done = resume_from(engine, root, resume_step, show=rank == 0, out=out)
                 summary.complete_at = done if done >= cfg.train.steps else None

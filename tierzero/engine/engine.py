@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,8 @@ class Engine:
         self.comm = self.mesh.shard
         """What ZeRO shards over: the whole job, or this rank's shard group (hybrid sharding)."""
         self.global_step = 0
+        self.run_id = secrets.token_hex(8)
+        """Which run this engine's checkpoints belong to: new for a fresh run, taken from the checkpoint a load resumes."""
         self._lr_lambda = lr_lambda or schedule_lambda(Schedule.of(cfg.scheduler, train_steps=cfg.train.steps))
         self.lr = self._scheduled_lr()
         """The learning rate of the next optimizer step (a checkpoint saves and restores it)."""
@@ -307,9 +310,10 @@ class Engine:
         # Hybrid sharding: one replica's shards are the whole state; the first replica saves them.
         return self.mesh.on_first_replica(lambda: ShardedCheckpoint(keep=keep).write(self, path), share=True)
 
-    def claim_checkpoint_root(self, root: str | os.PathLike[str] | None = None) -> Path:
+    def claim_checkpoint_root(self, root: str | os.PathLike[str] | None = None, *, fresh: bool = False) -> Path:
         """Lock the checkpoint root (default checkpoint.dir) for this engine's life, and check one
-        checkpoint fits in it; idempotent. Collective.
+        checkpoint fits in it; idempotent. Collective. `fresh`: a run that resumes nothing, refused
+        in a root that holds another run's checkpoints (`refuse_used_root`).
 
         Another run that saves into the same root is then refused in one line naming this one,
         so neither prunes the other's saves. `save_checkpoint` claims its root on first use;
@@ -318,7 +322,7 @@ class Engine:
         path = Path(os.path.abspath(self._checkpoint_root(root)))
         if path not in self._root_locks:
             probe_root(path)  # made 0700 if new, and a probe written: what fails says why
-            self._root_locks[path] = self.mesh.on_first_replica(lambda: claim_root(self, path))
+            self._root_locks[path] = self.mesh.on_first_replica(lambda: claim_root(self, path, fresh=fresh))
         return path
 
     def load_checkpoint(self, root: str | os.PathLike[str] | None = None) -> Path:
