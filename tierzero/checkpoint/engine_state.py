@@ -13,6 +13,7 @@ import torch
 
 from tierzero.checkpoint.format import dtype_name
 from tierzero.checkpoint.manifest import EngineScalars, SlotLayout, UnitLayout
+from tierzero.checkpoint.moments import packed, saved_parts, split
 from tierzero.checkpoint.protocol import Checkpointable
 from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.offload.tiers import traits_of
@@ -28,17 +29,25 @@ def saved_specs(engine: Checkpointable, unit: Unit) -> list[SliceSpec]:
 
 def own_range(engine: Checkpointable, unit: Unit, spec: SliceSpec, tensor: torch.Tensor) -> torch.Tensor:
     """This rank's range of the unit's logical buffer: the slice itself, or its range of a replicated buffer."""
-    if spec.numel == unit.shard_numel:
+    if spec.parameters == unit.shard_numel:
         return tensor
-    assert spec.numel == unit.padded_numel, (unit.name, spec)
+    assert spec.parameters == unit.padded_numel, (unit.name, spec)
     start, end = unit.shard_range(engine.comm.rank)
     return tensor[start:end]
 
 
 def wanted_range(engine: Checkpointable, unit: Unit, spec: SliceSpec) -> tuple[int, int]:
-    if spec.numel == unit.shard_numel:
+    if spec.parameters == unit.shard_numel:
         return unit.shard_range(engine.comm.rank)
     return 0, unit.padded_numel
+
+
+def saved_tensors(engine: Checkpointable, unit: Unit, spec: SliceSpec, tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """What the slice is saved as, in `saved_parts`' order: its own range, or an int8 moment's codes and absmax."""
+    if packed(spec):
+        yield from split(tensor, unit.shard_numel)
+    else:
+        yield own_range(engine, unit, spec, tensor)
 
 
 @contextmanager
@@ -61,7 +70,12 @@ _JSON_BYTES = 1 << 20
 
 def checkpoint_nbytes(engine: Checkpointable) -> int:
     """About how many bytes this rank's files of one checkpoint take."""
-    slices = sum(unit.shard_numel * spec.dtype.itemsize for unit in engine.units for spec in saved_specs(engine, unit))
+    slices = sum(
+        numel * dtype.itemsize
+        for unit in engine.units
+        for spec in saved_specs(engine, unit)
+        for _, numel, dtype in saved_parts(spec, unit.shard_numel)
+    )
     module = sum(t.numel() * t.element_size() for t in engine.module.state_dict().values())
     return slices + module + _JSON_BYTES
 
@@ -76,7 +90,9 @@ def unit_layout(engine: Checkpointable, unit: Unit) -> UnitLayout:
             SlotLayout(names=tuple(b.name for b in slot.bindings), shape=tuple(slot.shape), offset=slot.offset, numel=slot.numel)
             for slot in unit.slots
         ),
-        kinds={spec.kind.value: dtype_name(spec.dtype) for spec in saved_specs(engine, unit)},
+        kinds={
+            name: dtype_name(dtype) for spec in saved_specs(engine, unit) for name, _, dtype in saved_parts(spec, unit.shard_numel)
+        },
     )
 
 

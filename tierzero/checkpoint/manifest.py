@@ -15,6 +15,7 @@ what resharding (and consolidation) does; padding is never read.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from tierzero.checkpoint.format import (
     read_json,
 )
 from tierzero.common.slices import Kind
+from tierzero.optim.moments import MOMENT_BLOCK
 
 FORMAT = "tierzero-checkpoint"
 VERSION = 1
@@ -52,8 +54,17 @@ def tensor_name(unit: str, kind: str) -> str:
 #: Prefix of the module's own state_dict entries (buffers, frozen parameters) in a rank file.
 MODULE_PREFIX = "module/"
 
+ABSMAX_SUFFIX = ".absmax"
+"""Names the absmax of an int8 moment, saved beside its codes ([Note: int8 moments in a checkpoint] in moments.py)."""
+MOMENTS = (Kind.EXP_AVG.value, Kind.EXP_AVG_SQ.value)
+
+
+def absmax_kind(kind: str) -> str:
+    return kind + ABSMAX_SUFFIX
+
+
 #: The kinds a checkpoint stores (gradients are zero at a step boundary).
-SAVED_KINDS = frozenset({Kind.PARAM.value, Kind.MASTER.value, Kind.EXP_AVG.value, Kind.EXP_AVG_SQ.value})
+SAVED_KINDS = frozenset({Kind.PARAM.value, Kind.MASTER.value, *MOMENTS, *map(absmax_kind, MOMENTS)})
 _RANK_FILE = re.compile(r"rank-\d+\.(safetensors|json)")
 _HEX8 = re.compile(r"[0-9a-f]{8}")
 #: Steps and micro-steps fit an int64 wherever they are used (a tensor, a seed).
@@ -98,6 +109,13 @@ class UnitLayout:
     def shard_numel(self) -> int:
         return self.padded_numel // self.world_size
 
+    def of_kind(self, kind: str) -> UnitLayout:
+        """The logical buffer `kind` is cut from: the unit's elements, or for an absmax its blocks."""
+        if not kind.endswith(ABSMAX_SUFFIX):
+            return self
+        blocks = -(-self.numel // MOMENT_BLOCK)
+        return dataclasses.replace(self, numel=blocks, padded_numel=self.padded_numel // MOMENT_BLOCK, slots=())
+
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -124,6 +142,11 @@ class UnitLayout:
         kinds = f.mapping("kinds")
         if Kind.PARAM.value not in kinds or not all(k in SAVED_KINDS and isinstance(v, str) and v in DTYPE_NAMES for k, v in kinds.items()):
             raise f.bad("kinds", kinds, f"param and others of {sorted(SAVED_KINDS)}, each a dtype of {sorted(DTYPE_NAMES)}")
+        for moment in MOMENTS:
+            scales = kinds.get(absmax_kind(moment))
+            if scales is not None and (kinds.get(moment) != "uint8" or scales != "float32" or (padded // world_size) % MOMENT_BLOCK):
+                expected = f"float32 beside {moment} uint8 codes, in shards of whole {MOMENT_BLOCK}-element blocks"
+                raise f.bad(f"kinds.{absmax_kind(moment)}", scales, expected)
         return cls(name=f.text("name"), numel=numel, padded_numel=padded, world_size=world_size, slots=slots, kinds=dict(kinds))
 
     def same_parameters(self, other: UnitLayout) -> bool:

@@ -31,7 +31,7 @@ import os
 import secrets
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,11 +44,11 @@ from tierzero.checkpoint.agree import (
 )
 from tierzero.checkpoint.directory import failure_fix
 from tierzero.checkpoint.engine_state import (
-    own_range,
     read_scalars,
     require_step_boundary,
     restore_scalars,
     saved_specs,
+    saved_tensors,
     slice_for_reading,
     unit_layout,
     wanted_range,
@@ -82,14 +82,17 @@ from tierzero.checkpoint.manifest import (
     MODULE_PREFIX,
     Manifest,
     UnitLayout,
+    absmax_kind,
     rank_state_file,
     rank_tensor_file,
     tensor_name,
 )
+from tierzero.checkpoint.moments import check_absmax, check_state_dtype, join, packed, saved_parts
 from tierzero.checkpoint.protocol import Checkpointable
 from tierzero.checkpoint.rng import RngState, parse_rng_state, rng_state, set_rng_state
 from tierzero.checkpoint.shards import ShardReader
 from tierzero.common.slices import Kind, SliceKey, Tier
+from tierzero.optim.moments import MOMENT_BLOCK
 from tierzero.pretrained.lora import adapter_state, is_peft_model, write_adapters
 from tierzero.stages.plan import SliceSpec
 from tierzero.units.unit import Unit
@@ -170,14 +173,16 @@ def _write_rank_files(engine: Checkpointable, tmp: Path, *, algorithm: str) -> l
     """This rank's slices streamed one at a time, its module's buffers and frozen parameters, its RNG states."""
     rank = engine.comm.rank
     todo = [(unit, spec) for unit in engine.units for spec in saved_specs(engine, unit)]
-    entries = [TensorEntry(tensor_name(unit.name, spec.kind.value), unit.shard_numel, spec.dtype) for unit, spec in todo]
+    parts = [[(tensor_name(unit.name, kind), numel, dtype) for kind, numel, dtype in saved_parts(spec, unit.shard_numel)] for unit, spec in todo]
+    entries = [TensorEntry(*part) for of_slice in parts for part in of_slice]
     module = engine.module.state_dict()
     entries += [TensorEntry(MODULE_PREFIX + name, t.numel(), t.dtype, tuple(t.shape)) for name, t in module.items()]
     stream = SafetensorsStream(tmp / rank_tensor_file(rank), entries, algorithm=algorithm)
     try:
-        for (unit, spec), entry in zip(todo, entries, strict=False):
+        for (unit, spec), of_slice in zip(todo, parts, strict=True):
             with slice_for_reading(engine, unit, spec) as tensor:
-                stream.write(entry.name, own_range(engine, unit, spec, tensor))
+                for (name, _, _), values in zip(of_slice, saved_tensors(engine, unit, spec, tensor), strict=True):
+                    stream.write(name, values)
         for name, tensor in module.items():
             stream.write(MODULE_PREFIX + name, tensor.detach())
         tensors = stream.finish()
@@ -270,6 +275,8 @@ class _SliceLoad:
     source: str
     start: int
     end: int
+    absmax: torch.Tensor | None = None
+    """An int8 moment's absmax, read and checked before any state changes ([Note: int8 moments in a checkpoint])."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,10 +304,13 @@ def _prepare_load(engine: Checkpointable, directory: Path) -> _Load:
         for spec in saved_specs(engine, unit):
             start, end = wanted_range(engine, unit, spec)
             source = _source_kind(spec.kind, layout, directory=directory)
+            if spec.kind in (Kind.EXP_AVG, Kind.EXP_AVG_SQ):
+                check_state_dtype(spec, layout, directory=directory)
             plan.append(_SliceLoad(unit=unit, spec=spec, layout=layout, source=source, start=start, end=end))
     # The files of the ranges this rank reads, and the one it takes buffers and frozen parameters from.
     needed = {rank for s in plan for rank in reader.files_for(s.layout, s.start, s.end)}
     reader.verify(needed | {engine.comm.rank % manifest.world_size})
+    plan = [_with_absmax(s, reader) if packed(s.spec) else s for s in plan]
     _check_module_state(engine, reader)
     _check_loss_scaler(engine, directory, manifest)
     return _Load(reader=reader, plan=plan, rng=_read_rng(engine, directory, manifest))
@@ -340,9 +350,20 @@ def _write_slices(engine: Checkpointable, reader: ShardReader, plan: list[_Slice
     for s in plan:
         stored = torch.empty(s.end - s.start, dtype=dtype_from_name(s.layout.kinds[s.source], where=str(reader.directory)))
         value = reader.read(s.layout, s.source, s.start, s.end, out=stored).to(s.spec.dtype)
+        if s.absmax is not None:
+            value = join(value, s.absmax, kind=s.spec.kind, padding=max(s.end - max(s.layout.numel, s.start), 0))
         if s.spec.home is Tier.DEVICE:
             value = value.to(engine.stage.device)
         engine.store.write_back(SliceKey(s.unit.name, s.spec.kind), value.contiguous()).wait()
+
+
+def _with_absmax(s: _SliceLoad, reader: ShardReader) -> _SliceLoad:
+    """`s` with its int8 moment's absmax (its range's blocks: a shard is whole blocks), read from the verified files and checked."""
+    kind = absmax_kind(s.source)
+    first, last = s.start // MOMENT_BLOCK, s.end // MOMENT_BLOCK
+    absmax = reader.read(s.layout, kind, first, last, out=torch.empty(last - first, dtype=torch.float32))
+    check_absmax(absmax, unit=s.unit.name, kind=s.source, path=reader.directory)
+    return replace(s, absmax=absmax)
 
 
 def _load_module_state(engine: Checkpointable, reader: ShardReader) -> None:

@@ -124,6 +124,7 @@ class ShardReader:
         stored = dtype_from_name(layout.kinds[kind], where=f"{self.directory} unit {layout.name}")
         out.zero_()
         name = tensor_name(layout.name, kind)
+        layout = layout.of_kind(kind)  # an int8 moment's absmax: one per block
         for rank, a, b in pieces(layout, start, end):
             values = read_range(self._reader(rank), name, a, b, where=str(self.directory / rank_tensor_file(rank)))
             if values.dtype != stored or values.numel() != b - a:
@@ -162,11 +163,12 @@ class ShardReader:
             for kind, dtype in unit.kinds.items():
                 name = tensor_name(unit.name, kind)
                 wanted.add(name)
-                entry, expected = header.get(name), (dtype_from_name(dtype, where=str(path)), (unit.shard_numel,))
+                shard = unit.of_kind(kind).shard_numel
+                entry, expected = header.get(name), (dtype_from_name(dtype, where=str(path)), (shard,))
                 if entry is None or (entry.dtype, entry.shape) != expected:
                     held = "missing" if entry is None else f"{entry.dtype} of shape {list(entry.shape)}"
                     raise CheckpointError(
-                        f"{path}: {name} is {held}, the manifest says {expected[0]} of shape [{unit.shard_numel}]: "
+                        f"{path}: {name} is {held}, the manifest says {expected[0]} of shape [{shard}]: "
                         "the file does not match its manifest"
                     )
         extra = sorted(n for n in header if n not in wanted and not n.startswith(MODULE_PREFIX))

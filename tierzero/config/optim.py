@@ -12,6 +12,8 @@ from tierzero.config.tree import Section, setting
 
 TORCH_WEIGHT_DECAY = {"adamw": 0.01, "adam": 0.0, "sgd": 0.0}
 """The default weight decay of torch.optim.AdamW, Adam and SGD, keyed by `optimizer.type`."""
+STATE_DTYPES = ("fp32", "bf16", "int8")
+"""`optimizer.state_dtype`: how Adam's moments are stored (tierzero/optim/moments.py)."""
 
 
 def _patterns(value: Any) -> tuple[str, ...]:
@@ -68,10 +70,23 @@ class OptimizerConfig(Section):
     lr_multipliers: dict[str, float] = setting({}, LR_MULTIPLIERS)
     """Glob pattern on parameter names -> factor on the learning rate of the parameters it matches
     (the first pattern that matches wins), e.g. {'*embed*': 0.1}."""
+    state_dtype: str = setting("fp32", choice_check(STATE_DTYPES))
+    """adam and adamw: how the two moments are stored, on every tier and in checkpoints: fp32 (8 bytes a
+    parameter), bf16 (4), or int8 (2.004: 8-bit block-wise dynamic quantization as in Dettmers et al.'s
+    8-bit optimizers, 2048 elements per fp32 absmax). Each step decodes them to fp32, updates them and
+    stores them again; the fp32 master weights are unchanged. A checkpoint resumes only with its own."""
 
     def _resolve_defaults(self) -> None:
         if self.weight_decay is None:
             object.__setattr__(self, "weight_decay", TORCH_WEIGHT_DECAY[self.type])
+
+    def _validate(self) -> None:
+        if self.type == "sgd" and self.state_dtype != "fp32":
+            message = (
+                f"optimizer.state_dtype {self.state_dtype} stores Adam's moments, and optimizer.type sgd keeps its "
+                "momentum in fp32: set optimizer.state_dtype: fp32, or optimizer.type: adamw"
+            )
+            raise ConfigError(message, key="optimizer.state_dtype")
 
 
 SCHEDULE_TYPES = ("constant", "linear", "cosine")

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tierzero.checkpoint import RootLock, ShardedCheckpoint, claim_root, probe_root
 from tierzero.comm import collectives as C
@@ -52,7 +53,9 @@ class Engine:
     While the engine lives, the parameters of `module`, trained and frozen, are not
     nn.Parameters: each unit's slots are plain tensor attributes bound by the stage (views
     of the gathered buffer during compute, empty between), so `module.parameters()` is
-    empty. `full_state_dict()` is the way to read the weights.
+    empty. `full_state_dict()` is the way to read the weights. A torch optimizer over them
+    would train nothing: one that steps with no parameters while an engine lives raises
+    (`_refuse_parameterless_step`); tierzero.integrations drive the engine from trainers.
     """
 
     def __init__(
@@ -92,6 +95,9 @@ class Engine:
         self.comm = self.mesh.shard
         """What ZeRO shards over: the whole job, or this rank's shard group (hybrid sharding)."""
         self.global_step = 0
+        self.grad_norm: float | None = None
+        """The last optimizer step's gradient norm before clipping (inf on an fp16 overflow); None where the
+        step did not need it (no clipping, no fp16), since the norm costs a pass over the gradients."""
         self.run_id = secrets.token_hex(8)
         """Which run this engine's checkpoints belong to: new for a fresh run, taken from the checkpoint a load resumes."""
         self._lr_lambda = lr_lambda or schedule_lambda(Schedule.of(cfg.scheduler, train_steps=cfg.train.steps))
@@ -115,6 +121,7 @@ class Engine:
         """The planner's `PlacementPlan` when it chose `homes` (set by `tierzero.initialize`), else None."""
         self.plan = stage_class.plan_slices(
             self.units, param_dtype=self._param_dtype, state_kinds=optimizer.state_kinds, homes=homes,
+            moments=optimizer.moments,
             grad_dtype=dtype_of(cfg.precision.reduce_dtype or cfg.precision.param_dtype),
             secondary_parts=self.mesh.secondary_parts,
         )  # fmt: skip
@@ -136,6 +143,7 @@ class Engine:
             self.stage = stage_class(parts, options)
             self.stage.grad_norm.enabled = float(cfg.gradient_clipping) > 0 or self._skips_overflow
             self._install()
+            self._hooks.append(register_optimizer_step_pre_hook(_refuse_parameterless_step))
             if self._ctx.device.type != "meta":  # see [Note: freed host memory]
                 keep_freed_memory(cfg.tiers.cpu.keep_freed)
         except BaseException:
@@ -242,6 +250,7 @@ class Engine:
         grad_scale = 1.0 / (self.mesh.data_parallel_size * self.cfg.gradient_accumulation_steps * self._scaler.scale)
         clip = float(self.cfg.gradient_clipping)
         norm = self._global_grad_norm(grad_scale) if clip > 0 or self._skips_overflow else 0.0
+        self.grad_norm = norm if clip > 0 or self._skips_overflow else None
         if self._skips_overflow:
             # The norm is all-reduced, so every rank sees the same overflow and skips together.
             overflow = not math.isfinite(norm)
@@ -410,6 +419,20 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+def _refuse_parameterless_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    """torch's optimizer step pre-hook, while an engine lives: an optimizer built over `module.parameters()`
+    (empty then) in groups, as transformers' Trainer builds one, would step nothing, silently."""
+    if not any(group["params"] for group in optimizer.param_groups):
+        raise ValueError(PARAMETERLESS_STEP)
+
+
+PARAMETERLESS_STEP = (
+    "an optimizer with no parameters stepped while a tierzero engine owns the model's parameters "
+    "(engine.module.parameters() is empty while it lives): train with engine.backward(loss) and engine.step(), "
+    "or through tierzero.integrations (hf.TierzeroTrainer, accelerate.TierzeroAccelerator)"
+)
+"""What a torch optimizer over an engine's module says at its first step."""
 
 __all__ = ["Engine"]
 

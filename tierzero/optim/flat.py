@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from tierzero.common.slices import Kind
+from tierzero.optim.moments import MomentFormat, StateDtype
+from tierzero.optim.windows import step_windows
 from tierzero.units.slice_layout import ParamGroup, Piece, SliceLayout, adam_pieces, cpu_vector_width
 
 
@@ -48,8 +50,15 @@ class OptimizerSpec:
     """Decoupled for AdamW, added to the gradient (L2) for Adam and SGD, as in torch.optim."""
     momentum: float = 0.0
     """SGD momentum (dampening 0, no Nesterov); 0 keeps no state."""
+    state_dtype: StateDtype = StateDtype.FP32
+    """How Adam's moments are stored ([Note: compact moments] in moments.py); SGD's momentum is fp32."""
 
     def __post_init__(self) -> None:
+        if self.type is OptimizerType.SGD and self.state_dtype is not StateDtype.FP32:
+            raise ValueError(
+                f"optimizer.state_dtype {self.state_dtype.value} stores Adam's moments, and optimizer.type sgd keeps "
+                "its momentum in fp32: set optimizer.state_dtype: fp32, or optimizer.type: adamw"
+            )
         if not self.lr >= 0.0:
             raise ValueError(f"optimizer.lr must be >= 0, got {self.lr}: set a non-negative learning rate")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -97,9 +106,14 @@ class FlatOptimizer(ABC):
     def state_kinds(self) -> tuple[Kind, ...]:
         """The kinds of state this optimizer keeps per slice (none for plain SGD)."""
 
+    @property
+    def moments(self) -> MomentFormat:
+        """How the states are stored: `spec.state_dtype`'s format."""
+        return MomentFormat(self.spec.state_dtype)
+
     def new_states(self, numel: int, *, device: torch.device | str = "cpu") -> dict[Kind, torch.Tensor]:
-        """Zeroed fp32 states for a slice of `numel` elements, as a fresh optimizer starts."""
-        return {kind: torch.zeros(numel, dtype=torch.float32, device=device) for kind in self.state_kinds}
+        """Zeroed states for a slice of `numel` elements, as a fresh optimizer starts (stored as `moments` says)."""
+        return {kind: self.moments.zeros(numel, signed=kind is Kind.EXP_AVG, device=device) for kind in self.state_kinds}
 
     def step(
         self,
@@ -120,7 +134,7 @@ class FlatOptimizer(ABC):
         AdamW leave it untouched.
         """
         one = OptimSlice(param=param, grad=grad, states=states, layout=layout)
-        _check_slice(one, self.state_kinds)
+        _check_slice(one, self.state_kinds, self.moments)
         self._apply(one, step=step, hypers=self._hypers(step, lr, layout))
 
     converts_gradients = False
@@ -169,7 +183,7 @@ class FlatAdam(FlatOptimizer):
     four bytes an element, and a scratch slice as large as the unit's. `step_converting` copies
     and scales `STEP_CHUNK` elements at a time into one buffer and runs the kernel on that chunk
     while it is fresh: bench step-host's host share fell from 3.46-3.50x to 3.25-3.27x of a bare
-    AdamW at 100M bf16 (docs/BENCHMARKS.md, session 28). The kernel is elementwise, each tensor of its list stepped
+    AdamW at 100M bf16 (docs/benchmarks-journal.md, session 28). The kernel is elementwise, each tensor of its list stepped
     on its own, so cutting a run of whole vectors at a multiple of the vector width from its
     start leaves every element in the lane or the scalar tail it had ([Note: vector lanes and
     scalar tails]): the same bits as the whole slice in one call.
@@ -183,6 +197,9 @@ class FlatAdam(FlatOptimizer):
         return (Kind.EXP_AVG, Kind.EXP_AVG_SQ)
 
     def _apply(self, s: OptimSlice, *, step: int, hypers: Sequence[ParamGroup]) -> None:
+        if self.moments.compact:
+            self._step_compact(s, grad=s.grad, scale=1.0, step=step, hypers=hypers)
+            return
         by_group: dict[int, _AdamLists] = {}
         copies_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         _add_adam_slice(s, by_group, copies_back)
@@ -203,12 +220,16 @@ class FlatAdam(FlatOptimizer):
         hypers = self._hypers(step, lr, layout)
         if cast is not None and (cast.numel() != param.numel() or cast.device != param.device):
             raise ValueError(f"cast must be a slice of the param's size and device, got {tuple(cast.shape)} on {cast.device}")
-        _check_slice(OptimSlice(param=param, grad=param, states=states, layout=layout), self.state_kinds)
+        checked = OptimSlice(param=param, grad=param, states=states, layout=layout)
+        _check_slice(checked, self.state_kinds, self.moments)
         if grad.numel() != param.numel() or grad.device != param.device or not grad.is_floating_point():
             raise ValueError(
                 f"a converted gradient must be a float slice of the param's size and device, "
                 f"got {grad.dtype} {tuple(grad.shape)} on {grad.device}"
             )
+        if self.moments.compact:
+            self._step_compact(checked, grad=grad, scale=scale, step=step, hypers=hypers, cast=cast)
+            return
         full = (param, grad, states[Kind.EXP_AVG], states[Kind.EXP_AVG_SQ])
         direct, scratch, lanes = _pieces(param, layout)
         # The meta device of a dry run reads nothing: one call a run, no cache to keep.
@@ -229,6 +250,27 @@ class FlatAdam(FlatOptimizer):
             self._run(by_group, copies_back, step=step, hypers=hypers, device=param.device)
             for a, b, _ in scratch if cast is not None else ():
                 cast[a:b].copy_(param[a:b])
+
+    def _step_compact(
+        self, s: OptimSlice, *, grad: torch.Tensor, scale: float, step: int, hypers: Sequence[ParamGroup],
+        cast: torch.Tensor | None = None,
+    ) -> None:
+        """Step over bf16 or int8 moments a window at a time (optim/windows.py): the same kernel on the
+        fp32 values the stored moments decode to."""
+        if s.param.device.type == "meta":
+            return  # the estimate's dry run: shapes only, nothing to quantize
+
+        def step_window(full: tuple[torch.Tensor, ...], direct: list[Piece], scratch: list[Piece]) -> None:
+            by_group: dict[int, _AdamLists] = {}
+            copies_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+            _add_pieces(full, direct, scratch, lanes, by_group, copies_back)
+            self._run(by_group, copies_back, step=step, hypers=hypers, device=s.param.device)
+
+        direct, scratch, lanes = _pieces(s.param, s.layout)
+        step_windows(
+            self.moments, param=s.param, grad=grad, scale=scale, states=s.states, pieces=(direct, scratch, lanes),
+            step_window=step_window, cast=cast,
+        )  # fmt: skip
 
     def _run(
         self,
@@ -289,7 +331,18 @@ def _add_adam_slice(
 ) -> None:
     """Append the views of one slice to each group's kernel lists ([Note: vector lanes and scalar tails])."""
     full = (s.param, s.grad, s.states[Kind.EXP_AVG], s.states[Kind.EXP_AVG_SQ])
-    direct, scratch, lanes = _pieces(s.param, s.layout)
+    _add_pieces(full, *_pieces(s.param, s.layout), by_group, copies_back)
+
+
+def _add_pieces(
+    full: tuple[torch.Tensor, ...],
+    direct: Sequence[Piece],
+    scratch: Sequence[Piece],
+    lanes: int,
+    by_group: dict[int, _AdamLists],
+    copies_back: list[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """Views of the runs stepped in place, and lane-sized scratch for the others, appended to each group's lists."""
     for a, b, group in direct:
         for dst, t in zip(by_group.setdefault(group, ([], [], [], [])), full, strict=True):
             dst.append(t[a:b])
@@ -347,12 +400,17 @@ class FlatSGD(FlatOptimizer):
             param.add_(d_p, alpha=-lr)
 
 
-def _check_slice(s: OptimSlice, kinds: tuple[Kind, ...]) -> None:
-    tensors = {"param": s.param, "grad": s.grad} | {k.value: s.states[k] for k in kinds if k in s.states}
+def _check_slice(s: OptimSlice, kinds: tuple[Kind, ...], moments: MomentFormat) -> None:
     missing = [k.value for k in kinds if k not in s.states]
     if missing:
         raise ValueError(f"optimizer step needs states {[k.value for k in kinds]}, missing {missing}")
     numel = s.param.numel()
+    tensors = {"param": s.param, "grad": s.grad}
+    for kind in kinds:
+        if moments.compact:
+            moments.check(kind.value, s.states[kind], numel, s.param.device)
+        else:
+            tensors[kind.value] = s.states[kind]
     for name, t in tensors.items():
         if t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous():
             raise ValueError(
@@ -367,8 +425,8 @@ def _check_slice(s: OptimSlice, kinds: tuple[Kind, ...]) -> None:
 
 
 def make_optimizer(opt_cfg: Any, groups: Sequence[ParamGroup] = ()) -> FlatOptimizer:
-    """The flat optimizer for `cfg.optimizer` (attributes .type .lr .betas .eps .weight_decay .momentum),
-    with parameter `groups` (default: one, the optimizer's own lr and weight decay)."""
+    """The flat optimizer for `cfg.optimizer` (attributes .type .lr .betas .eps .weight_decay .momentum, and
+    .state_dtype, fp32 where absent), with parameter `groups` (default: one, the optimizer's own lr and weight decay)."""
     try:
         kind = OptimizerType(str(opt_cfg.type).lower())
     except ValueError:
@@ -381,5 +439,6 @@ def make_optimizer(opt_cfg: Any, groups: Sequence[ParamGroup] = ()) -> FlatOptim
         eps=float(opt_cfg.eps),
         weight_decay=float(opt_cfg.weight_decay),
         momentum=float(opt_cfg.momentum),
+        state_dtype=MomentFormat.of(getattr(opt_cfg, "state_dtype", "fp32")).dtype,
     )
     return FlatSGD(spec, groups) if kind is OptimizerType.SGD else FlatAdam(spec, groups)

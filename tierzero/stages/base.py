@@ -17,6 +17,7 @@ import torch
 from tierzero.comm import collectives as C
 from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.optim.flat import FlatOptimizer
+from tierzero.optim.moments import SIGNED, MomentFormat
 from tierzero.stages.activations import recomputing
 from tierzero.stages.binding import UnitParams, bind
 from tierzero.stages.grads.buckets import GradBuckets
@@ -72,6 +73,7 @@ class Stage(GradLanding, ABC):
         state_kinds: tuple[Kind, ...],
         homes: Homes,
         secondary_parts: int = 0,
+        moments: MomentFormat = MomentFormat(),
     ) -> SlicePlan:
         """The slices this stage keeps per unit (see stages/plan.py): what the stage is built with."""
         return plan_slices(
@@ -83,6 +85,7 @@ class Stage(GradLanding, ABC):
             state_kinds=state_kinds,
             homes=homes,
             secondary_parts=secondary_parts,
+            moments=moments,
         )
 
     def slice_specs(self, unit: Unit) -> tuple[SliceSpec, ...]:
@@ -106,6 +109,11 @@ class Stage(GradLanding, ABC):
             Kind.PARAM: values[full[0] - offset : full[1] - offset],
             Kind.MASTER: values[start - offset : end - offset],
         }
+        # int8 moments start as quantized zeros: the code of 0 in every element ([Note: compact moments]).
+        moments = self.optimizer.moments
+        for spec in self.slice_specs(unit):
+            if spec.elements is not None:
+                initial[spec.kind] = moments.zeros(spec.parameters, signed=SIGNED[spec.kind], device=values.device)
         # Zeroed kinds share one buffer per dtype (writes only read it): set-up holds a unit's values and one zero slice.
         zeros: dict[torch.dtype, torch.Tensor] = {}
         for spec in self.slice_specs(unit):

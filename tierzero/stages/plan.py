@@ -17,6 +17,7 @@ import torch
 from tierzero.common.slices import Kind, Tier, align_up
 from tierzero.config import ConfigError, OffloadConfig
 from tierzero.offload.tiers import traits_of
+from tierzero.optim.moments import MomentFormat
 from tierzero.units.unit import Unit
 
 __all__ = ["KIND_HOMES", "Homes", "SlicePlan", "SliceSpec", "plan_slices"]
@@ -91,10 +92,18 @@ class SliceSpec:
     numel: int
     dtype: torch.dtype
     home: Tier
+    elements: int | None = None
+    """The parameters whose state the slice holds, where its storage packs them (int8 moments: `numel`
+    bytes of absmax and codes, [Note: compact moments]); None: `numel`."""
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    @property
+    def parameters(self) -> int:
+        """How many parameters' state the slice holds."""
+        return self.numel if self.elements is None else self.elements
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +154,7 @@ class SlicePlan:
             owned = [s for s in specs if s.kind in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
             if on_device is not None and (bool(owned) and owned[0].home is Tier.DEVICE) is not on_device:
                 continue
-            total += owned[0].numel if owned else next((s.numel for s in specs if s.kind is Kind.GRAD), 0)
+            total += owned[0].parameters if owned else next((s.numel for s in specs if s.kind is Kind.GRAD), 0)
         return total
 
     def home_bytes(self, tier: Tier) -> int:
@@ -170,10 +179,11 @@ def plan_slices(
     state_kinds: tuple[Kind, ...],
     homes: Homes,
     secondary_parts: int = 0,
+    moments: MomentFormat = MomentFormat(),
 ) -> SlicePlan:
     """PARAM in the compute dtype and GRAD in the reduce dtype (the compute dtype unless given),
-    sharded as the stage says, an fp32 MASTER in mixed precision, and the optimizer's fp32
-    states, each sharded, each at its kind's home. A frozen unit keeps its PARAM slice only:
+    sharded as the stage says, an fp32 MASTER in mixed precision, and the optimizer's states
+    (stored as `moments` says: fp32, bf16, or int8 codes and absmax), each sharded, each at its kind's home. A frozen unit keeps its PARAM slice only:
     in the compute dtype, with no fp32 copy, since nothing steps it. With `secondary_parts`
     (hpZ), every unit also keeps a SECONDARY slice, 1/secondary_parts of its parameters in
     the compute dtype, at the parameters' home. A unit with a dtype of its own (`Unit.dtype`:
@@ -197,6 +207,9 @@ def plan_slices(
         unit_specs.append(SliceSpec(Kind.GRAD, grads, grad_dtype if unit.dtype is None else dtype, home(Kind.GRAD)))
         if mixed:
             unit_specs.append(SliceSpec(Kind.MASTER, shard, torch.float32, home(Kind.MASTER)))
-        unit_specs += [SliceSpec(kind, shard, torch.float32, home(kind)) for kind in state_kinds]
+        stored = moments.storage_numel(shard)
+        unit_specs += [
+            SliceSpec(kind, stored, moments.stored_dtype, home(kind), None if stored == shard else shard) for kind in state_kinds
+        ]
         specs[unit.name] = tuple(unit_specs)
     return SlicePlan(specs=specs)

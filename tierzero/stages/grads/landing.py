@@ -91,6 +91,8 @@ class GradLanding:
         spec = self.plan.spec(unit.name, Kind.GRAD)
         if spec.dtype != torch.float32:
             return None  # the slice rounds them (`precision.reduce_dtype`): so must the step's gradient
+        if any(s.dtype != torch.float32 for s in self.plan.of(unit) if s.kind in (Kind.EXP_AVG, Kind.EXP_AVG_SQ)):
+            return None  # compact moments step a window of whole blocks at a time, never a slot alone
         tier = job.grad_tier(unit)
         if tier is not Tier.DEVICE and not self._on_host():
             return None  # a host step of a GPU's gradients: they cross on the copy stream
