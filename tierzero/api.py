@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tierzero.comm import dist as D
 from tierzero.comm.topology import Topology
 from tierzero.config import load_config
-from tierzero.engine.engine import Engine
+from tierzero.inference import GeneratingEngine
 from tierzero.placement.planner import PlacementPlan, plan_placement
 from tierzero.pretrained import PretrainedWeights
 from tierzero.pretrained.lora import is_peft_model, materialize_adapters
@@ -29,8 +29,8 @@ def initialize(
     lr_lambda: Callable[[int], float] | None = None,
     topology: Topology | None = None,
     mesh: DeviceMesh | None = None,
-) -> Engine:
-    """Wrap `model` for ZeRO training; `config` is a path, a dict or a tierzero config object.
+) -> GeneratingEngine:
+    """Wrap `model` for ZeRO training (and generation: `engine.generate`); `config` is a path, a dict or a tierzero config object.
 
     `pretrained` (default: the config's `model.pretrained`) names a transformers model directory
     (config.json and safetensors files) whose weights `model`, best built on the meta device
@@ -60,7 +60,8 @@ def initialize(
     if plan is not None and plan.overrides:
         cfg = load_config(cfg, overrides=plan.overrides)  # the prefetcher's budgets, lowered to fit
     homes = None if plan is None else plan.homes
-    engine = Engine(model, cfg, ctx=ctx, weights=weights, lr_lambda=lr_lambda, topology=topology, homes=homes)
+    # An Engine with `generate` ([Note: engine.generate] in tierzero/inference/generate.py).
+    engine = GeneratingEngine(model, cfg, ctx=ctx, weights=weights, lr_lambda=lr_lambda, topology=topology, homes=homes)
     engine.placement = plan
     return engine
 

@@ -18,7 +18,8 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 LAYERS = (
     "common", "config", "data", "comm", "units", "optim", "offload", "swapper", "store", "prefetch", "stages",
-    "pretrained", "models", "checkpoint", "engine", "estimate", "placement", "api", "lora", "cli",
+    "pretrained", "models", "checkpoint", "engine", "inference", "align", "estimate", "placement", "api",
+    "integrations", "lora", "cli",
 )  # fmt: skip
 """Each package, and each module at the top of `tierzero/`, bottom to top: one imports only from layers below it."""
 

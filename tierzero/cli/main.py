@@ -1,4 +1,4 @@
-"""The `tierzero` command: `train`, `demo`, `estimate`, `consolidate`, `make-checkpoint`, `config`, `bench` and `clean`.
+"""The `tierzero` command: `train`, `demo`, `estimate`, `generate`, `consolidate`, `make-checkpoint`, `config`, `bench` and `clean`.
 
 User errors (a bad config, a full disk) print one line to stderr and exit 2,
 without a traceback; anything else is a bug and keeps its traceback. Config warnings
@@ -19,6 +19,7 @@ from tierzero.cli.clean import add_clean_command
 from tierzero.cli.config import add_config_commands
 from tierzero.cli.consolidate import add_consolidate_command
 from tierzero.cli.estimate import add_estimate_command
+from tierzero.cli.generate import add_generate_command
 from tierzero.cli.make_checkpoint import add_make_checkpoint_command
 from tierzero.cli.train import add_demo_command, add_train_command
 from tierzero.config.errors import TierZeroConfigWarning
@@ -34,6 +35,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_train_command(commands)
     add_demo_command(commands)
     add_estimate_command(commands)
+    add_generate_command(commands)
     add_consolidate_command(commands)
     add_make_checkpoint_command(commands)
     add_clean_command(commands)

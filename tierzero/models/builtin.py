@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierzero.models.kv_cache import CachedAttention, KVCache
 from tierzero.pretrained import build_meta_model
 from tierzero.pretrained.lora import apply_lora
 
@@ -109,11 +110,14 @@ class GPTBlock(nn.Module):
         self.fc_out = nn.Linear(spec.d_ff, spec.d_model)
         self.drop = nn.Dropout(spec.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, cache: CachedAttention | None = None) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln_1(x)).view(b, t, 3, self.spec.n_head, self.spec.head_dim).unbind(2)
         dropout = self.spec.dropout if self.training else 0.0
-        y = _causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout=dropout)
+        if cache is not None:
+            y = cache.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        else:
+            y = _causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout=dropout)
         x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
         return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln_2(x)))))
 
@@ -158,14 +162,21 @@ class GPT(nn.Module):
         elif isinstance(module, nn.LayerNorm) and module.weight.device.type != "meta":
             module.reset_parameters()
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
-        t = idx.shape[1]
-        if t > self.spec.max_seq_len:
-            raise ValueError(f"sequence length {t} is above model.max_seq_len {self.spec.max_seq_len}: shorten it")
-        pos = torch.arange(t, device=idx.device)
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> Any:  # fmt: skip
+        """Logits (and the loss with `targets`); with `cache`, `idx` follows the tokens cached, which
+        `attention_mask` (batch, cached + new) marks as real or padding (tierzero/models/kv_cache.py)."""
+        _check_length(idx, self.spec, cache=cache, attention_mask=attention_mask)
+        if cache is None:
+            pos, extra = torch.arange(idx.shape[1], device=idx.device), [{}] * len(self.blocks)
+        else:
+            window = cache.open(idx, attention_mask)
+            pos, extra = window.positions, [{"cache": layer} for layer in cache.attention(window)]
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
+        for block, kwargs in zip(self.blocks, extra, strict=True):
+            x = block(x, **kwargs)
         return _lm_output(self.lm_head(self.ln_f(x)), targets)
 
 
@@ -217,12 +228,15 @@ class LlamaBlock(nn.Module):
         self.w_down = nn.Linear(spec.d_ff, spec.d_model, bias=False)
         self.drop = nn.Dropout(spec.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, cache: CachedAttention | None = None) -> torch.Tensor:
         b, t, d = x.shape
         h = self.attn_norm(x)
         q, k, v = (w(h).view(b, t, self.spec.n_head, self.spec.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         dropout = self.spec.dropout if self.training else 0.0
-        y = _causal_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, dropout=dropout)
+        if cache is not None:
+            y = cache.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        else:
+            y = _causal_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, dropout=dropout)
         x = x + self.drop(self.wo(y.transpose(1, 2).reshape(b, t, d)))
         h = self.mlp_norm(x)
         return x + self.drop(self.w_down(F.silu(self.w_gate(h)) * self.w_up(h)))
@@ -278,15 +292,33 @@ class Llama(nn.Module):
             cos, sin = rotary_tables(head_dim=self.spec.head_dim, max_seq_len=self.spec.max_seq_len)
             self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_cos.device)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
-        t = idx.shape[1]
-        if t > self.spec.max_seq_len:
-            raise ValueError(f"sequence length {t} is above model.max_seq_len {self.spec.max_seq_len}: shorten it")
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> Any:  # fmt: skip
+        """As `GPT.forward`; with `cache`, each row's rotary angles are those of its own positions."""
+        t = _check_length(idx, self.spec, cache=cache, attention_mask=attention_mask)
+        if cache is None:
+            cos, sin, extra = self.rope_cos[:t], self.rope_sin[:t], [{}] * len(self.blocks)
+        else:
+            window = cache.open(idx, attention_mask)
+            # (batch, 1, new, head size / 2): one angle table per row, broadcast over the heads
+            cos, sin = self.rope_cos[window.positions].unsqueeze(1), self.rope_sin[window.positions].unsqueeze(1)
+            extra = [{"cache": layer} for layer in cache.attention(window)]
         x = self.drop(self.tok_emb(idx))
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        for block, kwargs in zip(self.blocks, extra, strict=True):
+            x = block(x, cos, sin, **kwargs)
         return _lm_output(self.lm_head(self.norm(x)), targets)
+
+
+def _check_length(idx: torch.Tensor, spec: ModelSpec, *, cache: KVCache | None, attention_mask: torch.Tensor | None) -> int:
+    """The new tokens' count, refused past model.max_seq_len (cached tokens included); a mask needs a cache."""
+    t = idx.shape[1] + (0 if cache is None else cache.length)
+    if t > spec.max_seq_len:
+        raise ValueError(f"sequence length {t} is above model.max_seq_len {spec.max_seq_len}: shorten it")
+    if attention_mask is not None and cache is None:
+        raise ValueError("attention_mask is for cached decoding: pass a KVCache with it (tierzero.models.kv_cache)")
+    return idx.shape[1]
 
 
 def _normal_(weight: torch.Tensor, *, std: float) -> None:
