@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -23,6 +24,10 @@ class RunSummary:
     steps: int = 0
     planned_steps: int = 0
     losses: list[float] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+    """train.objective dpo: each step's mean reward margin, beta x (chosen - rejected log-ratio); else empty."""
+    accuracies: list[float] = field(default_factory=list)
+    """train.objective dpo: each step's share of pairs with a positive margin; else empty."""
     lrs: list[float] = field(default_factory=list)
     """The learning rate each step ran at (`engine.lr` before it)."""
     tokens: int = 0
@@ -56,6 +61,16 @@ class RunSummary:
     """A resumed run whose checkpoint had done train.steps already: the step it was at. Nothing ran,
     and nothing is summarised."""
 
+    def note_preference(self, stats: Any) -> float:
+        """Keep a DPO step's margin and accuracy (`tierzero.align.DpoStats`); its loss, for the loop to keep as any loss."""
+        self.margins.append(stats.margin)
+        self.accuracies.append(stats.accuracy)
+        return stats.loss
+
+    def preference_text(self) -> str:
+        """The last DPO step's margin and accuracy for the log line; "" for a next-token run."""
+        return f"margin={self.margins[-1]:.4f} acc={self.accuracies[-1]:.2f}" if self.margins else ""
+
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
@@ -66,6 +81,7 @@ class RunSummary:
         rows = [
             ("steps", f"{self.steps} of {self.planned_steps}" + (" (interrupted)" if self.interrupted else "")),
             ("loss first -> last", f"{first} -> {last}"),
+            *self._preference_rows(),
             ("tokens/s", f"{self.tokens_per_s:,.0f}"),
             ("time", f"{self.seconds:.1f} s"),
             ("parameters", f"{self.parameters:,}"),
@@ -95,6 +111,11 @@ class RunSummary:
                 shown = format_size(capacity) if capacity is not None else "unbounded"
                 lines.append(f"  {tier:<8} {format_size(self.peak_tier_bytes[tier]):>12} {shown:>12}")
         return "\n".join(lines) + "\n"
+
+    def _preference_rows(self) -> list[tuple[str, str]]:
+        if not self.margins:
+            return []
+        return [("reward margin", f"{self.margins[0]:.4f} -> {self.margins[-1]:.4f}, accuracy {self.accuracies[-1]:.2f} at the last step")]
 
     def _against_prediction(self, predicted: float) -> str:
         """The plan's step beside the measured one (the median of the steps after the first, which

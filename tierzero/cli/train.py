@@ -27,6 +27,7 @@ import psutil
 import torch
 from tqdm import tqdm
 
+from tierzero.align import PreferenceBatches, dpo_train_step
 from tierzero.api import initialize
 from tierzero.checkpoint import PeftAdapters, TransformersDirectory, probe_root
 from tierzero.checkpoint.export import check_export
@@ -209,7 +210,8 @@ def train(
                 if rank == 0:  # after the plan's table and the resume's lines: the last word before the first step
                     header = RunHeader.of(cfg, engine, model_class=model_class, parameters=summary.parameters, trained=trained, autos=autos)
                     out.write("\n".join(header.lines(world_size=world)) + "\n")
-                data = batches_from_config(cfg, rank=rank, world_size=world)
+                batches = PreferenceBatches.from_config if cfg.train.objective == "dpo" else batches_from_config
+                data = batches(cfg, rank=rank, world_size=world)
                 _loop(engine, cfg, data=data, summary=summary, ctrl_c=ctrl_c, show=rank == 0, progress=progress, out=out)
             elif rank == 0:
                 out.write(
@@ -279,9 +281,13 @@ def _loop(
         nonfinite = NonFiniteLosses(limit=cfg.train.max_nonfinite)
         for step in range(start, cfg.train.steps):
             t0, moved, lr = time.perf_counter(), traffic(), float(engine.lr)
-            loss = _train_step(
-                engine, data, step=step, accumulation=accumulation, device=device, is_hf=cfg.model.is_transformers, clock=clock
-            )  # fmt: skip
+            if cfg.train.objective == "dpo":  # preference tuning (tierzero/align/): its step in place of the next-token one
+                loss = summary.note_preference(dpo_train_step(engine, data, cfg.dpo, step=step, accumulation=accumulation,
+                                                              device=device, is_hf=cfg.model.is_transformers, mark=clock and clock.mark))
+            else:
+                loss = _train_step(
+                    engine, data, step=step, accumulation=accumulation, device=device, is_hf=cfg.model.is_transformers, clock=clock
+                )  # fmt: skip
             ctrl_c.check()
             saves = nonfinite.saves(loss, step=step + 1, steps=cfg.train.steps)  # the same on every rank: the loss is reduced
             elapsed = time.perf_counter() - t0
@@ -408,7 +414,7 @@ def _train_step(
 def _postfix(loss: float, lr: float, tokens_per_s: float, summary: RunSummary, engine: Any) -> str:
     # Peaks, not end-of-step values: a stage-3 device tier is empty between steps.
     tiers = " ".join(f"{tier}<={format_size(summary.peak_tier_bytes[tier])}" for tier in TIERS if tier in summary.peak_tier_bytes)
-    parts = [f"loss={loss:.4f}", f"lr={lr:.3g}", f"tok/s={tokens_per_s:,.0f}", tiers]
+    parts = [f"loss={loss:.4f}", summary.preference_text(), f"lr={lr:.3g}", f"tok/s={tokens_per_s:,.0f}", tiers]
     # Seconds compute waited on I/O in the last step, where the engine reports its prefetcher.
     report_fn = getattr(engine, "prefetch_report", None)
     report = report_fn() if callable(report_fn) else None

@@ -21,6 +21,7 @@ from tierzero.config.sections import (
     ActivationsConfig,
     CheckpointConfig,
     DistConfig,
+    DpoConfig,
     OffloadConfig,
     PrefetchConfig,
     SwapperConfig,
@@ -53,11 +54,13 @@ class Config(Section):
     prefetch: PrefetchConfig = section(PrefetchConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
     dist: DistConfig = section(DistConfig)
+    dpo: DpoConfig = section(DpoConfig)
 
     def _validate(self) -> None:
         _check_stage_allows_offload(self.zero.stage, self.offload)
         _check_sequence_fits(self.model, self.train)
         _check_nvme_placement(self)
+        _check_preference_tuning(self)
 
     def placements(self) -> dict[str, Tier | str]:
         """offload key -> tier or "auto", e.g. {"offload.params": Tier.NVME, ...}."""
@@ -123,4 +126,29 @@ def _check_nvme_placement(cfg: Config) -> None:
             f"{format_size(staging + cache)} of host memory but tiers.cpu.capacity is {format_size(cpu_capacity)}: "
             "lower tiers.nvme.cache or raise tiers.cpu.capacity",
             key="tiers.nvme.cache",
+        )
+
+
+def _check_preference_tuning(cfg: Config) -> None:
+    """`train.objective: dpo` needs LoRA (its reference is the base with the adapters off) and tokenized JSON Lines."""
+    if cfg.train.objective != "dpo":
+        return
+    if cfg.model.lora.r == 0:
+        raise ConfigError(
+            "train.objective is dpo but model.lora.r is 0 (full fine-tuning): the reference is the base with the "
+            "LoRA adapters switched off; set model.lora.r (e.g. 8), or train.objective to sft",
+            key="model.lora.r",
+        )
+    if cfg.data.tokenizer is None or cfg.data.format not in ("auto", "jsonl"):
+        raise ConfigError(
+            f"train.objective is dpo, which reads JSON Lines records {{prompt, chosen, rejected}} tokenized with "
+            f"data.tokenizer, but data.tokenizer is {cfg.data.tokenizer or 'null'} and data.format {cfg.data.format}: "
+            "set data.tokenizer to a tokenizer directory and data.format to jsonl or auto",
+            key="data.tokenizer" if cfg.data.tokenizer is None else "data.format",
+        )
+    if cfg.dpo.max_prompt_len > cfg.train.seq_len:
+        raise ConfigError(
+            f"dpo.max_prompt_len {cfg.dpo.max_prompt_len} is above train.seq_len {cfg.train.seq_len}, which would leave "
+            "a long prompt's completion no token: lower dpo.max_prompt_len (0: half of train.seq_len)",
+            key="dpo.max_prompt_len",
         )

@@ -39,6 +39,8 @@ STAGE = dataclasses.replace(
 )
 """`zero.stage`: only the stages the engine runs, so a config never promises one it cannot."""
 
+OBJECTIVES = ("sft", "dpo")
+"""`train.objective`: next-token training, or preference tuning (tierzero/align/)."""
 MAX_CAPACITY = 1 << 50
 """The limit of a tier capacity: 1 PiB."""
 MAX_HOST_BUFFERS = 64 * GiB
@@ -166,6 +168,10 @@ class TrainConfig(Section):
     """`tierzero train` stops (exit 2) after this many steps in a row whose loss is NaN or inf (1: at the
     first), naming the step; a checkpoint due at such a step is not saved. An fp16 step skipped for
     overflowed gradients is not counted: only the loss is."""
+    objective: str = setting("sft", choice_check(OBJECTIVES))
+    """sft: next-token loss on data.path's text; dpo: preference tuning (the `dpo` section) on JSON Lines
+    records {prompt, chosen, rejected} tokenized with data.tokenizer, against the base with the
+    model.lora adapters switched off."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -327,6 +333,22 @@ class CheckpointConfig(Section):
     the last one)."""
     keep: int = setting(2, int_check(1))
     """Newest checkpoints kept under checkpoint.dir; older ones are deleted after each save."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DpoConfig(Section):
+    """Preference tuning, `train.objective: dpo` (tierzero/align/): the sigmoid DPO loss of each record's
+    chosen completion against its rejected one, the reference being the base with the LoRA adapters off."""
+
+    SECTION: ClassVar[str] = "dpo"
+    beta: float = setting(0.1, float_check(lo=0.0, lo_open=True, limit=1e6))
+    """How far the policy may move from the reference: the loss is -log sigmoid(beta x the difference
+    of the chosen and rejected completions' log-ratios to the reference); the reward margin logged is
+    beta x that difference."""
+    max_prompt_len: int = setting(0, int_check(0, limit=1 << 20))
+    """Prompt tokens kept, the last ones (nearest the completion); the prompt and completion (its EOS
+    appended) are then cut to train.seq_len + 1 tokens, the completion's end first. At most
+    train.seq_len, so that every completion keeps a token; 0: half of train.seq_len."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

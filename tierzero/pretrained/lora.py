@@ -15,10 +15,11 @@ gathers only the trained units, never the base.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "adapter_parameter_names", "adapter_state", "apply_lora", "is_peft_model", "materialize_adapters", "save_adapters",
-    "write_adapters",
+    "adapter_parameter_names", "adapter_state", "adapters_off", "apply_lora", "is_peft_model", "materialize_adapters",
+    "save_adapters", "write_adapters",
 ]  # fmt: skip
 
 #: peft's name of the adapter tierzero trains.
@@ -76,6 +77,30 @@ def materialize_adapters(model: nn.Module, *, seed: int) -> None:
                     container.to_empty(device="cpu")
             with torch.no_grad():
                 module.reset_lora_parameters(ADAPTER, init)
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Within the block, `model`'s LoRA adapters are switched off: its forward is the frozen base's.
+
+    DPO's reference (tierzero/align/) is this forward: the same base, no second copy of the
+    model. Under the engine the units gather as usual (a block's adapters and base are gathered
+    together); the adapters are only not applied. The layers that were on are turned on again
+    on the way out, whatever happens inside. peft's switch also sets the adapters' requires_grad
+    (on again: trained), as its own `disable_adapter` does; under the engine the adapters are
+    no module's parameters any more, so that changes nothing there.
+    """
+    tuners = list({id(module): module for _, module, _ in _adapter_modules(model)}.values())
+    if not tuners:
+        raise ValueError(f"adapters_off needs a model with LoRA adapters, got {type(model).__name__}: set model.lora (or use apply_lora)")
+    layers = [layer for layer in tuners if not layer.disable_adapters]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def _on_meta(container: nn.Module) -> bool:
