@@ -487,18 +487,22 @@ def test_tierzero_estimate_prints_the_plan(tmp_path: Path, swap: Path, capsys: p
     rc, table = cli()
     assert rc == 0 and "placement (offload: auto), per rank:" in table and "predicted step" in table
     assert "by part, each its disk beside the rest: forward " in table
-    # What the planner does meanwhile goes to stderr, beside the report: the rates are given, so only the replays.
+    # What the planner does meanwhile goes to stderr, beside the report: the rates are given, so only the
+    # replays, a line each as it ends (its time, the placement, its prediction or shortfall), then the total.
     said = capsys.readouterr().err.splitlines()
-    assert said[0] == "planning: replaying the step for each candidate placement" and len(said) == 2
-    assert re.fullmatch(r"planning: \d+ replays of \d+ placements in \d+\.\d s", said[1])
+    assert said[0] == "planning: replaying the step for each candidate placement" and len(said) >= 3
+    assert all(re.fullmatch(r"planning: replay \d+, \d+\.\d s: params .*: .*(predicted|short by .*)", s) for s in said[1:-1])
+    assert re.fullmatch(rf"planning: {len(said) - 2} replays of \d+ placements in \d+\.\d s", said[-1])
     rc, text = cli("--json")
     placement = json.loads(text)["placement"]
     assert rc == 0 and placement["predicted_step_s"] > 0
     assert list(placement["parts_s"]) == ["forward", "backward", "step"]
     assert sum(placement["parts_s"].values()) == pytest.approx(placement["predicted_step_s"])
     assert placement["homes"].keys() == {"params", "grads", "optimizer"}
-    with pytest.raises(PlacementError, match=r"no placement fits .* short by"):
-        cli("--set", "tiers.cpu.capacity=2MiB", "--set", "tiers.device.capacity=1MiB")
+    # None fits: DOES NOT FIT, what the nearest lacks and what would fit, and exit 1.
+    rc, text = cli("--set", "tiers.cpu.capacity=2MiB", "--set", "tiers.device.capacity=1MiB")
+    assert rc == 1 and "DOES NOT FIT:\n  the nearest placement (" in text and " short by " in text
+    assert "\nto make it fit:\n  - raise tiers." in text
 
 
 def test_the_rates_are_measured_on_this_machine(swap: Path) -> None:

@@ -12,10 +12,11 @@ from tierzero.cli.config import parse_overrides
 from tierzero.common.sizes import format_size
 from tierzero.common.slices import KEPT_KINDS, shown_kinds
 from tierzero.config import NvmeTierConfig, load_config
-from tierzero.estimate.estimator import Bandwidth, Estimate, estimate, measure_flops
-from tierzero.placement import MachineBudgets, machine_budgets
+from tierzero.estimate.estimator import Bandwidth, Estimate, Target, estimate, measure_flops
+from tierzero.estimate.machines import PRESETS, Machine, load_machine
+from tierzero.placement import MachineBudgets, machine_budgets, target_budgets
 from tierzero.placement.disk import label_of
-from tierzero.placement.planner import plan_placement
+from tierzero.placement.planner import PlacementError, plan_placement
 from tierzero.placement.progress import said_to
 
 __all__ = ["DEFAULT_BENCH_PATHS", "add_estimate_command", "format_estimate", "load_bench", "run_estimate", "to_json"]
@@ -190,6 +191,11 @@ def add_estimate_command(subparsers: Any) -> None:
     parser.add_argument("--measure-flops", action="store_true", help="time a matmul here instead of assuming a rate")
     parser.add_argument("--nvme-path", default=None, help="directory for the swap files (overrides tiers.nvme.path)")
     parser.add_argument(
+        "--machine", default=None, metavar="NAME|FILE",
+        help=f"plan for that machine, measuring nothing here: a preset ({', '.join(PRESETS)}) or a .yaml/.json file "
+        "of its figures (docs/config.md, `tierzero estimate --machine`)",
+    )
+    parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override one dotted config key, e.g. --set zero.stage=2 (the value is read as YAML)",
     )
@@ -202,30 +208,66 @@ def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     _check_flags(args)
     cfg = load_config(args.config, overrides=parse_overrides(args.overrides, nvme_path=args.nvme_path))
+    machine = None if getattr(args, "machine", None) is None else load_machine(args.machine)
     flops = None
     if args.flops is not None:
         flops = Bandwidth(read=args.flops * 1e9, write=args.flops * 1e9, source=f"given {args.flops:g} GFLOP/s (--flops)")
     elif args.measure_flops:
         flops = measure_flops(cfg.precision.param_dtype)
+    elif machine is not None:
+        flops = machine.flops(cfg.precision.param_dtype)
     local = _local_world_size(args)
-    disk = load_bench(args.nvme_bench, nvme_path=cfg.tiers.nvme.path, nvme=cfg.tiers.nvme)
-    budgets = machine_budgets(cfg.tiers)
+    if machine is None:
+        disk = load_bench(args.nvme_bench, nvme_path=cfg.tiers.nvme.path, nvme=cfg.tiers.nvme)
+        budgets, target = machine_budgets(cfg.tiers), None
+    else:  # its disk is not this host's: a bench file only when given (run on that machine)
+        disk = machine.disk() if args.nvme_bench is None else load_bench(args.nvme_bench, nvme=cfg.tiers.nvme)
+        budgets = target_budgets(cfg.tiers, machine)
+        target = Target(gpu_memory=machine.gpu_memory or 0, disk_free=machine.disk_free or 0)
+        out.write("" if args.json else machine.describe() + "\n")
     if cfg.offload.planned:
-        shares = {} if local is None else {"local_world_size": local}  # a machine's memory is shared by its ranks
-        with said_to(sys.stderr):  # beside the report, not in it: --json's output stays JSON
-            plan = plan_placement(cfg, world_size=args.world_size, budgets=budgets, disk=disk, flops=flops, **shares)
-        result = plan.estimate
-        if args.json:
-            out.write(json.dumps({**to_json(result, budgets=budgets), "placement": plan.summary()}, indent=2) + "\n")
-        else:
-            out.write(format_estimate(result, budgets=budgets) + "\n" + "\n".join(plan.lines()) + "\n")
-        return 0
-    result = estimate(cfg, world_size=args.world_size, local_world_size=local, disk=disk, flops=flops)
+        return _plan(cfg, args, out=out, budgets=budgets, disk=disk, flops=flops, machine=machine, local=local)
+    result = estimate(cfg, world_size=args.world_size, local_world_size=local, disk=disk, flops=flops, target=target)
     if args.json:
         out.write(json.dumps(to_json(result, budgets=budgets), indent=2) + "\n")
     else:
         out.write(format_estimate(result, budgets=budgets))
     return 0 if result.fits else 1
+
+
+def _plan(
+    cfg: Any,
+    args: Any,
+    *,
+    out: TextIO,
+    budgets: MachineBudgets,
+    disk: Bandwidth | None,
+    flops: Bandwidth | None,
+    machine: Machine | None,
+    local: int | None,
+) -> int:
+    """`offload: auto`: the plan and its estimate, 0; or DOES NOT FIT with what would fit, 1."""
+    shares = {} if local is None else {"local_world_size": local}  # a machine's memory is shared by its ranks
+    try:
+        with said_to(sys.stderr):  # beside the report, not in it: --json's output stays JSON
+            plan = plan_placement(
+                cfg, world_size=args.world_size, budgets=budgets, disk=disk, flops=flops, machine=machine, **shares
+            )
+    except PlacementError as refused:
+        if args.json:
+            data = {"fits": False, "budgets": budgets.to_json(), "problems": refused.problems, "fixes": refused.fixes}
+            out.write(json.dumps(data, indent=2) + "\n")
+        else:
+            lines = [*budgets.lines(), "", "DOES NOT FIT:", *(f"  {p}" for p in refused.problems)]
+            lines += ["to make it fit:", *(f"  - {f}" for f in refused.fixes)]
+            out.write("\n".join(lines) + "\n")
+        return 1
+    result = plan.estimate
+    if args.json:
+        out.write(json.dumps({**to_json(result, budgets=budgets), "placement": plan.summary()}, indent=2) + "\n")
+    else:
+        out.write(format_estimate(result, budgets=budgets) + "\n" + "\n".join(plan.lines()) + "\n")
+    return 0
 
 
 def _check_flags(args: Any) -> None:
@@ -237,6 +279,8 @@ def _check_flags(args: Any) -> None:
         )
     if args.flops is not None and not (math.isfinite(args.flops) and args.flops > 0):
         raise ValueError(f"--flops must be a positive GFLOP/s rate, got {args.flops}")
+    if getattr(args, "machine", None) is not None and args.measure_flops:
+        raise ValueError("--measure-flops times this host, --machine plans for another: drop --measure-flops")
 
 
 def _local_world_size(args: Any) -> int | None:

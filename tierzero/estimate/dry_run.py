@@ -89,14 +89,21 @@ _kept: OrderedDict[str, DryRun] = OrderedDict()
 
 
 def dry_run(
-    cfg: Config, *, world_size: int, local_world_size: int | None = None, homes: Homes | None = None
+    cfg: Config,
+    *,
+    world_size: int,
+    local_world_size: int | None = None,
+    homes: Homes | None = None,
+    cuda: bool | None = None,
 ) -> DryRun:
     """Run set-up and two optimizer steps of `cfg` (more while the NVMe cache settles) as rank 0
     of `world_size` on nodes of `local_world_size` ranks (default: one node), counting bytes;
-    `homes` places the slices (default: the config's `offload`)."""
+    `homes` places the slices (default: the config's `offload`). `cuda`: whether the store counts
+    as a GPU's (default: whether this host has one), for a machine that is not this one."""
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
-    key = repr((cfg, world_size, local_world_size or world_size, homes, torch.cuda.is_available()))
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    key = repr((cfg, world_size, local_world_size or world_size, homes, cuda))
     if key in _kept:
         _kept.move_to_end(key)
         return _kept[key]
@@ -104,8 +111,8 @@ def dry_run(
     topology = Topology(world_size=world_size, rank=0, local_world_size=local_world_size or world_size)
     # Two replays (see counting.py): writes that land when asked give the traffic of a disk that
     # keeps up; writes that land only when waited for give the memory bound of one that does not.
-    fast, _ = _replay(cfg, topology=topology, homes=homes, lands_when_asked=True)
-    slow, engine = _replay(cfg, topology=topology, homes=homes, lands_when_asked=False)
+    fast, _ = _replay(cfg, topology=topology, homes=homes, lands_when_asked=True, cuda=cuda)
+    slow, engine = _replay(cfg, topology=topology, homes=homes, lands_when_asked=False, cuda=cuda)
     peaks = slow.store.report().tiers
     run = DryRun(
         plan=engine.plan,
@@ -166,21 +173,23 @@ class _CountedOptimizer:
         self._optimizer.step_converting(param=param, **kwargs)
 
 
-def _replay(cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_asked: bool) -> tuple[_Replay, Engine]:
+def _replay(
+    cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_asked: bool, cuda: bool
+) -> tuple[_Replay, Engine]:
     """Set-up and two steps on a fresh meta model and counting store; the bytes each step moved.
     The model's costliest functions run as shapes only (estimate/shapes.py), but where the run
     books its saved activations (tierzero/stages/activations.py): those count what the meta kernels save."""
     acts = cfg.activations
     with ShapesOnly() if acts.checkpoint == 0 and acts.offload == "none" else contextlib.nullcontext():
-        return _set_up_and_step(cfg, topology=topology, homes=homes, lands_when_asked=lands_when_asked)
+        return _set_up_and_step(cfg, topology=topology, homes=homes, lands_when_asked=lands_when_asked, cuda=cuda)
 
 
 def _set_up_and_step(
-    cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_asked: bool
+    cfg: Config, *, topology: Topology, homes: Homes | None, lands_when_asked: bool, cuda: bool
 ) -> tuple[_Replay, Engine]:
     """`_replay`'s work, under whichever mode it chose."""
     model = build_model(cfg.model, device="meta", seed=cfg.train.seed)
-    store = CountingStore(cfg.tiers, cfg.swapper, cuda=torch.cuda.is_available(), lands_when_asked=lands_when_asked)
+    store = CountingStore(cfg.tiers, cfg.swapper, cuda=cuda, lands_when_asked=lands_when_asked)
     world_size = topology.world_size
     mesh = build_mesh(
         topology,
@@ -208,7 +217,7 @@ def _set_up_and_step(
             engine.reset_comm_report()
             _step(engine, cfg, mark=store.mark)
             run.steps += 1
-        if not torch.cuda.is_available():
+        if not cuda:
             # Host memory traffic besides the compute's: each micro-step's backward writes its
             # gradients into this rank's GRAD slices (stages/grad_landing.py), one pass over them,
             # but for those a step took as they were ([Note: gradient pieces]).

@@ -27,7 +27,7 @@ from tierzero.offload.disk.files import free_space as _free_space
 from tierzero.stages.plan import Homes, SlicePlan
 from tierzero.units.precision import dtype_of
 
-__all__ = ["Bandwidth", "Estimate", "TierEstimate", "estimate"]
+__all__ = ["Bandwidth", "Estimate", "Target", "TierEstimate", "estimate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +38,15 @@ class Bandwidth:
     """Bytes per second (for FLOPs: FLOP per second)."""
     write: float
     source: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Target:
+    """The machine an estimate is for when it is not this one (`tierzero estimate --machine`): a GPU
+    of `gpu_memory` bytes, whatever this host has, and `disk_free` bytes free at tiers.nvme.path."""
+
+    gpu_memory: int
+    disk_free: int
 
 
 @dataclass(slots=True, kw_only=True)
@@ -115,6 +124,8 @@ class Estimate:
     flops: Bandwidth
     activations: int | None
     """Rough bytes of saved activations (built-in models only), host or device."""
+    cuda: bool = False
+    """Whether the step runs on a GPU (this host's, or the `Target`'s)."""
     plan: SlicePlan | None = None
     """Each unit's slices and their homes, as the engine registers them."""
     phases: dict[str, Traffic] = field(default_factory=dict)
@@ -146,7 +157,7 @@ class Estimate:
     def host_bytes(self) -> int:
         """Host memory the store holds per rank; without CUDA the device tier is host memory too."""
         host = self.tiers[Tier.CPU].peak
-        return host if torch.cuda.is_available() else host + self.tiers[Tier.DEVICE].peak
+        return host if self.cuda else host + self.tiers[Tier.DEVICE].peak
 
 
 # ---------------------------------------------------------------- the estimate
@@ -161,6 +172,7 @@ def estimate(
     flops: Bandwidth | None = None,
     suggest: bool = True,
     homes: Homes | None = None,
+    target: Target | None = None,
 ) -> Estimate:
     """Per-rank bytes per tier, NVMe traffic and step-time floors of `cfg`; nothing is allocated.
 
@@ -169,9 +181,11 @@ def estimate(
     placement or capacity changes that would make it fit, each estimated the same way.
     `homes` places the slices (the planner's candidates); default: the config's `offload`.
     `local_world_size`: ranks per node, which splits the collectives' bytes (default: one node).
+    `target`: the machine it is for, with a GPU, when not this one: nothing of this host is read.
     """
-    run = dry_run(cfg, world_size=world_size, local_world_size=local_world_size, homes=homes)
-    tiers = {tier: TierEstimate(tier=tier, capacity=_capacity(cfg, tier)) for tier in Tier}
+    cuda = torch.cuda.is_available() if target is None else True
+    run = dry_run(cfg, world_size=world_size, local_world_size=local_world_size, homes=homes, cuda=cuda)
+    tiers = {tier: TierEstimate(tier=tier, capacity=_capacity(cfg, tier, target)) for tier in Tier}
     for spec in run.plan.all():
         homes = tiers[spec.home].homes  # SECONDARY (hpZ) joins the model states only where there is one
         homes[spec.kind] = homes.get(spec.kind, 0) + spec.nbytes
@@ -185,7 +199,8 @@ def estimate(
     uses_nvme = nvme_file > 0
     nvme = tiers[Tier.NVME]
     nvme.capacity = cfg.tiers.nvme.capacity
-    nvme.disk_need, nvme.disk_free = nvme_file, _free_space(cfg.tiers.nvme.path) if uses_nvme else None
+    free = _free_space(cfg.tiers.nvme.path) if target is None else target.disk_free
+    nvme.disk_need, nvme.disk_free = nvme_file, free if uses_nvme else None
     train = cfg.train
     result = Estimate(
         stage=cfg.zero.stage,
@@ -209,12 +224,13 @@ def estimate(
         disk=(disk or ASSUMED_DISK) if uses_nvme else None,
         flops=flops or assumed_flops(cfg.precision.param_dtype),
         activations=_activation_bytes(cfg, run.model),
+        cuda=cuda,
         plan=run.plan,
         phases=run.phases,
     )
     _check_fit(result, cfg)
     if suggest and not result.fits:
-        result.fixes = _fixes(cfg, result, world_size=world_size)
+        result.fixes = _fixes(cfg, result, world_size=world_size, target=target)
     return result
 
 
@@ -255,10 +271,12 @@ def measure_flops(param_dtype: str, *, seconds: float = 1.0) -> Bandwidth:
     return Bandwidth(read=rate, write=rate, source=source)
 
 
-def _capacity(cfg: Any, tier: Tier) -> int | None:
+def _capacity(cfg: Any, tier: Tier, target: Target | None) -> int | None:
     if tier is Tier.DEVICE:
         capacity = cfg.tiers.device.capacity
-        if capacity is None and torch.cuda.is_available():
+        if capacity is None and target is not None:
+            capacity = target.gpu_memory
+        elif capacity is None and torch.cuda.is_available():
             capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         return capacity
     return cfg.tiers.cpu.capacity if tier is Tier.CPU else cfg.tiers.nvme.capacity
@@ -312,17 +330,19 @@ _MOVES: tuple[tuple[dict[str, Any], str], ...] = (
 )
 
 
-def _fixes(cfg: Any, result: Estimate, *, world_size: int) -> list[str]:
+def _fixes(cfg: Any, result: Estimate, *, world_size: int, target: Target | None) -> list[str]:
     """One line per change that would make `cfg` fit: a placement move that fits, else raising a capacity."""
     fixes: list[str] = []
     short = [t for t in (Tier.DEVICE, Tier.CPU) if not result.tiers[t].fits]
-    if short == [Tier.CPU] and (fix := _smaller_cache(cfg, result, world_size=world_size)):
+    if short == [Tier.CPU] and (fix := _smaller_cache(cfg, result, world_size=world_size, target=target)):
         fixes.append(fix)
     for overrides, what in _MOVES:
         if any(_current(cfg, key) == value for key, value in overrides.items() if key.startswith("offload")):
             continue
         try:
-            moved = estimate(load_config(cfg, overrides=overrides), world_size=world_size, disk=result.disk, suggest=False)
+            moved = estimate(
+                load_config(cfg, overrides=overrides), world_size=world_size, disk=result.disk, suggest=False, target=target
+            )
         except ValueError:
             continue  # a placement the config does not allow with this stage
         if short and all(moved.tiers[t].need < result.tiers[t].need for t in short) and moved.fits:
@@ -344,7 +364,7 @@ def _fixes(cfg: Any, result: Estimate, *, world_size: int) -> list[str]:
     return fixes
 
 
-def _smaller_cache(cfg: Any, result: Estimate, *, world_size: int) -> str | None:
+def _smaller_cache(cfg: Any, result: Estimate, *, world_size: int, target: Target | None) -> str | None:
     """Keep fewer bytes in tiers.nvme.cache by what the cpu tier lacks, where that is enough."""
     cpu = result.tiers[Tier.CPU]
     cached = cpu.working.get("cache", 0)  # the budget's bytes the slices filled, at most the budget
@@ -353,7 +373,7 @@ def _smaller_cache(cfg: Any, result: Estimate, *, world_size: int) -> str | None
     assert cpu.capacity is not None
     smaller = max(0, cached - (cpu.need - cpu.capacity))
     cfg = load_config(cfg, overrides={"tiers.nvme.cache": smaller})
-    moved = estimate(cfg, world_size=world_size, disk=result.disk, suggest=False)
+    moved = estimate(cfg, world_size=world_size, disk=result.disk, suggest=False, target=target)
     if not moved.fits:
         return None
     return (

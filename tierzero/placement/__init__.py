@@ -8,6 +8,7 @@ from tierzero.placement.budgets import (
     Margin,
     TierBudget,
     machine_budgets,
+    target_budgets,
 )
 from tierzero.placement.cgroup import CgroupMemory, cgroup_memory
 
@@ -20,4 +21,5 @@ __all__ = [
     "TierBudget",
     "cgroup_memory",
     "machine_budgets",
+    "target_budgets",
 ]

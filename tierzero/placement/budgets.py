@@ -21,10 +21,11 @@ from tierzero.common.sizes import format_size
 from tierzero.common.slices import Tier
 from tierzero.config import CpuTierConfig, DeviceTierConfig, NvmeTierConfig, TiersConfig
 from tierzero.config.checks import GiB
+from tierzero.estimate.machines import Machine
 from tierzero.offload.disk.files import free_space
 from tierzero.placement.cgroup import cgroup_memory
 
-__all__ = ["CPU_MARGIN", "DEVICE_MARGIN", "MachineBudgets", "Margin", "TierBudget", "machine_budgets"]
+__all__ = ["CPU_MARGIN", "DEVICE_MARGIN", "MachineBudgets", "Margin", "TierBudget", "machine_budgets", "target_budgets"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -111,6 +112,28 @@ def machine_budgets(
         cpu=_cpu_budget(tiers.cpu, cgroup_root=cgroup_root, proc_self_cgroup=proc_self_cgroup),
         nvme=_nvme_budget(tiers.nvme),
     )
+
+
+def target_budgets(tiers: TiersConfig, machine: Machine) -> MachineBudgets:
+    """Each tier's budget on `machine` (`tierzero estimate --machine`): its configured capacity, else
+    the machine's figure (the GPU's memory and the host's less their margins, the disk's free space);
+    nothing of this host is read."""
+    assert machine.gpu_memory is not None and machine.host_memory is not None and machine.disk_free is not None
+    budgets = []
+    for tier, section, figure, margin, what in (
+        (Tier.DEVICE, tiers.device, machine.gpu_memory, DEVICE_MARGIN, "GPU memory"),
+        (Tier.CPU, tiers.cpu, machine.host_memory, CPU_MARGIN, "host memory"),
+        (Tier.NVME, tiers.nvme, machine.disk_free, None, "free disk"),
+    ):
+        if section.capacity is not None:
+            budgets.append(TierBudget(tier=tier, nbytes=section.capacity, source=f"tiers.{tier.value}.capacity"))
+            continue
+        held = 0 if margin is None else margin.of(figure)
+        less = "" if margin is None else f", less {format_size(held)} margin ({margin})"
+        source = f"{machine.name}'s {what} {format_size(figure)}{less}"
+        budgets.append(TierBudget(tier=tier, nbytes=figure - held, source=source))
+    device, cpu, nvme = budgets
+    return MachineBudgets(device=device, cpu=cpu, nvme=nvme)
 
 
 def _device_budget(section: DeviceTierConfig, device: torch.device) -> TierBudget:

@@ -1,9 +1,12 @@
 """The placement planner's candidates: whole-kind placements, and units' slices moved into memory.
 
 `whole_kind` lists every placement of whole kinds the stage allows; `fill` moves a placement's
-NVMe slices into the device's memory and the host's, unit by unit and kind by kind, while the
-budgets have room, those that save most disk time per byte first and, among those that save
-alike, spread over the step (`spread_order`). The planner (placement/planner.py) replays and ranks them.
+slices on its lowest tier (NVMe, or host memory where it has none) up into the device's memory
+and the host's, unit by unit and kind by kind, while the budgets have room, those that save most
+disk time per byte first and, among those that save alike, spread over the step (`spread_order`);
+those that save nothing only as far as the lowest tier's budget needs. So a split is built from
+the budgets, from a placement that need not fit. The planner (placement/planner.py) replays and
+ranks them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ __all__ = ["FIELDS", "MIN_STAGE", "Candidate", "fill", "spread_order", "whole_ki
 FIELDS = {"params": "params", "grads": "gradients", "optimizer": "optimizer"}
 #: Lowest zero stage that may keep a field off the device (the optimizer's: any).
 MIN_STAGE = {"params": 3, "grads": 2, "optimizer": 1}
+#: Among slices that save no disk time, the order they move up in: parameters are copied up in
+#: every forward and backward, optimizer states step where they live, gradients are handed over.
+_NO_DISK_ORDER = {"params": 0, "optimizer": 1, "grads": 2}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -72,40 +78,37 @@ def fill(
     *,
     disk: Bandwidth | None,
     auto: set[str],
+    over: int = 0,
 ) -> list[Candidate]:
-    """`base` with the NVMe slices of the `auto` kinds (a kind the config places stays where it says)
-    moved into memory within `rooms` (the bytes each memory tier's budget has beyond what `base`
-    needs), unit by unit and kind by kind, those whose disk time per byte (the replay's reads and
-    writes of them at the disk's rates) is highest first, and among those alike in `spread_order`;
-    each to the first tier of `rooms` with room for it: the device's first, where a unit's
-    optimizer states step and its parameters compute without a copy. Shrunk by what `judge`'s
-    replay finds over budget, up to three times. Slices that cost no disk time (gradients handed
-    to a step in backward) stay on NVMe."""
+    """`base` with the slices of the `auto` kinds (a kind the config places stays where it says) on
+    its lowest tier (NVMe where it holds any, else host memory) moved up within `rooms` (the bytes
+    each memory tier's budget has beyond what `base` needs), unit by unit and kind by kind, those
+    whose disk time per byte (the replay's reads and writes of them at the disk's rates) is
+    highest first, and among those alike in `spread_order`; each to the first tier of `rooms` with
+    room for it: the device's first, where a unit's optimizer states step and its parameters
+    compute without a copy. Slices that cost no disk time (gradients handed to a step in
+    backward, any slice in host memory) move only until `over` bytes have: what the lowest tier
+    is over its budget by in `base`. Shrunk by what `judge`'s replay finds over budget, up to
+    three times."""
     assert base.result is not None and base.result.plan is not None
-    if disk is None:
-        return []
-    groups: dict[tuple[str, str], list[float]] = {}
-    for unit, unit_specs in base.result.plan.specs.items():
-        for spec in unit_specs:
-            if spec.home is Tier.NVME and KIND_HOMES[spec.kind] in auto:
-                read, written = base.result.nvme_by_slice.get(SliceKey(unit, spec.kind), (0, 0))
-                group = groups.setdefault((unit, KIND_HOMES[spec.kind]), [0.0, 0.0])
-                group[0] += read / disk.read + written / disk.write
-                group[1] += align_up(spec.nbytes)
+    groups, source = _groups(base.result, disk=disk, auto=auto)
     spread = spread_order(list(dict.fromkeys(unit for unit, _ in groups)))
     # Seconds per byte to 4 significant digits: slices of one kind then tie (their alignment
     # alone moves the last digits), and `spread` orders them.
     ranked = sorted(
-        (k for k, (saved, _) in groups.items() if saved > 0),
-        key=lambda k: (-float(f"{groups[k][0] / groups[k][1]:.4g}"), spread[k[0]]),
+        groups,
+        key=lambda k: (-float(f"{groups[k][0] / groups[k][1]:.4g}"), _NO_DISK_ORDER[k[1]], spread[k[0]]),
     )
-    rooms = {tier: room for tier, room in rooms.items() if room > 0}
+    above = (Tier.DEVICE, Tier.CPU) if source is Tier.NVME else (Tier.DEVICE,)
+    rooms = {tier: room for tier, room in rooms.items() if room > 0 and tier in above}
     tried: list[Candidate] = []
     for _ in range(3):
         taken: dict[tuple[str, str], Tier] = {}
         used = dict.fromkeys(rooms, 0)
         for key in ranked:
-            size = int(groups[key][1])
+            saves, size = groups[key][0], int(groups[key][1])
+            if saves <= 0 and sum(used.values()) >= over:
+                break
             tier = next((t for t in rooms if used[t] + size <= rooms[t]), None)
             if tier is not None:
                 taken[key], used[tier] = tier, used[tier] + size
@@ -114,12 +117,28 @@ def fill(
         homes = dataclasses.replace(base.homes, units=taken)
         candidate = judge(Candidate(homes=homes, label=f"{base.label}; {_moved_text(taken, used)}"))
         tried.append(candidate)
-        if not candidate.short:
+        if not candidate.short or sum(used.values()) < over:  # short of room: less would not fit either
             break
         for tier in rooms:
             if tier in candidate.short:
                 rooms[tier] = used[tier] - candidate.short[tier] - used[tier] // 100
     return tried
+
+
+def _groups(result: Estimate, *, disk: Bandwidth | None, auto: set[str]) -> tuple[dict[tuple[str, str], list[float]], Tier]:
+    """The slices `fill` may move, by (unit, kind field): [disk seconds they cost, aligned bytes];
+    and the tier they are on, the lowest that holds any."""
+    assert result.plan is not None
+    movable = [(unit, spec) for unit, specs in result.plan.specs.items() for spec in specs if KIND_HOMES[spec.kind] in auto]
+    source = Tier.NVME if any(spec.home is Tier.NVME for _, spec in movable) else Tier.CPU
+    groups: dict[tuple[str, str], list[float]] = {}
+    for unit, spec in movable:
+        if spec.home is source:
+            read, written = result.nvme_by_slice.get(SliceKey(unit, spec.kind), (0, 0))
+            group = groups.setdefault((unit, KIND_HOMES[spec.kind]), [0.0, 0.0])
+            group[0] += 0.0 if disk is None else read / disk.read + written / disk.write
+            group[1] += align_up(spec.nbytes)
+    return groups, source
 
 
 def _moved_text(taken: dict[tuple[str, str], Tier], used: dict[Tier, int]) -> str:

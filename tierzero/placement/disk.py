@@ -1,6 +1,6 @@
 """The disk's read and write bandwidth for the planner: remembered per path and I/O setting.
 
-A disk's rates depend on how it is driven: on the 2-core VM (docs/BENCHMARKS.md, session
+A disk's rates depend on how it is driven: on the 2-core VM (docs/benchmarks-journal.md, session
 13), the 2B auto plan predicted from `bench nvme --quick`'s one setting (1 MiB blocks, queue
 depth 4, 2 threads: 2.27 GB/s read) came out 19-25% slow, and from a probe at `tiers.nvme`'s
 default setting (8 MiB, 16, 8: 2.56 GB/s read) 5% slow. So rates are remembered per setting
@@ -11,12 +11,12 @@ is remembered for that path at `nvme`'s setting (the config's `tiers.nvme`), els
 its steps after the first found, the disk driven by the step itself beside its compute, and
 those rates come first. Rates older than `MAX_AGE_S` are measured
 again: a shared disk's speed drifts (a plan predicted 19% slow from rates an hour old,
-docs/BENCHMARKS.md, session 14). It drifts within minutes too, so a setting's rates are the
+docs/benchmarks-journal.md, session 14). It drifts within minutes too, so a setting's rates are the
 medians of its measurements of the last `HISTORY_S`, not the newest alone.
 
 The probe drives the disk as a step's swaps do, through the NVMe tier the engine uses: 1 GiB
 written, left to settle, then a quarter of it after another read back and written over, for
-`PROBE_S` seconds (docs/BENCHMARKS.md, session 16). Bytes read again at once come faster
+`PROBE_S` seconds (docs/benchmarks-journal.md, session 16). Bytes read again at once come faster
 (the same 256 MiB read back to back on the 2-core VM: 2.0 GB/s at first, then up to 2.9),
 where a step reads each byte once, a step after writing it; and a third of a second of
 reading samples one moment of a disk whose rate moves 2.0-2.9 GB/s between passes a tenth of
@@ -78,7 +78,7 @@ MAX_AGE_S = 3600.0
 _FIELDS = ("read_GBps", "write_GBps")
 #: What the rates training steps found (`learn`) are remembered under, after the setting's label.
 #: A step drives the disk beside its compute, reading and writing at once: the 2B auto step's disk
-#: was busy 6.2-8.9 s where probes alone at its setting counted 5.9-6.9 (docs/BENCHMARKS.md,
+#: was busy 6.2-8.9 s where probes alone at its setting counted 5.9-6.9 (docs/benchmarks-journal.md,
 #: sessions 17 and 18), so the planner takes a step's rates before a probe's.
 IN_STEPS = " (in steps)"
 #: The least share of the steps' time the disk must have been busy for `learn` to remember their rates.

@@ -1,6 +1,6 @@
 """Measurements of this machine kept across runs: each key's of the last day, and their medians.
 
-A shared VM's disk and cores change speed from minute to minute (docs/BENCHMARKS.md, sessions
+A shared VM's disk and cores change speed from minute to minute (docs/benchmarks-journal.md, sessions
 14-17), so one measurement samples one moment of them. The planner keeps what it measures, the
 disk's rates per directory and I/O setting (placement/disk.py) and a block's compute rate per
 shape and disk (placement/compute.py), for `HISTORY_S`, the newest `HISTORY_SAMPLES`, and

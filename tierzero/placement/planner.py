@@ -21,8 +21,18 @@ candidates (tierzero/placement/candidates.py):
    the step's transient host bytes), so that a budget the moves fill is one the process
    keeps to; a whole-kind placement fits as the store counts, as it would by hand.
 
-A placement whose homes alone are over a budget is refused without a replay; the whole-kind
-candidates are tried least memory first, so the first replay gives the slice sizes.
+A placement whose homes alone are over a budget is refused without a replay; the lowest
+whole-kind placement is replayed first, and gives the slice sizes; the others are tried most in
+memory first, and one that keeps no kind higher than a placement that fits is not replayed (a
+kind higher up moves no more bytes, so it predicts no slower: a 7B model whose state fits the GPU
+whole is replayed once, not 27 times at 3-4 s each; tests/unit/test_planner.py still checks the
+plan against every whole-kind placement). The lowest placement is always a
+base of splits, whether or not it fits: its slices move up as far as the memory budgets allow,
+and those that save no disk time as far as the lowest tier's budget needs (candidates.py: `fill`).
+So a model whose state fits no tier whole, but the three together, gets a plan.
+
+With `machine` (`tierzero estimate --machine`) the budgets, rates and GPU are that machine's
+(tierzero/estimate/machines.py), and nothing of this host is measured.
 
 The prediction of each step is tierzero/placement/prediction.py's.
 
@@ -43,13 +53,15 @@ import torch
 from tierzero.common.sizes import format_size
 from tierzero.common.slices import Tier
 from tierzero.config import AUTO, Config, load_config
-from tierzero.estimate.estimator import Bandwidth, Estimate, estimate
+from tierzero.estimate.estimator import Bandwidth, Estimate, Target, estimate
+from tierzero.estimate.machines import Machine
 from tierzero.offload.host_heap import kept_heap_limit
-from tierzero.placement.budgets import MachineBudgets, machine_budgets
+from tierzero.placement.budgets import MachineBudgets, machine_budgets, target_budgets
 from tierzero.placement.candidates import FIELDS, Candidate, fill, whole_kind
 from tierzero.placement.compute import Compute, measure_compute
 from tierzero.placement.disk import disk_rates
 from tierzero.placement.prediction import Prediction, measure_copy_rate, measure_step_rate, predict
+from tierzero.placement.refusal import PlacementError, refusal, shortfall_text
 from tierzero.stages.plan import Homes
 
 __all__ = ["PlacementError", "PlacementPlan", "RankBudgets", "plan_placement"]
@@ -58,10 +70,8 @@ log = logging.getLogger(__name__)
 
 #: Whole-kind placements whose split is tried: the best this many that leave state on NVMe.
 SPLIT_BASES = 4
-
-
-class PlacementError(ValueError):
-    """No placement fits the budgets; the message names the short tier, by how much, and what would fit."""
+#: How high each tier is: a placement that keeps every kind at least as high as another fits no worse.
+_HEIGHT = {Tier.NVME: 0, Tier.CPU: 1, Tier.DEVICE: 2}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,8 +91,11 @@ class RankBudgets:
     transient host bytes (`host_needs(kept=True)`)."""
 
     @classmethod
-    def of(cls, machine: MachineBudgets, cfg: Config, *, local_world_size: int = 1) -> RankBudgets:
-        """Each tier's budget for one rank: a configured capacity as it is, a machine figure split."""
+    def of(
+        cls, machine: MachineBudgets, cfg: Config, *, local_world_size: int = 1, cuda: bool | None = None
+    ) -> RankBudgets:
+        """Each tier's budget for one rank: a configured capacity as it is, a machine figure split.
+        `cuda`: whether the machine has a GPU (default: whether this host has one)."""
         configured = {Tier.DEVICE: cfg.tiers.device.capacity, Tier.CPU: cfg.tiers.cpu.capacity}
         figures, sources = {}, {}
         for tier, budget in machine.by_tier().items():
@@ -90,7 +103,8 @@ class RankBudgets:
             if share is not None and configured.get(tier) is None and tier is not Tier.NVME and local_world_size > 1:
                 share //= local_world_size
             figures[tier], sources[tier] = share, budget.source
-        shared = not torch.cuda.is_available() and cfg.tiers.device.capacity is None
+        cuda = torch.cuda.is_available() if cuda is None else cuda
+        shared = not cuda and cfg.tiers.device.capacity is None
         kept = kept_heap_limit(cfg.tiers.cpu.keep_freed)
         if kept and figures[Tier.CPU] is not None:
             sources[Tier.CPU] += f"; slices moved in leave room for {format_size(kept)} of freed heap kept"
@@ -115,7 +129,9 @@ class RankBudgets:
         """Bytes by which each tier the estimate needs is over its budget (none: it fits); with `kept`,
         the cpu's need counts the heap kept freed, as for the slices the planner moves into memory."""
         device, cpu = self.host_needs(result, kept=kept)
-        return self._over(device=device, cpu=cpu, nvme=result.nvme_file)
+        # The NVMe homes' bytes, not the swap file's: a file sized to tiers.nvme.capacity says nothing of the need.
+        nvme = result.nvme_file if result.plan is None else result.plan.home_bytes(Tier.NVME)
+        return self._over(device=device, cpu=cpu, nvme=nvme)
 
     def shortfalls_of_homes(self, held: dict[Tier, int]) -> dict[Tier, int]:
         """Bytes by which homes alone (`held`, by tier) are over each budget: a lower bound of the shortfall."""
@@ -239,6 +255,7 @@ def plan_placement(
     flops: Bandwidth | None = None,
     copy_rate: float | None = None,
     step_rate: float | None = None,
+    machine: Machine | None = None,
 ) -> PlacementPlan:
     """Choose every slice's home for `cfg`'s auto kinds; raises PlacementError when none fits.
 
@@ -246,20 +263,33 @@ def plan_placement(
     probed for `tiers.nvme.path`, `flops` to the rate one of the model's blocks trains at, alone
     and beside the disk (`measure_compute`; a given rate is taken as the step's), `copy_rate`
     (bytes/s between the device and host tiers) and `step_rate` (elements/s of the optimizer's
-    kernel) to short measurements.
+    kernel) to short measurements. With `machine`, each defaults to that machine's figure instead,
+    and the step is replayed and predicted as on its GPU: nothing of this host is measured.
     """
-    rank_budgets = RankBudgets.of(budgets or machine_budgets(cfg.tiers), cfg, local_world_size=local_world_size)
+    target = None
+    if machine is not None:
+        target = Target(gpu_memory=machine.gpu_memory or 0, disk_free=machine.disk_free or 0)
+        budgets = budgets or target_budgets(cfg.tiers, machine)
+        disk, flops = disk or machine.disk(), flops or machine.flops(cfg.precision.param_dtype)
+        copy_rate, step_rate = copy_rate or machine.copy_rate, step_rate or machine.host_step_rate
+    cuda = torch.cuda.is_available() if machine is None else True
+    rank_budgets = RankBudgets.of(
+        budgets or machine_budgets(cfg.tiers), cfg, local_world_size=local_world_size, cuda=cuda
+    )
     free = load_config(cfg, overrides={"tiers.device.capacity": None, "tiers.cpu.capacity": None})
     if disk is None and cfg.tiers.nvme.path is not None:
         rates = disk_rates(cfg.tiers.nvme.path, cfg.tiers.nvme)
         disk = Bandwidth(read=rates.read, write=rates.write, source=rates.source)
     compute = Compute(flops=flops) if flops is not None else measure_compute(cfg)
     flops = compute.flops
-    cuda = torch.cuda.is_available()
     copy_rate = copy_rate or measure_copy_rate()
     step_rate = step_rate or measure_step_rate(cfg)
     # With a GPU, the units whose optimizer states the plan keeps on the device step there.
-    device_step_rate = measure_step_rate(cfg, device="cuda") if cuda else None
+    device_step_rate = None
+    if machine is not None:
+        device_step_rate = machine.device_step_rate
+    elif cuda:
+        device_step_rate = measure_step_rate(cfg, device="cuda")
 
     specs: dict[str, Any] = {}
     replays = 0
@@ -270,7 +300,7 @@ def plan_placement(
         replayed = load_config(free, overrides=overrides) if overrides else free
         return estimate(
             replayed, world_size=world_size, local_world_size=local_world_size, disk=disk, flops=flops,
-            suggest=False, homes=homes,
+            suggest=False, homes=homes, target=target,
         )  # fmt: skip
 
     def judge(candidate: Candidate, *, kept: bool = False) -> Candidate:
@@ -280,6 +310,7 @@ def plan_placement(
         if homes_short:
             candidate.short = homes_short
             return candidate
+        began = time.perf_counter()
         result = replay(candidate.homes, {})
         assert result.plan is not None
         specs.update(result.plan.specs)
@@ -294,6 +325,8 @@ def plan_placement(
             result, copy_rate=copy_rate, step_rate=step_rate, cuda=cuda, slowdown=compute.slowdown,
             forward_share=compute.forward_share, device_step_rate=device_step_rate,
         )  # fmt: skip
+        verdict = shortfall_text(short) if short else f"{candidate.prediction.step_s:.2f} s predicted"
+        log.info("replay %d, %.1f s: %s: %s", replays, time.perf_counter() - began, candidate.label, verdict)
         return candidate
 
     def judge_split(candidate: Candidate) -> Candidate:
@@ -302,22 +335,29 @@ def plan_placement(
 
     log.info("replaying the step for each candidate placement")
     began = time.perf_counter()
-    whole = [judge(c) for c in whole_kind(cfg)]
+    lowest, *higher = whole_kind(cfg)
+    whole = [judge(lowest)]
+    for candidate in reversed(higher):  # most in memory first: what they dominate is not replayed
+        if not any(not c.short and c.result is not None and _dominates(c.homes, candidate.homes) for c in whole):
+            whole.append(judge(candidate))
     fitting = sorted((c for c in whole if not c.short), key=_rank)
-    bases = [c for c in fitting if c.result is not None and c.result.nvme_file][:SPLIT_BASES]
+    bases = [c for c in fitting if c.result is not None and c.result.nvme_file and c is not lowest][: SPLIT_BASES - 1]
     auto = {what for what, key in FIELDS.items() if getattr(cfg.offload, key) == AUTO}
     splits = [
-        split for base in bases
-        for split in fill(base, rank_budgets.memory_rooms(base.result), judge_split, disk=disk, auto=auto)
+        split for base in [lowest, *bases]
+        for split in fill(
+            base, rank_budgets.memory_rooms(base.result), judge_split, disk=disk, auto=auto,
+            over=max(base.short.get(Tier.NVME, 0), base.short.get(Tier.CPU, 0) if not base.result.nvme_file else 0),
+        )
     ]  # fmt: skip
     ranked = sorted((c for c in whole + splits if not c.short), key=_rank)
     log.info("%d replays of %d placements in %.1f s", replays, len(whole) + len(splits), time.perf_counter() - began)
     if not ranked:
-        raise PlacementError(_refusal(cfg, whole))
+        raise refusal(cfg, whole + splits, rank_budgets, lowest=lowest)
     best = ranked[0]
     assert best.result is not None and best.prediction is not None
     considered = [(c.label, f"{_rank(c)[0]:.2f} s predicted") for c in ranked]
-    considered += [(c.label, "over budget: " + _shortfall_text(c.short)) for c in whole if c.short]
+    considered += [(c.label, "over budget: " + shortfall_text(c.short)) for c in whole + splits if c.short]
     return PlacementPlan(
         homes=best.homes, label=best.label, estimate=best.result, prediction=best.prediction, budgets=rank_budgets,
         disk=disk, considered=tuple(considered), units=tuple(best.result.plan.specs), overrides=best.overrides,
@@ -361,24 +401,6 @@ def _rank(candidate: Candidate) -> tuple[float, float, int, int]:
     return candidate.prediction.step_s, candidate.prediction.copy_s, lower[0], lower[1]
 
 
-def _shortfall_text(short: dict[Tier, int]) -> str:
-    return ", ".join(f"{tier.value} short by {format_size(n)}" for tier, n in short.items())
-
-
-def _refusal(cfg: Config, whole: list[Candidate]) -> str:
-    """No placement fits: the one nearest to fitting, what it lacks, and what would make it fit."""
-    nearest = min(whole, key=lambda c: sum(c.short.values()))
-    fixes = []
-    for tier, n in nearest.short.items():
-        if tier is Tier.NVME:
-            fixes.append(f"point tiers.nvme.path at a disk with {format_size(n)} more free")
-        else:
-            fixes.append(f"raise tiers.{tier.value}.capacity by {format_size(n)} ({n} bytes)")
-    if cfg.tiers.nvme.path is None:
-        fixes.append("set tiers.nvme.path to let the planner use NVMe")
-    raise_ = "; or ".join(fixes)
-    return (
-        f"offload auto: no placement fits the budgets; the nearest ({nearest.label}) has "
-        f"{_shortfall_text(nearest.short)}: {raise_}"
-    )
-
+def _dominates(high: Homes, low: Homes) -> bool:
+    """Whether `high` keeps every kind on a tier at least as high as `low` does (whole kinds only)."""
+    return all(_HEIGHT[getattr(high, what)] >= _HEIGHT[getattr(low, what)] for what in FIELDS)

@@ -13,7 +13,7 @@ windows, alone and beside a disk stream: 1.13-1.26x on the 2-core VM, 1.5-2.0x o
 VM). In the disk's seconds the rest does only 1/slowdown seconds of its work each, so the part
 takes the disk's seconds x (1 - 1/slowdown) longer; taken as the disk's seconds x (slowdown - 1),
 as if the work beside the disk stretched, the 2B backward on the Zen 1 VM was predicted 25.0 s
-against 22.9 s measured, now 23.3 s (docs/BENCHMARKS.md, session 23).
+against 22.9 s measured, now 23.3 s (docs/benchmarks-journal.md, session 23).
 
 The disk overlaps only the work of the same part of the step: the replay counts each byte in
 the part that issues it (forward, backward or the step after it) and each element the
@@ -37,7 +37,7 @@ disk idled beside a run of in-memory units at the end; per unit, without overlap
 
 On the 2B preset the step was predicted from one Linear's three products at -15% to -25% of
 the measured step, then from a block timed once alone and once beside the disk at -24% to +17%
-as the machine drifted between the timings (docs/BENCHMARKS.md, sessions 8 to 11). The block is
+as the machine drifted between the timings (docs/benchmarks-journal.md, sessions 8 to 11). The block is
 now timed in pairs of windows, and planned with the medians of the day's measurements of it.
 """
 
@@ -248,7 +248,7 @@ def measure_copy_rate(nbytes: int | None = None, *, copies: int = 5) -> float:
 def measure_step_rate(cfg: Config, numel: int = 1 << 24, *, steps: int = 3, device: str | None = None) -> float:
     """Elements per second of `cfg`'s optimizer kernel (tierzero.optim.flat) on `device`, by default the
     step's: the median of `steps` steps of `numel` elements after a warm-up. One step read 2.3 to
-    3.8 G/s within minutes on the 2-core VM, against 2.2 in the 2B step (docs/BENCHMARKS.md,
+    3.8 G/s within minutes on the 2-core VM, against 2.2 in the 2B step (docs/benchmarks-journal.md,
     session 9)."""
     optimizer = make_optimizer(cfg.optimizer)
     # An auto optimizer is timed on the host, where an offloaded step runs.

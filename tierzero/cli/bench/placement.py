@@ -12,10 +12,10 @@ round starting one contender later, so that they share the machine's slow and fa
 minutes. Each one is set beside auto by the median over the rounds of its steps over
 auto's in the same round (and auto beside the best one likewise), which cancels the
 machine's drift from round to round: on the 2-core VM the medians of two engines of nearly
-the same placement came 6% apart in one run (docs/BENCHMARKS.md, session 14).
+the same placement came 6% apart in one run (docs/benchmarks-journal.md, session 14).
 
 Engines also differ one from another for their whole life: two of one placement, built anew
-six times, stepped 0.95-1.04x each other from build to build (docs/BENCHMARKS.md, session 21),
+six times, stepped 0.95-1.04x each other from build to build (docs/benchmarks-journal.md, session 21),
 and in the screening above auto, built first of 28, ran 0.83-0.95x most in-memory placements
 and 1.20x the fastest, which tied it in fresh pairs. So the screening only picks the
 finalists: the `finalists` fastest beside auto, and the device for everything where it fits
