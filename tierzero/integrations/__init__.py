@@ -1,0 +1,1 @@
+"""The trainers users already run (transformers, TRL, Accelerate), driving a tierzero engine."""
