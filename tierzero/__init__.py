@@ -5,7 +5,7 @@ allocations of 2 MiB and more (`THP_MEM_ALLOC_ENABLE`, read by torch once, at it
 allocation; a value already in the environment wins). An offloaded step allocates
 unit-sized host buffers all the time (gradients, scratch, fetched copies): with 4 KiB
 pages each fresh GiB costs about 0.4 s of page faults on the cores the step computes on
-(docs/BENCHMARKS.md, session 8). Programs that import torch first can set the variable
+(docs/benchmarks-journal.md, session 8). Programs that import torch first can set the variable
 themselves.
 """
 

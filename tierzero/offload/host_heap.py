@@ -5,14 +5,14 @@ glibc maps every block of 32 MiB or more with its own mmap and unmaps it when fr
 each such block comes fresh from the kernel: zeroed page by page and, in a VM whose freed
 pages go back to the host, faulted in there again. An offloaded step frees and allocates
 unit-sized host blocks all the time (autograd's weight gradients, landing scratch, fetched
-copies): on the 2B preset this was about a third of the step (docs/BENCHMARKS.md, session
+copies): on the 2B preset this was about a third of the step (docs/benchmarks-journal.md, session
 8). `keep_freed_memory` makes every block come from the heap, whose freed blocks malloc
 reuses, and keeps up to `top` bytes of free heap at its top instead of trimming them. It
 first trims what the set-up freed. Like every malloc setting it holds for the whole
 process, after the engine too.
 
 What the heap keeps is resident beyond what the store counts: the 2B preset's peak RSS was
-0.6-1.0 GiB higher than with `keep_freed: 0` (docs/BENCHMARKS.md, session 27). So the
+0.6-1.0 GiB higher than with `keep_freed: 0` (docs/benchmarks-journal.md, session 27). So the
 placement planner leaves room for it (`kept_heap_limit`) when it moves units' slices into host
 memory: up to `top`, and never more than the step's transient host bytes, which are what the
 heap's free blocks once held.

@@ -13,7 +13,7 @@ shape: the input gradient on oneDNN (against the transposed weight) or PyTorch's
 the weight gradient on `mm` or oneDNN (on transposed copies). Which one wins depends on
 the CPU: on a Zen 1 host oneDNN took 61-193 ms for the 2B preset's input gradients where
 `mm` took 40-64, and the block's forward and backward ran 58 GFLOP/s against 41
-(docs/BENCHMARKS.md, session 26), while on the EPYC of sessions 10-21 oneDNN's forward and
+(docs/benchmarks-journal.md, session 26), while on the EPYC of sessions 10-21 oneDNN's forward and
 input gradient together took the block from 79-90 GFLOP/s to 119-120 (session 13). So, as
 `torch.backends.cudnn.benchmark` does on a GPU, the first backward of each layer shape
 times both (`_fastest`: the best of a few alternating runs) and the process keeps the

@@ -2,7 +2,7 @@
 
 A step's swaps read and write at once, and a disk shares its bandwidth between the two: the
 2B auto step on the 2-core VM read 10.9 GB in 5.9 s of reads in flight and wrote 10.9 GB in
-4.6 s of writes in flight, with the disk busy either way 6.8 s, not 10.5 (docs/BENCHMARKS.md,
+4.6 s of writes in flight, with the disk busy either way 6.8 s, not 10.5 (docs/benchmarks-journal.md,
 session 17). So `BusyClock` keeps three clocks, one a way and one for either, each running
 while at least one move of its kind is in flight, and `Busy.rates` turns them into rates that
 count the overlap. The NvmeTier's clock, read over a training run's steps, gives the planner
