@@ -150,14 +150,21 @@ class Swapper:
         return TransferOutcome(event=event if dst.is_cuda else None)
 
     def close(self) -> None:
-        """Wait for every submitted transfer, then release the staging buffers. Idempotent."""
+        """Wait for every transfer a worker has begun, cancel those none has, then release the
+        staging buffers. Idempotent.
+
+        A transfer not begun uses no buffer yet, and nothing reads a closed store's bytes; and
+        one may never begin: Ctrl-C can land between `_schedule` naming it the key's tail and
+        handing it to a worker, and waiting for it would hang the close (and the run) for good.
+        """
         if self._closed:
             return
         self._closed = True
         with self._lock:
             pending = [tail.future for tail in self._tails.values()]
         for future in pending:
-            future.exception()
+            if not future.cancel():  # begun (or done): its worker holds a buffer until it ends
+                future.exception()
         self._executor.shutdown(wait=True)
         self._pool.close()
 

@@ -206,6 +206,26 @@ def test_two_writes_of_one_key_land_in_order(make_disk, host, src_tier, n) -> No
     swapper.close()
 
 
+def test_close_returns_when_ctrl_c_left_a_transfer_never_handed_to_a_worker(make_disk, host, monkeypatch) -> None:
+    """A KeyboardInterrupt between a transfer becoming its key's tail and reaching a worker leaves it
+    pending for ever; the close cancels it rather than wait (a run's Ctrl-C once hung there)."""
+    disk = make_disk(capacity=1 << 20)
+    swapper = Swapper(buffer_size=4096, buffer_count=2, host=host)
+    region = disk.allocate(4096, label="k")
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(swapper._executor, "submit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        swapper.write(key="k", storage=disk, region=region, src=_bytes(4096, 1), src_tier=Tier.CPU)
+    monkeypatch.undo()
+    closing = threading.Thread(target=swapper.close, daemon=True)
+    closing.start()
+    closing.join(timeout=10)
+    assert not closing.is_alive()
+
+
 def test_different_keys_proceed_while_one_is_held(make_disk, host) -> None:
     disk = make_disk(capacity=1 << 20)
     blocked = make_disk(capacity=1 << 20)
