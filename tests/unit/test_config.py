@@ -190,7 +190,7 @@ BAD_CONFIGS = [
      "or drop precision.autocast"),
     ({"precision": {"param_dtype": "bf16", "autocast": "yes"}},
      "precision.autocast: expected true or false, got 'yes'"),
-    ({"optimizer": {"type": "lamb"}}, "optimizer.type: expected one of adamw, adam, sgd, got 'lamb'"),
+    ({"optimizer": {"type": "lamb"}}, "optimizer.type: expected one of adamw, adam, sgd, lion, adafactor, or torch:<module.Class> such as torch:torch.optim.RAdam, got 'lamb'"),
     ({"optimizer": {"betas": [0.9]}}, "optimizer.betas: expected two numbers in [0, 1) such as [0.9, 0.999], got [0.9]"),
     ({"optimizer": {"betas": [0.9, 1.0]}}, "optimizer.betas: expected two numbers in [0, 1) such as [0.9, 0.999], got [0.9, 1.0]"),
     ({"optimizer": {"lr": 0}}, "optimizer.lr: expected a positive number, got 0"),

@@ -11,7 +11,11 @@ from tierzero.config.errors import ConfigError
 from tierzero.config.tree import Section, setting
 
 TORCH_WEIGHT_DECAY = {"adamw": 0.01, "adam": 0.0, "sgd": 0.0}
-"""The default weight decay of torch.optim.AdamW, Adam and SGD, keyed by `optimizer.type`."""
+"""The default weight decay of torch.optim.AdamW, Adam and SGD, keyed by `optimizer.type` (the other types: 0,
+as torch.optim.Adafactor's and Lion's)."""
+PER_UNIT_TYPES = ("lion", "adafactor")
+"""Named types stepped through a torch.optim class, one instance per unit, like `torch:<class>` ones."""
+TORCH_PREFIX = "torch:"
 STATE_DTYPES = ("fp32", "bf16", "int8")
 """`optimizer.state_dtype`: how Adam's moments are stored (tierzero/optim/moments.py)."""
 
@@ -31,6 +35,34 @@ def _lr_multipliers(value: Any) -> dict[str, float]:
     return factors
 
 
+def _optimizer_type(value: Any) -> str:
+    if isinstance(value, str) and value.startswith(TORCH_PREFIX):
+        module, _, name = value[len(TORCH_PREFIX) :].rpartition(".")
+        if module and name.isidentifier() and all(part.isidentifier() for part in module.split(".")):
+            return value
+        raise ValueError(value)
+    if not isinstance(value, str) or value.lower() not in (*TORCH_WEIGHT_DECAY, *PER_UNIT_TYPES):
+        raise ValueError(value)
+    return value.lower()
+
+
+def _kwargs(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k.isidentifier() for k in value):
+        raise ValueError(value)
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+
+
+def per_unit(optimizer_type: str) -> bool:
+    """Whether `optimizer.type` is a torch.optim class stepped unit by unit (lion, adafactor, torch:<class>)."""
+    return optimizer_type in PER_UNIT_TYPES or optimizer_type.startswith(TORCH_PREFIX)
+
+
+OPTIMIZER_TYPE = Check(
+    f"one of {', '.join((*TORCH_WEIGHT_DECAY, *PER_UNIT_TYPES))}, or torch:<module.Class> such as torch:torch.optim.RAdam",
+    " \\| ".join((*TORCH_WEIGHT_DECAY, *PER_UNIT_TYPES, "torch:<module.Class>")),
+    _optimizer_type,
+)
+KWARGS = Check("a mapping of keyword arguments such as {betas: [0.9, 0.99]}", "mapping", _kwargs)
 PATTERNS = Check("a list of patterns such as ['*bias']", "list[str]", _patterns)
 LR_MULTIPLIERS = Check(
     "a mapping of name patterns to non-negative factors such as {'*embed*': 0.1}", "mapping", _lr_multipliers
@@ -42,9 +74,12 @@ class OptimizerConfig(Section):
     """The optimizer that steps each fp32 master slice where its states live."""
 
     SECTION: ClassVar[str] = "optimizer"
-    type: str = setting("adamw", choice_check(tuple(TORCH_WEIGHT_DECAY)))
-    """adamw (decoupled weight decay), adam (L2 added to the gradient) or sgd. Each default below is
-    torch.optim's for the type."""
+    type: str = setting("adamw", OPTIMIZER_TYPE)
+    """adamw (decoupled weight decay), adam (L2 added to the gradient) or sgd, stepped by the engine's own
+    kernels on any tier; or lion (Chen et al. 2023), adafactor (torch.optim.Adafactor) or
+    torch:<module.Class> (a torch.optim.Optimizer subclass, e.g. torch:torch.optim.RAdam), one instance per
+    unit shard with its states in memory (not offload.optimizer nvme), given optimizer.lr,
+    optimizer.weight_decay and optimizer.kwargs. Each default below is torch.optim's for the type."""
     lr: float = setting(1e-3, float_check(lo=0.0, lo_open=True))
     """Learning rate."""
     betas: tuple[float, float] = setting((0.9, 0.999), BETAS)
@@ -76,9 +111,13 @@ class OptimizerConfig(Section):
     8-bit optimizers, 2048 elements per fp32 absmax). Each step decodes them to fp32, updates them and
     stores them again; the fp32 master weights are unchanged. A checkpoint resumes only with its own."""
 
+    kwargs: dict[str, Any] = setting({}, KWARGS)
+    """lion, adafactor and torch:<class>: more keyword arguments of the class (not params, lr or weight_decay,
+    which come from this section), e.g. {betas: [0.95, 0.98]}."""
+
     def _resolve_defaults(self) -> None:
         if self.weight_decay is None:
-            object.__setattr__(self, "weight_decay", TORCH_WEIGHT_DECAY[self.type])
+            object.__setattr__(self, "weight_decay", TORCH_WEIGHT_DECAY.get(self.type, 0.0))
 
     def _validate(self) -> None:
         if self.type == "sgd" and self.state_dtype != "fp32":
@@ -87,6 +126,18 @@ class OptimizerConfig(Section):
                 "momentum in fp32: set optimizer.state_dtype: fp32, or optimizer.type: adamw"
             )
             raise ConfigError(message, key="optimizer.state_dtype")
+        if per_unit(self.type) and self.state_dtype != "fp32":
+            message = (
+                f"optimizer.state_dtype {self.state_dtype} stores Adam's moments, and optimizer.type {self.type} keeps "
+                "its own states in fp32: set optimizer.state_dtype: fp32, or optimizer.type: adamw"
+            )
+            raise ConfigError(message, key="optimizer.state_dtype")
+        if self.kwargs and not per_unit(self.type):
+            message = (
+                f"optimizer.kwargs is set but optimizer.type {self.type} takes its settings from this section's keys: "
+                "remove optimizer.kwargs, or use optimizer.type lion, adafactor or torch:<module.Class>"
+            )
+            raise ConfigError(message, key="optimizer.kwargs")
 
 
 SCHEDULE_TYPES = ("constant", "linear", "cosine")

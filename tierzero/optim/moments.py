@@ -125,22 +125,23 @@ class MomentFormat:
         head = SCALE_DTYPE.itemsize * self.blocks(numel)
         return stored[:head].view(SCALE_DTYPE), stored[head : head + numel]
 
-    def decode(self, stored: torch.Tensor, *, numel: int, lo: int, hi: int, signed: bool) -> torch.Tensor:
-        """Elements [lo, hi) of a moment of `numel` parameters in fp32 (a new tensor); `lo` a multiple of `align`."""
+    def decode(
+        self, stored: torch.Tensor, *, numel: int, lo: int, hi: int, signed: bool, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Elements [lo, hi) of a moment of `numel` parameters in fp32, in `out` (fp32, hi - lo elements)
+        or a new tensor; `lo` a multiple of `align`."""
         if self.dtype is not StateDtype.INT8:
-            return stored[lo:hi].float()
+            return stored[lo:hi].float() if out is None else out.copy_(stored[lo:hi])
         absmax, codes = self.split(stored, numel)
         blocks = absmax[lo // self.block : -(-hi // self.block)]
-        return dequantize_dynamic(codes[lo:hi], blocks, signed=signed, block=self.block)
+        return dequantize_dynamic(codes[lo:hi], blocks, signed=signed, block=self.block, out=out)
 
     def encode(self, values: torch.Tensor, stored: torch.Tensor, *, numel: int, lo: int, signed: bool) -> None:
         """Store fp32 `values` as elements [lo, lo + len) of the moment: rounded to bf16, or re-quantized
-        (each block's new absmax and nearest codes; the window holds whole blocks)."""
+        (each block's new absmax and nearest codes, written in place; the window holds whole blocks)."""
         hi = lo + values.numel()
         if self.dtype is not StateDtype.INT8:
             stored[lo:hi].copy_(values)
             return
         absmax, codes = self.split(stored, numel)
-        new_codes, new_absmax = quantize_dynamic(values, signed=signed, block=self.block)
-        codes[lo:hi].copy_(new_codes)
-        absmax[lo // self.block : -(-hi // self.block)].copy_(new_absmax)
+        quantize_dynamic(values, signed=signed, block=self.block, out=(codes[lo:hi], absmax[lo // self.block : -(-hi // self.block)]))

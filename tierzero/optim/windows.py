@@ -81,12 +81,17 @@ def step_windows(
     numel, window = param.numel(), WINDOW
     direct, scratch, lanes = pieces
     assert window % fmt.align == 0 and window % lanes == 0, (window, fmt.align, lanes)
+    # One fp32 buffer per moment for every window: a fresh one a window would cost its page faults again.
+    buffers = {kind: torch.empty(min(window, numel), dtype=torch.float32, device=param.device) for kind in SIGNED}
     for lo in range(0, numel, window):
         hi = min(lo + window, numel)
         g = grad[lo:hi]
         if g.dtype != torch.float32 or scale != 1.0:
             g = g.float() if scale == 1.0 else g.to(torch.float32, copy=True).mul_(scale)
-        moments = {kind: fmt.decode(states[kind], numel=numel, lo=lo, hi=hi, signed=SIGNED[kind]) for kind in SIGNED}
+        moments = {
+            kind: fmt.decode(states[kind], numel=numel, lo=lo, hi=hi, signed=SIGNED[kind], out=buffers[kind][: hi - lo])
+            for kind in SIGNED
+        }
         inside, apart = window_pieces(direct, scratch, lanes, lo, hi)
         step_window((param[lo:hi], g, moments[Kind.EXP_AVG], moments[Kind.EXP_AVG_SQ]), inside, apart)
         for kind, values in moments.items():

@@ -351,7 +351,8 @@ def _step_unit(
         assert not scratch, "pieces are stage 3's, whose step fetches its master"
         states = {kind: fetched[kind] for kind in stage.optimizer.state_kinds}
         scale = scalars.grad_scale * clip_coef
-        step_pieces(stage.optimizer, unit, master=master, pieces=grads, states=states, scale=scale,
+        optimizer = stage.optimizer.for_unit(unit, rank=stage.comm.rank, master=master) if stage.optimizer.per_unit else stage.optimizer
+        step_pieces(optimizer, unit, master=master, pieces=grads, states=states, scale=scale,
                     step=scalars.step, lrs=lrs)  # fmt: skip
         return stage.publish(unit, master)
     source = stage.grad_slice(grads, unit)
@@ -390,7 +391,9 @@ def _step_unit(
                 g.copy_(source)
             if scale != 1.0:
                 g.mul_(scale)
-            stage.optimizer.step(param=master, grad=g, states=states, step=scalars.step, lr=lrs, layout=layout)
+            # [Note: a torch.optim class per unit]
+            optimizer = stage.optimizer.for_unit(unit, rank=stage.comm.rank, master=master) if stage.optimizer.per_unit else stage.optimizer
+            optimizer.step(param=master, grad=g, states=states, step=scalars.step, lr=lrs, layout=layout)
         writes = stage.publish(unit, master, cast=cast)
         if stage.leaves_grads_stale(unit.name):
             unit.grads_stale = True  # the pipeline releases the slice unwritten (`keep_home`)

@@ -11,8 +11,9 @@ to r = fl32(x / a) (a correctly rounded fp32 division, so |r| <= 1), ties to the
 (the one with the smaller index, i.e. toward -inf), as bitsandbytes' NF4 decision tree does
 (`x > midpoint` takes the upper code). The comparison is exact: r > (c_i + c_{i+1}) / 2
 holds exactly when r > m_i, where m_i is that midpoint rounded *down* to fp32, because no
-fp32 value lies strictly between m_i and the exact midpoint; so `torch.bucketize` against
-the m_i, in fp32, gives the nearest code on any device. An all-zero block has absmax 0,
+fp32 value lies strictly between m_i and the exact midpoint; so the code index is the number
+of m_i below r (`torch.bucketize` against the m_i), found by two table lookups ([Note: code
+tables] in code_tables.py). An all-zero block has absmax 0,
 its r are taken as 0 and it comes back as zeros. The code value times the fp32 absmax,
 rounded once to fp32, is the reconstruction; its error is at most the largest distance from
 a point of [-1, 1] ([0, 1] for the unsigned dynamic code) to its nearest code, times a,
@@ -53,6 +54,7 @@ from fractions import Fraction
 import torch
 
 from tierzero.comm.quant import quantize as quantize_flat
+from tierzero.units.code_tables import CHUNK, CodeTable, absmax_of, code_table, nearest_into, scale_by_block
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_DTYPE = torch.float32
@@ -92,15 +94,19 @@ def _midpoints_below(code: torch.Tensor) -> torch.Tensor:
 
 _NF4 = torch.tensor(NF4_CODE, dtype=torch.float32)
 _DYNAMIC = {signed: torch.tensor(dynamic_code(signed=signed), dtype=torch.float32) for signed in (True, False)}
-_MIDPOINTS = {"nf4": _midpoints_below(_NF4), **{s: _midpoints_below(c) for s, c in _DYNAMIC.items()}}
 
 
-def _check_input(x: torch.Tensor, *, what: str) -> None:
+def _check_input(x: torch.Tensor, *, what: str, finite: bool = True) -> None:
     if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(
             f"{what} takes a float32, bfloat16 or float16 tensor, got {got}: cast it first, e.g. x.float()"
         )
+    if finite:
+        _check_finite(x, what=what)
+
+
+def _check_finite(x: torch.Tensor, *, what: str) -> None:
     finite = torch.isfinite(x)
     if not bool(finite.all()):
         bad = int((~finite).sum())
@@ -120,16 +126,30 @@ def _blocks(numel: int, block: int) -> int:
     return -(-numel // block)
 
 
-def _nearest(x: torch.Tensor, *, block: int, midpoints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block fp32 absmax of ``x`` (flattened) and each element's nearest code index, int64, flat."""
-    numel = x.numel()
-    blocks = _blocks(numel, block)
-    flat = x.detach().reshape(-1).to(torch.float32)
-    padded = torch.nn.functional.pad(flat, (0, blocks * block - numel)).view(blocks, block)
-    absmax = padded.abs().amax(dim=1) if blocks else padded.new_zeros(0)
-    divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    ratios = (padded / divisor[:, None]).view(-1)[:numel]
-    return absmax, torch.bucketize(ratios, midpoints.to(x.device))
+def _nearest(
+    x: torch.Tensor, *, block: int, table: CodeTable, what: str, signed: bool = True, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block fp32 absmax of ``x`` (flattened) and each element's nearest code index, uint8, flat.
+
+    The finiteness check rides on the absmax pass: a NaN or inf makes its block's absmax non-finite."""
+    flat = x.detach().reshape(-1).to(torch.float32).contiguous()
+    codes = torch.empty(flat.numel(), dtype=torch.uint8, device=x.device) if out is None else out
+    if not flat.numel():
+        return flat.new_zeros(0), codes
+    absmax = absmax_of(flat, block=block)
+    if not bool(torch.isfinite(absmax).all()):
+        _check_finite(x, what=what)
+    if not signed and bool(flat.amin() < 0):
+        raise ValueError(
+            f"quantize_dynamic(signed=False) takes non-negative values (exp_avg_sq), got a minimum of "
+            f"{float(x.min())}: pass signed=True for a signed state"
+        )
+    nearest_into(flat, absmax, block=block, table=table, out=codes)
+    return absmax, codes
+
+
+_TABLES = {"nf4": code_table(_midpoints_below(_NF4)), **{s: code_table(_midpoints_below(c)) for s, c in _DYNAMIC.items()}}
+"""The nearest-code tables of NF4 and of the signed (True) and unsigned (False) dynamic codes."""
 
 
 def _reconstruct(values: torch.Tensor, absmax: torch.Tensor, *, block: int) -> torch.Tensor:
@@ -148,22 +168,26 @@ def _expect(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[in
 
 
 def quantize_dynamic(
-    x: torch.Tensor, *, signed: bool, block: int = DYNAMIC_BLOCK
+    x: torch.Tensor, *, signed: bool, block: int = DYNAMIC_BLOCK, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` as 8-bit dynamic codes: uint8 indices of ``x``'s shape, and the fp32 absmax of each block.
 
     ``signed=True`` for signed states (Adam's exp_avg), ``False`` for non-negative ones
     (exp_avg_sq), which then refuses a negative element. Blocks run over ``x`` flattened.
+    ``out``: (codes, absmax) to write instead, contiguous, 1-D, of the returned dtypes and sizes.
     """
-    _check_input(x, what="quantize_dynamic")
+    _check_input(x, what="quantize_dynamic", finite=False)
     _check_block(block)
-    if not signed and x.numel() and bool((x < 0).any()):
-        raise ValueError(
-            f"quantize_dynamic(signed=False) takes non-negative values (exp_avg_sq), got a minimum of "
-            f"{float(x.min())}: pass signed=True for a signed state"
-        )
-    absmax, index = _nearest(x, block=block, midpoints=_MIDPOINTS[signed])
-    return index.to(torch.uint8).view(x.shape), absmax
+    if out is not None:
+        _expect("out codes", out[0], torch.uint8, (x.numel(),))
+        _expect("out absmax", out[1], SCALE_DTYPE, (_blocks(x.numel(), block),))
+    absmax, index = _nearest(
+        x, block=block, table=_TABLES[signed], what="quantize_dynamic", signed=signed, out=None if out is None else out[0]
+    )
+    if out is None:
+        return index.view(x.shape), absmax
+    out[1].copy_(absmax)
+    return out
 
 
 def dequantize_dynamic(
@@ -173,13 +197,29 @@ def dequantize_dynamic(
     signed: bool,
     block: int = DYNAMIC_BLOCK,
     dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The values of ``codes`` (uint8, any shape) with their blocks' ``absmax``, in ``codes``' shape and ``dtype``."""
+    """The values of ``codes`` (uint8, any shape) with their blocks' ``absmax``, in ``codes``' shape and ``dtype``.
+
+    ``out``: a contiguous 1-D fp32 tensor of ``codes.numel()`` to write instead (``dtype`` fp32)."""
     _check_block(block)
     _expect("codes", codes, torch.uint8, tuple(codes.shape))
     _expect("absmax", absmax, SCALE_DTYPE, (_blocks(codes.numel(), block),))
-    values = _DYNAMIC[signed].to(codes.device)[codes.reshape(-1).long()]
-    return _reconstruct(values, absmax, block=block).view(codes.shape).to(dtype)
+    flat = codes.reshape(-1)
+    if out is None:
+        values = torch.empty(flat.numel(), dtype=torch.float32, device=codes.device)
+    else:
+        _expect("out", out, torch.float32, (flat.numel(),))
+        values = out
+    table = _DYNAMIC[signed].to(codes.device)
+    step = max(block, CHUNK // block * block)
+    index = flat.new_empty(min(step, flat.numel()), dtype=torch.int32)
+    for lo in range(0, flat.numel(), step):
+        hi = min(lo + step, flat.numel())
+        v, i = values[lo:hi], index[: hi - lo]
+        torch.index_select(table, 0, i.copy_(flat[lo:hi]), out=v)
+        scale_by_block(v, absmax[lo // block :], block=block)
+    return values if out is not None else values.view(codes.shape).to(dtype)
 
 
 def dynamic_nbytes(numel: int, *, block: int = DYNAMIC_BLOCK) -> int:
@@ -271,10 +311,9 @@ def nf4_nbytes(numel: int, *, block: int = NF4_BLOCK, double_quant: bool = False
 
 def quantize_nf4(x: torch.Tensor, *, block: int = NF4_BLOCK, double_quant: bool = False) -> NF4Tensor:
     """``x`` in NF4 with per-block absmax, double-quantized when asked (see [Note: NF4])."""
-    _check_input(x, what="quantize_nf4")
+    _check_input(x, what="quantize_nf4", finite=False)
     _check_block(block, even=True)
-    absmax, index = _nearest(x, block=block, midpoints=_MIDPOINTS["nf4"])
-    nibbles = index.to(torch.uint8)
+    absmax, nibbles = _nearest(x, block=block, table=_TABLES["nf4"], what="quantize_nf4")
     if nibbles.numel() % 2:
         nibbles = torch.nn.functional.pad(nibbles, (0, 1))
     pairs = nibbles.view(-1, 2)
