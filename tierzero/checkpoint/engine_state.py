@@ -29,6 +29,9 @@ def saved_specs(engine: Checkpointable, unit: Unit) -> list[SliceSpec]:
 
 def own_range(engine: Checkpointable, unit: Unit, spec: SliceSpec, tensor: torch.Tensor) -> torch.Tensor:
     """This rank's range of the unit's logical buffer: the slice itself, or its range of a replicated buffer."""
+    if spec.codec is not None and spec.parameters != unit.shard_numel:  # this rank's piece of all N
+        piece, rank = spec.codec.piece_nbytes(unit.shard_numel), engine.comm.rank
+        return tensor[rank * piece : (rank + 1) * piece]
     if spec.parameters == unit.shard_numel:
         return tensor
     assert spec.parameters == unit.padded_numel, (unit.name, spec)
@@ -37,6 +40,9 @@ def own_range(engine: Checkpointable, unit: Unit, spec: SliceSpec, tensor: torch
 
 
 def wanted_range(engine: Checkpointable, unit: Unit, spec: SliceSpec) -> tuple[int, int]:
+    if spec.codec is not None:  # bytes of the unit's pieces, one a rank ([Note: a quantized base in a checkpoint])
+        piece, rank = spec.codec.piece_nbytes(unit.shard_numel), engine.comm.rank
+        return (rank * piece, (rank + 1) * piece) if spec.parameters == unit.shard_numel else (0, unit.world_size * piece)
     if spec.parameters == unit.shard_numel:
         return unit.shard_range(engine.comm.rank)
     return 0, unit.padded_numel

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from tierzero.checkpoint.base_codes import codec_kind
 from tierzero.checkpoint.format import CheckpointError, dtype_name
 from tierzero.checkpoint.manifest import MANIFEST, UnitLayout, absmax_kind
 from tierzero.common.slices import Kind
@@ -38,6 +39,8 @@ def packed(spec: SliceSpec) -> bool:
 
 def saved_parts(spec: SliceSpec, shard_numel: int) -> list[tuple[str, int, torch.dtype]]:
     """(kind name, elements per rank, dtype) of each tensor a slice is saved as."""
+    if spec.codec is not None:  # [Note: a quantized base in a checkpoint]
+        return [(codec_kind(spec.codec), spec.codec.piece_nbytes(shard_numel), torch.uint8)]
     if not packed(spec):
         return [(spec.kind.value, shard_numel, spec.dtype)]
     return [(spec.kind.value, shard_numel, torch.uint8), (absmax_kind(spec.kind.value), shard_numel // MOMENT_BLOCK, torch.float32)]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from tierzero.config.checks import (
+    BOOL,
     DIRECTORY,
     KEYWORDS,
     OPTIONAL_NAME,
@@ -21,6 +22,7 @@ from tierzero.config.checks import (
     int_check,
 )
 from tierzero.config.errors import ConfigError
+from tierzero.config.hf_sizes import size_problem
 from tierzero.config.tree import Section, section, setting
 
 MODEL_TYPES = ("gpt", "llama", "transformers")
@@ -34,6 +36,11 @@ def _target_modules(value: Any) -> tuple[str, ...] | None:
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v.strip() for v in value):
         raise ValueError(value)
     return tuple(value)
+
+
+BASE_DTYPES = ("param", "fp32", "bf16", "fp16", "int8", "nf4")
+QUANTIZED_BASE = ("int8", "nf4")
+_DOUBLE_QUANT_ALONE = "model.lora.double_quant needs model.lora.base_dtype nf4: set both or neither"
 
 
 TARGET_MODULES = Check("a list of module names such as [q_proj, v_proj] (or null)", "list[str] \\| null", _target_modules)
@@ -54,6 +61,37 @@ class LoraConfig(Section):
     target_modules: tuple[str, ...] | None = setting(None, TARGET_MODULES)
     """Names of the Linear modules that get adapters; null: peft's default for the architecture
     (e.g. q_proj and v_proj for Llama)."""
+    base_dtype: str = setting("param", choice_check(BASE_DTYPES))
+    """How the frozen base is stored on its tier and in transfers: param (precision.param_dtype, the
+    same name spelled out is equal), or int8 / nf4 (QLoRA), block-wise quantized once as it comes in
+    (64-element blocks, an fp32 absmax each) and dequantized to the param dtype after each gather."""
+    double_quant: bool = setting(False, BOOL)
+    """With base_dtype nf4: double-quantize the absmax (8-bit codes, an fp32 scale per 256 blocks),
+    0.516 bytes per parameter instead of 0.5625."""
+
+    def quantized(self, param_dtype: str) -> str | None:
+        """The quantized base dtype (int8 or nf4), None when the base is kept in `param_dtype`; refuses the
+        combinations that are not built, in one line naming model.lora.base_dtype."""
+        dtype = param_dtype if self.base_dtype == "param" else self.base_dtype
+        if dtype == param_dtype:
+            if self.double_quant:
+                raise ConfigError(_DOUBLE_QUANT_ALONE, key="model.lora.double_quant")
+            return None
+        if self.r == 0:
+            raise ConfigError(
+                f"model.lora.base_dtype is {dtype} but model.lora.r is 0: only a frozen LoRA base is kept "
+                "quantized; set model.lora.r (e.g. 8) or model.lora.base_dtype to param",
+                key="model.lora.base_dtype",
+            )
+        if dtype not in QUANTIZED_BASE:
+            raise ConfigError(
+                f"model.lora.base_dtype {dtype} differs from precision.param_dtype {param_dtype}: a base stored in "
+                "another float dtype is not supported; use param, int8 or nf4",
+                key="model.lora.base_dtype",
+            )
+        if self.double_quant and dtype != "nf4":
+            raise ConfigError(_DOUBLE_QUANT_ALONE, key="model.lora.double_quant")
+        return dtype
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -102,6 +140,10 @@ class ModelConfig(Section):
                     "GPT2LMHeadModel, or set model.type to gpt or llama",
                     key="model.transformers_class",
                 )
+            if (problem := size_problem(self.transformers_config)) is not None:
+                key, what = problem
+                raise ConfigError(f"model.transformers_config: {what}: fix model.transformers_config.{key}",
+                                  key=f"model.transformers_config.{key}")
             return
         if self.d_model % self.n_head:
             raise ConfigError(

@@ -27,6 +27,7 @@ from tierzero.stages.options import StageOptions, StageParts
 from tierzero.stages.plan import Homes, SlicePlan, SliceSpec, plan_slices
 from tierzero.stages.step import BackwardStep, StepScalars, run_step
 from tierzero.stages.step_pipeline import PendingWrite, PipelineReport, Prepared
+from tierzero.units.quantized_base import BaseCodec
 from tierzero.units.unit import Unit, UnitState
 
 
@@ -60,6 +61,8 @@ class Stage(GradLanding, ABC):
         """The step run during this backward, when the engine asked for one."""
         self.grad_norm = GradNorm()
         """The squares of this step's gradients, added as each lands (stages/grad_norm.py)."""
+        self._codes_gathering: dict[str, torch.Tensor] = {}
+        """A quantized frozen unit's gathered codes, by unit, until `decode_gathered` dequantizes them."""
 
     # ---- slices -------------------------------------------------------------------
 
@@ -74,6 +77,7 @@ class Stage(GradLanding, ABC):
         homes: Homes,
         secondary_parts: int = 0,
         moments: MomentFormat = MomentFormat(),
+        base: BaseCodec | None = None,
     ) -> SlicePlan:
         """The slices this stage keeps per unit (see stages/plan.py): what the stage is built with."""
         return plan_slices(
@@ -86,6 +90,7 @@ class Stage(GradLanding, ABC):
             homes=homes,
             secondary_parts=secondary_parts,
             moments=moments,
+            base=base,
         )
 
     def slice_specs(self, unit: Unit) -> tuple[SliceSpec, ...]:
@@ -112,7 +117,9 @@ class Stage(GradLanding, ABC):
         # int8 moments start as quantized zeros: the code of 0 in every element ([Note: compact moments]).
         moments = self.optimizer.moments
         for spec in self.slice_specs(unit):
-            if spec.elements is not None:
+            if spec.codec is not None:
+                initial[spec.kind] = spec.codec.encode(initial[spec.kind], pieces=spec.parameters // unit.shard_numel)
+            elif spec.elements is not None:
                 initial[spec.kind] = moments.zeros(spec.parameters, signed=SIGNED[spec.kind], device=values.device)
         # Zeroed kinds share one buffer per dtype (writes only read it): set-up holds a unit's values and one zero slice.
         zeros: dict[torch.dtype, torch.Tensor] = {}
@@ -176,6 +183,34 @@ class Stage(GradLanding, ABC):
     def scratch(self, unit: Unit, numel: int, dtype: torch.dtype, *, kind: Kind = Kind.GATHERED) -> torch.Tensor:
         """Device memory for the unit's full parameters (GATHERED) or gradients in flight (GRAD)."""
         return self.store.allocate(kind=kind, numel=numel, dtype=dtype, tier=Tier.DEVICE, label=unit.name)
+
+    # ---- a quantized frozen base ([Note: quantized base] in units/quantized_base.py) -----
+
+    def codec(self, unit: Unit) -> BaseCodec | None:
+        """How the unit's PARAM slice is quantized; None: it holds values in the compute dtype."""
+        return self.plan.spec(unit.name, Kind.PARAM).codec
+
+    def gather_codes(self, unit: Unit, shard: torch.Tensor, comm: C.CommGroup) -> C.Pending:
+        """Start the all-gather of a quantized unit's codes (its shards' bytes) into scratch, which
+        `decode_gathered` dequantizes into `unit.gathered` once the gather is done."""
+        codes = self.scratch(unit, shard.numel() * comm.world_size, torch.uint8)
+        self._codes_gathering[unit.name] = codes
+        return C.all_gather(codes, shard, comm=comm, async_op=self.overlap)
+
+    def decode_gathered(self, unit: Unit) -> None:
+        """Dequantize the codes `gather_codes` gathered into `unit.gathered`, then free them (no-op for others)."""
+        codes = self._codes_gathering.pop(unit.name, None)
+        if codes is None:
+            return
+        assert unit.gathered is not None
+        self.decode(unit, codes, out=unit.gathered)
+        self.store.free(codes)
+
+    def decode(self, unit: Unit, codes: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        """A quantized unit's full codes (all its pieces) dequantized into `out`."""
+        codec = self.codec(unit)
+        assert codec is not None
+        return codec.decode(codes, out=out, pieces=unit.world_size, what=f"unit {unit.name}")
 
     # ---- forward and backward -----------------------------------------------------
 
@@ -341,11 +376,11 @@ class Stage(GradLanding, ABC):
         full = torch.empty(unit.padded_numel, dtype=torch.float32, device=self.device)
         if not unit.trainable:
             with self.slice(unit, Kind.PARAM, write=False) as param:
-                if not self.shards_params:
-                    return full.copy_(param)
-                gathered = torch.empty(unit.padded_numel, dtype=param.dtype, device=self.device)
-                C.all_gather(gathered, param.clone(), comm=self.comm)
-            return full.copy_(gathered)
+                gathered = param.clone()
+                if self.shards_params:
+                    gathered = torch.empty(param.numel() * self.comm.world_size, dtype=param.dtype, device=self.device)
+                    C.all_gather(gathered, param.clone(), comm=self.comm)
+            return full.copy_(gathered) if self.codec(unit) is None else self.decode(unit, gathered, out=full)
         with self._master(unit, write=False) as (master, _):
             C.all_gather(full, master.clone(), comm=self.comm)
         return full

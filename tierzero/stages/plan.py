@@ -18,6 +18,7 @@ from tierzero.common.slices import Kind, Tier, align_up
 from tierzero.config import ConfigError, OffloadConfig
 from tierzero.offload.tiers import traits_of
 from tierzero.optim.moments import MomentFormat
+from tierzero.units.quantized_base import BaseCodec
 from tierzero.units.unit import Unit
 
 __all__ = ["KIND_HOMES", "Homes", "SlicePlan", "SliceSpec", "plan_slices"]
@@ -95,6 +96,9 @@ class SliceSpec:
     elements: int | None = None
     """The parameters whose state the slice holds, where its storage packs them (int8 moments: `numel`
     bytes of absmax and codes, [Note: compact moments]); None: `numel`."""
+    codec: BaseCodec | None = None
+    """A frozen unit's PARAM slice kept quantized: `numel` bytes encoding `elements` values
+    ([Note: quantized base] in tierzero/units/quantized_base.py); None: values in `dtype`."""
 
     @property
     def nbytes(self) -> int:
@@ -180,6 +184,7 @@ def plan_slices(
     homes: Homes,
     secondary_parts: int = 0,
     moments: MomentFormat = MomentFormat(),
+    base: BaseCodec | None = None,
 ) -> SlicePlan:
     """PARAM in the compute dtype and GRAD in the reduce dtype (the compute dtype unless given),
     sharded as the stage says, an fp32 MASTER in mixed precision, and the optimizer's states
@@ -187,8 +192,16 @@ def plan_slices(
     in the compute dtype, with no fp32 copy, since nothing steps it. With `secondary_parts`
     (hpZ), every unit also keeps a SECONDARY slice, 1/secondary_parts of its parameters in
     the compute dtype, at the parameters' home. A unit with a dtype of its own (`Unit.dtype`:
-    fp32 under `precision.autocast`) computes in it and keeps its gradients in fp32 too."""
+    fp32 under `precision.autocast`) computes in it and keeps its gradients in fp32 too. With `base`
+    (`model.lora.base_dtype` int8 or nf4), a frozen unit in the compute dtype keeps its PARAM slice
+    quantized, in one piece per shard ([Note: quantized base])."""
     grad_dtype = grad_dtype or param_dtype
+    if base is not None and secondary_parts:
+        raise ConfigError(
+            f"model.lora.base_dtype {base.name} does not combine with zero.hpz_partition_size (hpZ's secondary "
+            "copy is not quantized): set model.lora.base_dtype to the param dtype or drop hpZ",
+            key="model.lora.base_dtype",
+        )
     specs = {}
     for unit in units:
         dtype = unit.dtype or param_dtype
@@ -196,7 +209,12 @@ def plan_slices(
         shard = unit.shard_numel
         home = partial(homes.of, unit.name)
         params = shard if shards_params else unit.padded_numel
-        unit_specs = [SliceSpec(Kind.PARAM, params, dtype, home(Kind.PARAM))]
+        if base is not None and not unit.trainable and unit.dtype is None:
+            pieces = params // shard
+            stored = base.stored_nbytes(params, pieces=pieces)
+            unit_specs = [SliceSpec(Kind.PARAM, stored, torch.uint8, home(Kind.PARAM), params, codec=base)]
+        else:
+            unit_specs = [SliceSpec(Kind.PARAM, params, dtype, home(Kind.PARAM))]
         if secondary_parts:
             part = unit.padded_numel // secondary_parts
             unit_specs.append(SliceSpec(Kind.SECONDARY, part, dtype, home(Kind.SECONDARY)))

@@ -15,12 +15,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from tierzero.comm import collectives as C
 from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.stages.base import Stage, mark_state
+from tierzero.stages.binding import bind
 from tierzero.stages.options import StageOptions, StageParts
 from tierzero.stages.step import StepScalars
 from tierzero.stages.step_pipeline import PendingWrite
@@ -64,8 +66,32 @@ class ReplicatedParamsStage(Stage):
             if gather is not None:
                 gather.pending.wait()
             return
-        unit.gathered = self.store.fetch(SliceKey(unit.name, Kind.PARAM), to=Tier.DEVICE).wait()
+        key = SliceKey(unit.name, Kind.PARAM)
+        unit.gathered = self.store.fetch(key, to=Tier.DEVICE).wait()
+        if self.codec(unit) is not None:
+            # Its codes stay home; the dequantized buffer lives until the unit's uses are done (`_drop_decoded`).
+            codes, unit.gathered = unit.gathered, self.scratch(unit, unit.padded_numel, self.dtype_of(unit))
+            self.decode(unit, codes, out=unit.gathered)
+            self.store.release(key)
         mark_state(unit, UnitState.GATHERED)
+
+    def post_forward(self, unit: Unit, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            self._drop_decoded(unit)  # no backward will read it
+
+    def after_backward(self) -> None:
+        super().after_backward()
+        for unit in self.units:
+            self._drop_decoded(unit)
+
+    def _drop_decoded(self, unit: Unit) -> None:
+        """Free a quantized frozen unit's dequantized buffer: the next forward dequantizes it again."""
+        if unit.state is UnitState.GATHERED and self.codec(unit) is not None:
+            assert unit.gathered is not None
+            bind(unit, [unit.gathered[:0]] * len(unit.slots))
+            self.store.free(unit.gathered)
+            unit.gathered = None
+            mark_state(unit, UnitState.SHARDED)
 
     def finish(self, *, closing: bool = False) -> None:
         super().finish(closing=closing)

@@ -72,6 +72,8 @@ _MAPPING_ROWS = (
     ("zero_optimization.zero_quantized_weights", "zero.quantized_weights",
      "int8; DeepSpeed has no key for the block: zero.quantization_block_size"),
     ("zero_optimization.zero_quantized_gradients", "zero.quantized_gradients", "true -> int4, false -> none"),
+    ("zero_optimization.zero_quantized_nontrainable_weights", "model.lora.base_dtype",
+     "true -> int8 (the frozen base kept block-wise int8), false: absent; needs model.lora.r"),
     ("aio.block_size / queue_depth / thread_count", "tiers.nvme.block_size / queue_depth / threads", "intra_op_parallelism also sets threads"),
     ("optimizer.type", "optimizer.type", "AdamW, Adam (AdamW unless adam_w_mode is false), SGD"),
     ("optimizer.params.lr / betas / eps / weight_decay / momentum", "optimizer.*", ""),
@@ -231,6 +233,12 @@ def _translate_zero(zero: Reader, out: Translation, *, dtype_bytes: int) -> None
     quantized = zero.pop("zero_quantized_weights")
     if quantized is not None:
         out.set("zero.quantized_weights", quantized, origin=zero.key("zero_quantized_weights"))
+    frozen = zero.pop("zero_quantized_nontrainable_weights")
+    if frozen is True:
+        out.set("model.lora.base_dtype", "int8", origin=zero.key("zero_quantized_nontrainable_weights"))
+    elif frozen is not None and frozen is not False:
+        key = zero.key("zero_quantized_nontrainable_weights")
+        raise ConfigError(f"{key} must be true or false, got {show(frozen)}: set it to true or false", key=key)
     hpz = zero.pop("zero_hpz_partition_size")
     if hpz is not None and hpz != 1:  # 1: DeepSpeed's "hpZ off"
         out.set("zero.hpz_partition_size", hpz, origin=zero.key("zero_hpz_partition_size"))

@@ -1,0 +1,224 @@
+"""A frozen base kept block-wise quantized (QLoRA): the bytes a frozen unit's PARAM slice holds.
+
+[Note: quantized base]
+Under `model.lora.base_dtype: nf4 | int8`, each frozen unit's PARAM slice holds, in place of
+its compute-dtype values, uint8 bytes: the quantized form of each of the unit's N shards (N
+the world size), one after the other, each encoded alone. A piece of n elements (n a
+multiple of the shard alignment, hence of every block) is laid out as
+
+- int8: n int8 codes, then ceil(n / 64) fp32 scales (tierzero/units/blockwise.py's `quantize_int8`);
+- nf4: n / 2 bytes of packed 4-bit codes, then n / 64 fp32 absmax; with double quantization
+  n / 64 uint8 absmax codes, ceil(n / 16384) fp32 scales and one fp32 offset instead of the absmax
+  (`quantize_nf4`).
+
+Because the pieces are the shards, a rank of stage 3 keeps exactly its own piece, an all-gather
+of the pieces is the same bytes stages 1 and 2 keep whole, and the dequantized values are the
+same at every stage for a given N. Without double quantization they do not depend on N either:
+blocks never straddle a shard. The values are quantized once, from fp32, when the unit's slices
+are registered (from the model's weights or streamed from `model.pretrained`, unit by unit), and
+dequantized to the compute dtype after each gather, into the unit's gathered buffer.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from tierzero.units.blockwise import (
+    ABSMAX_BLOCK,
+    INT8_BLOCK,
+    NF4_BLOCK,
+    NF4_CODE,
+    Int8Tensor,
+    NF4Tensor,
+    QuantizedAbsmax,
+    dequantize_int8,
+    dequantize_nf4,
+    nf4_nbytes,
+    quantize_int8,
+    quantize_nf4,
+)
+from tierzero.units.code_tables import CHUNK
+
+__all__ = ["BaseCodec", "BaseDtype"]
+
+_F32 = 4
+_BYTES = torch.arange(256)
+_PAIRS = torch.tensor(NF4_CODE, dtype=torch.float32)[torch.stack((_BYTES >> 4, _BYTES & 0x0F), dim=1)]
+"""The two NF4 values of each packed byte, the even element's (high nibble) first."""
+_PAIR_WORDS = _PAIRS.contiguous().view(torch.int64).view(256)
+"""`_PAIRS` with each byte's two fp32 values as one 8-byte word: one lookup moves both."""
+_DEVICE_CHUNK = 1 << 24
+"""Elements dequantized at a time off the host: no cache to stay in, but a bound on the temporaries
+(6 bytes an element) and few kernel launches."""
+
+
+class BaseDtype(enum.Enum):
+    """How a quantized frozen base is stored (`model.lora.base_dtype`)."""
+
+    INT8 = "int8"
+    NF4 = "nf4"
+
+
+def _blocks(numel: int, block: int) -> int:
+    return -(-numel // block)
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _floats(stored: torch.Tensor) -> torch.Tensor:
+    """fp32 values of a byte range (copied: the range need not be 4-byte aligned)."""
+    return stored.clone().view(torch.float32)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BaseCodec:
+    """Encodes a frozen unit's values into the bytes its PARAM slice keeps, and back ([Note: quantized base])."""
+
+    dtype: BaseDtype
+    double_quant: bool = False
+    """nf4 only: the absmax double-quantized (QLoRA's section 3)."""
+
+    def __post_init__(self) -> None:
+        if self.double_quant and self.dtype is not BaseDtype.NF4:
+            raise ValueError("model.lora.double_quant applies to model.lora.base_dtype nf4 only: unset it or use nf4")
+
+    @classmethod
+    def of(cls, dtype: str | None, *, double_quant: bool = False) -> BaseCodec | None:
+        """The codec for a quantized base dtype ("int8", "nf4"); None for None (the base in the compute dtype)."""
+        return None if dtype is None else cls(dtype=BaseDtype(dtype), double_quant=double_quant)
+
+    @property
+    def name(self) -> str:
+        return self.dtype.value
+
+    def piece_nbytes(self, numel: int) -> int:
+        """Bytes of one encoded piece of `numel` elements."""
+        if self.dtype is BaseDtype.INT8:
+            return numel + _F32 * _blocks(numel, INT8_BLOCK)
+        return nf4_nbytes(numel, block=NF4_BLOCK, double_quant=self.double_quant)
+
+    def stored_nbytes(self, numel: int, *, pieces: int) -> int:
+        """Bytes of `numel` elements encoded as `pieces` equal pieces."""
+        assert numel % pieces == 0, (numel, pieces)
+        return pieces * self.piece_nbytes(numel // pieces)
+
+    def encode(self, values: torch.Tensor, *, pieces: int) -> torch.Tensor:
+        """`values` (1-D, any float dtype) as `pieces` encoded pieces, uint8, on their device."""
+        nbytes = self.stored_nbytes(values.numel(), pieces=pieces)
+        if values.device.type == "meta":
+            return torch.empty(nbytes, dtype=torch.uint8, device="meta")
+        n = values.numel() // pieces
+        out = torch.cat([self._encode_piece(piece) for piece in values.reshape(pieces, n)])
+        assert out.numel() == nbytes
+        return out
+
+    def decode(self, stored: torch.Tensor, *, out: torch.Tensor, pieces: int, what: str) -> torch.Tensor:
+        """Dequantize `stored` (as `encode` made it) into `out` (1-D, the compute dtype); returns `out`.
+
+        Raises ValueError when a stored scale is not finite and >= 0: no quantizer writes one, so the
+        bytes are corrupt (`what` names the slice in the message).
+        """
+        n = out.numel() // pieces
+        size = self.piece_nbytes(n)
+        if stored.numel() != size * pieces:
+            raise ValueError(f"{what}: {stored.numel()} bytes stored, {self.name} needs {size * pieces} for {out.numel()} elements")
+        if stored.device.type == "meta":
+            return out
+        for i in range(pieces):
+            self._decode_piece(stored.narrow(0, i * size, size), out=out.narrow(0, i * n, n), what=what)
+        return out
+
+    # ---- one piece ----------------------------------------------------------------
+
+    def _encode_piece(self, piece: torch.Tensor) -> torch.Tensor:
+        if self.dtype is BaseDtype.INT8:
+            q8 = quantize_int8(piece.float())
+            return torch.cat([_bytes(q8.codes), _bytes(q8.scales)])
+        q4 = quantize_nf4(piece.float(), double_quant=self.double_quant)
+        if isinstance(q4.absmax, QuantizedAbsmax):
+            dq = q4.absmax
+            return torch.cat([q4.codes, dq.codes, _bytes(dq.scales), _bytes(dq.offset.reshape(1))])
+        return torch.cat([q4.codes, _bytes(q4.absmax)])
+
+    def _decode_piece(self, piece: torch.Tensor, *, out: torch.Tensor, what: str) -> None:
+        n = out.numel()
+        if self.dtype is BaseDtype.INT8:
+            scales = _floats(piece[n:])
+            _check_scales(scales, what=what, name="scale")
+            _int8_into(piece[:n].view(torch.int8), scales, out=out)
+            return
+        half, blocks = n // 2, _blocks(n, NF4_BLOCK)
+        codes = piece[:half]
+        if not self.double_quant:
+            absmax = _floats(piece[half:])
+            _check_scales(absmax, what=what, name="absmax")
+        else:
+            floats = _floats(piece[half + blocks :])
+            scales, offset = floats[:-1], floats[-1]
+            _check_scales(scales, what=what, name="absmax scale")
+            _check_scales(offset.abs().reshape(1), what=what, name="absmax offset")
+            dq = QuantizedAbsmax(codes=piece[half : half + blocks], scales=scales, offset=offset.clone(), block=ABSMAX_BLOCK)
+            absmax = dq.dequantize()
+        _nf4_into(codes, absmax, out=out)
+
+
+def _chunk(out: torch.Tensor) -> int:
+    """Elements decoded at a time: `CHUNK` on the host, where a chunk's temporaries stay in a core's cache."""
+    return min(CHUNK if out.device.type == "cpu" else _DEVICE_CHUNK, out.numel())
+
+
+def _nf4_into(codes: torch.Tensor, absmax: torch.Tensor, *, out: torch.Tensor) -> None:
+    """`dequantize_nf4`'s values, bit for bit, written into `out` (the compute dtype) a chunk at a time.
+
+    Three passes over a chunk, all in cache: the packed bytes widened to lookup indices, one lookup a
+    byte in `_PAIR_WORDS` (both of its fp32 code values), and one broadcast multiply by each 64-element
+    block's absmax whose fp32 product is rounded once, straight into `out`: the same two roundings as
+    `dequantize_nf4`, with no fp32 copy of the unit. A piece that is not whole blocks goes the slow way.
+    """
+    n = out.numel()
+    if n % NF4_BLOCK:
+        shape = torch.Size([n])
+        out.copy_(dequantize_nf4(NF4Tensor(codes=codes, absmax=absmax, shape=shape, dtype=out.dtype)))
+        return
+    step = _chunk(out)
+    table = _PAIR_WORDS.to(codes.device)
+    index = codes.new_empty(step // 2, dtype=torch.int32)
+    words = codes.new_empty(step // 2, dtype=torch.int64)
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        i, w = index[: (hi - lo) // 2], words[: (hi - lo) // 2]
+        i.copy_(codes[lo // 2 : hi // 2])
+        torch.index_select(table, 0, i, out=w)
+        pairs = w.view(torch.float32).view(-1, NF4_BLOCK)
+        torch.mul(pairs, absmax[lo // NF4_BLOCK : hi // NF4_BLOCK, None], out=out[lo:hi].view(-1, NF4_BLOCK))
+
+
+def _int8_into(codes: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor) -> None:
+    """`dequantize_int8`'s values, bit for bit, written into `out` a chunk at a time: one multiply of the
+    int8 codes by their block's scale, in fp32 (exact for the codes), its product rounded once into `out`."""
+    n = out.numel()
+    if n % INT8_BLOCK:
+        shape = torch.Size([n])
+        out.copy_(dequantize_int8(Int8Tensor(codes=codes, scales=scales, shape=shape, dtype=out.dtype)))
+        return
+    step = _chunk(out)
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        block = codes[lo:hi].view(-1, INT8_BLOCK)
+        torch.mul(block, scales[lo // INT8_BLOCK : hi // INT8_BLOCK, None], out=out[lo:hi].view(-1, INT8_BLOCK))
+
+
+def _check_scales(scales: torch.Tensor, *, what: str, name: str) -> None:
+    bad = ~(torch.isfinite(scales) & (scales >= 0))
+    if bool(bad.any()):
+        index = int(bad.nonzero()[0, 0])
+        value = float(scales[index])
+        raise ValueError(
+            f"{what}: quantized base holds {name} {value!r} at block {index} ({int(bad.sum())} bad), which no "
+            "quantizer writes (finite, >= 0): its stored bytes are corrupt; reload the weights or an earlier checkpoint"
+        )
