@@ -15,13 +15,14 @@ from tierzero.config.checks import float_check, int_check
 from tierzero.config.data import DataConfig
 from tierzero.config.errors import ConfigError
 from tierzero.config.model import ModelConfig
-from tierzero.config.optim import OptimizerConfig, SchedulerConfig
+from tierzero.config.optim import OptimizerConfig, SchedulerConfig, per_unit
 from tierzero.config.precision import PrecisionConfig
 from tierzero.config.sections import (
     ActivationsConfig,
     CheckpointConfig,
     DistConfig,
     DpoConfig,
+    GenerateConfig,
     OffloadConfig,
     PrefetchConfig,
     SwapperConfig,
@@ -55,12 +56,20 @@ class Config(Section):
     checkpoint: CheckpointConfig = section(CheckpointConfig)
     dist: DistConfig = section(DistConfig)
     dpo: DpoConfig = section(DpoConfig)
+    generate: GenerateConfig = section(GenerateConfig)
 
     def _validate(self) -> None:
         _check_stage_allows_offload(self.zero.stage, self.offload)
         _check_sequence_fits(self.model, self.train)
         _check_nvme_placement(self)
         _check_preference_tuning(self)
+        if per_unit(self.optimizer.type) and self.offload.optimizer is Tier.NVME:
+            message = (
+                f"offload.optimizer is nvme but optimizer.type {self.optimizer.type} keeps its states as torch tensors "
+                "of its own, in memory: set offload.optimizer to cpu or device, or optimizer.type to adamw"
+            )
+            raise ConfigError(message, key="offload.optimizer")
+        self.model.lora.quantized(self.precision.param_dtype)
 
     def placements(self) -> dict[str, Tier | str]:
         """offload key -> tier or "auto", e.g. {"offload.params": Tier.NVME, ...}."""

@@ -22,6 +22,7 @@ from tierzero.config.checks import (
     DIRECTORY,
     NAMES,
     TIER_OR_AUTO,
+    Check,
     GiB,
     MiB,
     TiB,
@@ -349,6 +350,28 @@ class DpoConfig(Section):
     """Prompt tokens kept, the last ones (nearest the completion); the prompt and completion (its EOS
     appended) are then cut to train.seq_len + 1 tokens, the completion's end first. At most
     train.seq_len, so that every completion keeps a token; 0: half of train.seq_len."""
+
+
+MAX_GENERATE_BATCH = 1 << 16
+"""The limit of `generate.batch_size`."""
+_GENERATE_BATCH = int_check(1, limit=MAX_GENERATE_BATCH)
+BATCH_OR_AUTO = Check(
+    "a positive integer or auto",
+    "int >= 1 \\| auto",
+    lambda value: AUTO if isinstance(value, str) and value.lower() == AUTO else _GENERATE_BATCH.convert(value),
+    limit=_GENERATE_BATCH.limit,
+)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class GenerateConfig(Section):
+    """`tierzero generate` (tierzero/inference/): how many prompts are decoded together."""
+
+    SECTION: ClassVar[str] = "generate"
+    batch_size: int | str = setting(AUTO, BATCH_OR_AUTO)
+    """Prompts decoded together; each decoding step reads every weight once for all of them, so a larger
+    batch reads fewer weight bytes per token. auto: the largest batch, at most the number of prompts, whose
+    KV cache, logits and gathered units fit the device tier's free budget (tierzero/inference/batch.py)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

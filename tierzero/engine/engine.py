@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from tierzero.comm.topology import Topology
 from tierzero.common.slices import IO_ALIGNMENT, Tier
 from tierzero.config import Config
 from tierzero.engine.materialize import flat_fp32, has_meta, materialize_rest, materialize_unit, unit_on_meta
+from tierzero.engine.states import OffloadedStates, offload_states, reload_states, require_ready
 from tierzero.offload.host_heap import keep_freed_memory
 from tierzero.optim.flat import make_optimizer
 from tierzero.optim.groups import GroupRules
@@ -44,6 +45,7 @@ from tierzero.store import TieredStore
 from tierzero.store.protocol import SliceStore
 from tierzero.units.kernels import use_linear_kernel
 from tierzero.units.precision import autocast, dtype_of, make_loss_scaler, reads_fp32_under_autocast
+from tierzero.units.quantized_base import BaseCodec
 from tierzero.units.unit import Unit, plan_units
 
 
@@ -124,10 +126,12 @@ class Engine:
             moments=optimizer.moments,
             grad_dtype=dtype_of(cfg.precision.reduce_dtype or cfg.precision.param_dtype),
             secondary_parts=self.mesh.secondary_parts,
+            base=BaseCodec.of(cfg.model.lora.quantized(cfg.precision.param_dtype), double_quant=cfg.model.lora.double_quant),
         )  # fmt: skip
         self.store = store if store is not None else self._make_store()
         self._hooks: list[Any] = []
         self._closed = False
+        self._offloaded: OffloadedStates | None = None
         self._root_locks: dict[Path, RootLock | None] = {}
         """Checkpoint roots this engine saves into, each locked against other runs until close."""
         try:
@@ -380,6 +384,15 @@ class Engine:
         """
         return None if self.param_prefetch is None else self.param_prefetch.last_report
 
+    def offload_states(self, kinds: Iterable[str] | None = None) -> None:
+        """Move the device tier's `kinds` ("params", "grads", "optimizer"; default all) to host memory until `reload_states`."""
+        self._require_open("offload_states()")
+        self._offloaded = offload_states(self, kinds)  # [Note: offloaded states] in engine/states.py
+
+    def reload_states(self) -> None:
+        """Bring back, bit for bit, what `offload_states` moved (nothing when nothing is, or once closed)."""
+        self._offloaded = None if self._closed else reload_states(self._offloaded)
+
     def comm_report(self, *, per_group: bool = False) -> dict[str, Any]:
         """Bytes this rank sent since the last reset per collective, under ring accounting (comm.py);
         `per_group`: by group and collective, the bytes sent inside this rank's node (`intra`) and
@@ -390,10 +403,7 @@ class Engine:
         self.mesh.reset()
 
     def _require_open(self, what: str) -> None:
-        if self._closed:
-            raise ValueError(
-                f"{what} after engine.close(): its tiers and swap files are gone; build a new engine with tierzero.initialize"
-            )
+        require_ready(what, closed=self._closed, offloaded=self._offloaded)
 
     def close(self) -> None:
         """Remove the hooks, free every tier and file, leave a group this engine created. Idempotent."""

@@ -27,7 +27,7 @@ from tierzero.models.builtin import GPT, Llama
 from tierzero.models.kv_cache import KVCache
 from tierzero.pretrained.lora import is_peft_model
 
-__all__ = ["BuiltinDecoder", "Decoder", "TransformersDecoder", "decoder_for"]
+__all__ = ["BuiltinDecoder", "Decoder", "TransformersDecoder", "base_model", "decoder_for"]
 
 
 class Decoder(Protocol):
@@ -82,8 +82,7 @@ class TransformersDecoder:
 
 def decoder_for(engine: Any, *, batch: int, prompt: int, new: int) -> Decoder:
     """The decoder of `engine.module` for `batch` rows of `prompt` tokens (padding included) and `new` more."""
-    model = engine.module
-    base = model.get_base_model() if is_peft_model(model) else model
+    base = base_model(engine.module)
     if isinstance(base, (GPT, Llama)):
         _check_room(prompt, new, limit=base.spec.max_seq_len, name="model.max_seq_len")
         cache = KVCache(batch=batch, n_layer=len(base.blocks), capacity=prompt + new, device=engine.stage.device)
@@ -95,6 +94,11 @@ def decoder_for(engine: Any, *, batch: int, prompt: int, new: int) -> Decoder:
     if isinstance(limit, int):
         _check_room(prompt, new, limit=limit, name=f"{type(config).__name__}.max_position_embeddings")
     return TransformersDecoder.of(engine, base)
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The model whose forward decodes: peft's base model where peft wraps it, else `model`."""
+    return model.get_base_model() if is_peft_model(model) else model
 
 
 def _check_room(prompt: int, new: int, *, limit: int, name: str) -> None:

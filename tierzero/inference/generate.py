@@ -21,6 +21,13 @@ The engine layer sits below this one and cannot import it, so `Engine` has no `g
 `GeneratingEngine` is the engine with this one method more, delegating here, and it is
 what `tierzero.initialize` builds (tierzero/api.py sits above both): nothing is patched onto
 a class or an instance, and `generate(engine, ...)` works on any engine.
+
+[Note: the KV cache in the ledger]
+The KV cache is booked in the device tier as `Kind.ACTIVATION` (what a forward keeps on the
+device besides the weights) from the prompts' forward to the last step, at its full size,
+prompt + `max_new_tokens` a row ([Note: what a batch costs] in tierzero/inference/batch.py):
+the built-ins' cache takes that at its first write, transformers' grows to at most that. So
+`engine.memory_report()` and the store's report show it in the device tier's bytes and peak.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ import torch
 from torch import nn
 
 from tierzero.comm import collectives as C
+from tierzero.common.slices import Kind, Tier
 from tierzero.engine.engine import Engine
+from tierzero.inference.batch import batch_cost
 from tierzero.inference.decoders import decoder_for
 from tierzero.inference.sampling import Sampling
 
@@ -72,8 +81,9 @@ def generate(
     stops = Stops.of(eos_token_id, pad_token_id, batch=ids.shape[0], device=device)
     decoder = decoder_for(engine, batch=ids.shape[0], prompt=ids.shape[1], new=max_new_tokens)
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    kv_bytes = ids.shape[0] * batch_cost(engine, prompt=ids.shape[1], new=max_new_tokens).kv_row
     new: list[torch.Tensor] = []
-    with torch.no_grad(), _evaluating(engine.module):
+    with torch.no_grad(), _evaluating(engine.module), _booked(engine.store, kv_bytes):
         logits = decoder(ids, mask)
         for step in range(max_new_tokens):
             new.append(stops.apply(sampling.pick(logits, generator=generator)))
@@ -82,6 +92,16 @@ def generate(
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
             logits = decoder(new[-1].unsqueeze(1), mask)
     return torch.cat([ids, torch.stack(new, dim=1)], dim=1).to(input_ids.device)
+
+
+@contextmanager
+def _booked(store: Any, nbytes: int) -> Iterator[None]:
+    """The KV cache's bytes counted in the device tier for the block ([Note: the KV cache in the ledger])."""
+    store.book(Tier.DEVICE, Kind.ACTIVATION, nbytes)
+    try:
+        yield
+    finally:
+        store.book(Tier.DEVICE, Kind.ACTIVATION, -nbytes)
 
 
 @contextmanager

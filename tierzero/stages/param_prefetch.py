@@ -9,7 +9,18 @@ the policy is one forward and its backward.
 A unit is recorded when its shard is needed (the stage's `start_gather`), which is
 the order the bytes are consumed in, also when the stage starts a gather early.
 Fetches only run while a step is open and following the learned order; outside one
-(a no-grad forward) every fetch is on demand and counts nowhere.
+every fetch is on demand and counts nowhere.
+
+[Note: reading ahead without grad]
+A forward without gradients (a decoding step of `generate`, an evaluation) is a step of
+its own, of a second policy, `reading`, with the same budgets: its order is a forward's
+units only, and taking it from the training policy would make every such forward diverge
+at its end (no backward follows) and teach the training order a forward alone. So the
+first no-grad forward runs on demand and records its order, and each later one reads
+ahead along it, as a training forward does along its own: the decoding steps of one
+`generate` call run the same units in the same order. `begin_reading` ends the training
+step first (as any forward that is not its own backward's would) and `end_reading` gives
+the training policy back; what `warm` started for the next training step stays started.
 """
 
 from __future__ import annotations
@@ -32,6 +43,10 @@ class ParamPrefetch:
 
     def __init__(self, *, store: Any, policy: Prefetcher) -> None:
         self.store, self.policy = store, policy
+        """The policy of the step open now: `training`'s, or `reading`'s in a no-grad forward."""
+        self.training = policy
+        self.reading = Prefetcher(unit_bytes=policy.unit_bytes, prefetch_bytes=policy.prefetch_bytes, max_live_bytes=policy.max_live_bytes)
+        """The no-grad forwards' own order and budgets ([Note: reading ahead without grad])."""
         self._ahead: dict[str, Transfer[torch.Tensor]] = {}
         """Prefetches issued and not yet consumed, by unit."""
         self._kept: set[str] = set()
@@ -40,6 +55,8 @@ class ParamPrefetch:
         """Fetches started between steps (`warm`), which the next step's plan adopts."""
         self._in_step = False
         self.last_report: StepReport | None = None
+        self.last_read_report: StepReport | None = None
+        """The last no-grad forward's report (`last_report` stays the last training step's)."""
         self.blocked: Callable[[str], bool] = lambda unit: False
         """Units whose slice must not be fetched yet: their deferred optimizer step has not
         written it (stage 3's `ForwardStep`); `resume` once one is written."""
@@ -141,17 +158,45 @@ class ParamPrefetch:
         self._settle()
         # The policy's own count: an interrupt may land between its record and anything kept here.
         recorded = self.policy.recorded
-        if recorded:
-            self.last_report = self.policy.end_step(cut_short=cut_short)
-        else:
+        if not recorded:
             self.policy.cancel_step()
+        elif self.policy is self.reading:
+            self.last_read_report = self.policy.end_step(cut_short=cut_short)
+        else:
+            self.last_report = self.policy.end_step(cut_short=cut_short)
         if not keep_warm:
             self._drop_early()
         for unit in [*self._ahead, *self._kept]:
             self.store.release(SliceKey(unit, Kind.PARAM))
         self._ahead.clear()
         self._kept.clear()
-        return self.last_report if recorded else None
+        if not recorded:
+            return None
+        return self.last_read_report if self.policy is self.reading else self.last_report
+
+    def begin_reading(self) -> None:
+        """A forward without gradients begins: end the training step, open one of `reading`'s
+        ([Note: reading ahead without grad])."""
+        self.end_step()
+        self.policy = self.reading
+        self.begin_step()
+
+    def end_reading(self, *, cut_short: bool = False) -> None:
+        """The no-grad forward ended (`cut_short`: by an exception, so its order is no lesson): close its
+        step, keep what `warm` started for the next training step, and give the training policy back."""
+        if self.policy is not self.reading:
+            return
+        try:
+            self.end_step(keep_warm=True, cut_short=cut_short)
+        finally:
+            self.policy = self.training
+
+    def drop(self) -> None:
+        """End any step and give back every slice fetched ahead, `warm`'s too: nothing of this
+        stage's stays fetched (the engine's `offload_states`)."""
+        self.end_reading(cut_short=True)
+        self.end_step(cut_short=True)
+        self._drop_early()
 
     def _settle(self) -> None:
         """Tell the policy which prefetches have landed (their bytes left the in-flight budget)."""

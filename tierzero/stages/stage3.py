@@ -34,8 +34,8 @@ slice is fetched when its gather starts, not ahead by the prefetcher.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from tierzero.stages.activations import recomputing
 from tierzero.stages.base import Stage, mark_state
 from tierzero.stages.binding import SavedView, bind, tensors_in
 from tierzero.stages.options import StageOptions, StageParts
+from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.stages.step import ForwardStep
 from tierzero.stages.step_in_time import StepAhead, StepInTime
 from tierzero.stages.step_pipeline import PendingWrite
@@ -125,6 +126,9 @@ class Stage3(StepInTime, Stage):
         if self._lends(unit, shard, comm):
             gathered, self._gathering[unit.name] = shard, C.Pending()
             self._lent[unit.name] = False
+        elif self.codec(unit) is not None:
+            gathered = self.scratch(unit, unit.padded_numel, self.dtype_of(unit))
+            self._gathering[unit.name] = self.gather_codes(unit, shard, comm)  # dequantized in unshard
         else:
             gathered, block = self.scratch(unit, unit.padded_numel, self.dtype_of(unit)), self.weight_block
             if block is not None and comm is self.comm:
@@ -140,6 +144,7 @@ class Stage3(StepInTime, Stage):
         self.start_gather(unit)
         if unit.state is UnitState.GATHERING:
             self._gathering.pop(unit.name).wait()
+            self.decode_gathered(unit)
             if unit.name in self._from_secondary:
                 self._from_secondary.discard(unit.name)
                 self.store.release(SliceKey(unit.name, Kind.SECONDARY))
@@ -341,12 +346,28 @@ class Stage3(StepInTime, Stage):
                 self.param_prefetch.end_step(cut_short=closing)
 
     def forward_context(self) -> AbstractContextManager[None]:
+        if self.param_prefetch is not None and not torch.is_grad_enabled():
+            return self._reading_ahead(self.param_prefetch)
         if self.param_prefetch is not None:
-            if torch.is_grad_enabled():
-                self.param_prefetch.begin_step()
-            else:
-                self.param_prefetch.end_step()  # an inference forward: on demand, outside any step
+            self.param_prefetch.begin_step()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    @contextmanager
+    def _reading_ahead(self, fetches: ParamPrefetch) -> Iterator[None]:
+        """A no-grad forward: its units' slices come up ahead along the order of the no-grad forwards
+        before it ([Note: reading ahead without grad] in stages/param_prefetch.py)."""
+        fetches.begin_reading()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        except BaseException:
+            try:
+                for unit in self.units:
+                    self.reshard(unit)  # the units whose forward never ended: no backward needs them
+            finally:
+                fetches.end_reading(cut_short=True)
+            raise
+        fetches.end_reading()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         try:

@@ -287,6 +287,26 @@ class TieredStore:
         self._tiers[record.home.tier].free(record.home)
         self._ledger.add(record.home.tier, key.kind, Use.HOME, -record.nbytes)
 
+    def rehome(self, key: SliceKey, *, to: Tier) -> None:
+        """Move an unfetched slice's home to the memory tier `to`, bit for bit, after its pending writes (one
+        memory: the region changes tier, no byte moves); TierCapacityError, changing nothing, when `to` is full."""
+        record = self._record(key)
+        for write in list(record.writes):
+            write.wait()
+        with self._lock:
+            record.settle()
+            record.require(SliceState.HOME, action="move the home of")  # a fetched copy would read the old home
+            old = record.home
+            assert self._in_memory(old.tier) and self._in_memory(to), f"{key}: homes move between memory tiers only"
+            new = old if old.tier is to else self._retier(old, old.tier, to)
+            if new is None:
+                new = self._storage(to, what=f"the home of {key}").allocate(old.nbytes, label=str(key))
+                new.buffer.copy_(old.buffer)  # type: ignore[union-attr]  # memory tiers' regions are tensors
+                self._tiers[old.tier].free(old)
+            record.home = new
+            self._ledger.add(old.tier, key.kind, Use.HOME, -old.nbytes)
+            self._ledger.add(to, key.kind, Use.HOME, new.nbytes)
+
     def state(self, key: SliceKey) -> SliceState:
         with self._lock:
             record = self._record(key)
