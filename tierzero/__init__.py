@@ -13,9 +13,21 @@ import os
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from tierzero.api import initialize
-from tierzero.engine.engine import Engine
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
 __all__ = ["Engine", "initialize"]
+
+_LAZY = {"initialize": "tierzero.api", "Engine": "tierzero.engine.engine"}
+"""The public names, imported on first use: `tierzero --help` and the package's light modules
+(the config, the command table) load without torch's seconds of import."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tierzero' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from tierzero.cli.commands import COMMANDS
 from tierzero.common.sizes import format_size
 from tierzero.offload.disk.leftovers import count_dirs, find_leftovers
 
@@ -15,7 +16,7 @@ from tierzero.offload.disk.leftovers import count_dirs, find_leftovers
 def add_clean_command(commands: argparse._SubParsersAction) -> None:
     clean = commands.add_parser(
         "clean",
-        help="remove the swap files that dead runs left under a tiers.nvme.path",
+        help=COMMANDS["clean"].help,
         description="Lists the run directories under PATH whose processes on this host are all dead "
         "(with their size and pid) and removes them. Directories of live runs are never touched.",
     )

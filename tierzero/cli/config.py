@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 import yaml
 
+from tierzero.cli.commands import COMMANDS
 from tierzero.config.errors import ConfigError, TierZeroConfigWarning
 from tierzero.config.loading import load_config
 from tierzero.config.markdown import config_markdown
@@ -21,7 +22,7 @@ from tierzero.config.reading import load_yaml
 
 def add_config_commands(subparsers: Any) -> None:
     """Register `config check` and `config docs` on the `tierzero` command's sub-parsers."""
-    config = subparsers.add_parser("config", help="check a config file, or print the config reference")
+    config = subparsers.add_parser("config", help=COMMANDS["config"].help)
     commands = config.add_subparsers(dest="config_command", required=True, metavar="COMMAND")
 
     check = commands.add_parser("check", help="validate a config and print it resolved, as YAML")

@@ -3,7 +3,9 @@
 Prompts come from `--prompt TEXT` or a JSON Lines file (`{"prompt": "..."}` a line). They are
 encoded with `data.tokenizer` (byte-level ids when it is null, as the built-in models train
 on) and go through `engine.generate` (tierzero/inference/generate.py) `--batch-size` at a
-time, left-padded. The model is built as `tierzero train` builds it (`model.pretrained`,
+time, left-padded; `auto` (`generate.batch_size`, the default) takes the largest batch whose KV
+cache, logits and gathered weights fit the device tier's free budget (tierzero/inference/batch.py),
+the same on every rank. The model is built as `tierzero train` builds it (`model.pretrained`,
 `model.lora`), and `--checkpoint DIR` loads the weights a `tierzero train` run saved there,
 the newest complete checkpoint as `--resume` finds it. Under torchrun every rank generates
 (stage 3 gathers over all of them) and rank 0 alone prints each completion, or writes them
@@ -24,27 +26,34 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+import torch.distributed as dist
 
 from tierzero.api import initialize
 from tierzero.checkpoint import find_checkpoint
+from tierzero.cli.commands import COMMANDS
 from tierzero.cli.config import parse_overrides
+from tierzero.comm import collectives as C
 from tierzero.common.output_paths import check_writable
 from tierzero.common.safe_files import loads_bounded
 from tierzero.common.sizes import format_size
-from tierzero.config import read_config
+from tierzero.common.slices import Tier
+from tierzero.config import AUTO, read_config
+from tierzero.config.sections import MAX_GENERATE_BATCH
 from tierzero.data import check_vocab
 from tierzero.data.tokenizer import TextTokenizer, load_tokenizer
+from tierzero.inference.batch import auto_batch, batch_cost
 from tierzero.models.builtin import build_model
+from tierzero.placement.budgets import machine_budgets
 
 __all__ = ["add_generate_command", "run_generate"]
 
 MAX_NEW_TOKENS = 1 << 20
-MAX_BATCH = 1 << 16
+MAX_BATCH = MAX_GENERATE_BATCH
 
 
 def add_generate_command(subparsers: Any) -> None:
     """Register `tierzero generate` on the `tierzero` command's sub-parsers."""
-    parser = subparsers.add_parser("generate", help="complete prompts with the configured (or a trained) model")
+    parser = subparsers.add_parser("generate", help=COMMANDS["generate"].help)
     parser.add_argument("--config", required=True, help="the tierzero config the model was trained with")
     given = parser.add_mutually_exclusive_group()  # neither: refused in one line by _check_flags
     given.add_argument("--prompt", default=None, help="one prompt")
@@ -52,7 +61,11 @@ def add_generate_command(subparsers: Any) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to add to each prompt at most (64)")
     parser.add_argument("--out", default=None, metavar="FILE.jsonl", help="write the completions there instead of printing them")
     parser.add_argument("--checkpoint", default=None, metavar="DIR", help="load the weights of a tierzero train checkpoint (a root or a step)")
-    parser.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts decoded together: each step reads the weights once for them (8)")
+    parser.add_argument(
+        "--batch-size", default=None, metavar="N|auto",
+        help="prompts decoded together: each step reads the weights once for them (default: generate.batch_size, auto: "
+        "the largest that fits the device budget)",
+    )  # fmt: skip
     parser.add_argument("--sample", action="store_true", help="sample the tokens instead of taking the most likely")
     parser.add_argument("--temperature", type=float, default=1.0, help="with --sample: divide the logits by it (1.0)")
     parser.add_argument("--top-k", type=int, default=None, help="with --sample: only from the k most likely tokens")
@@ -117,12 +130,18 @@ def run_generate(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
         raise ValueError(f"prompt {empty + 1} encodes to no tokens: give it some text")
     rank0 = int(os.environ.get("RANK", "0")) == 0
     with _engine(cfg, checkpoint=args.checkpoint, out=out if rank0 else None) as engine:
+        wanted = cfg.generate.batch_size if args.batch_size is None else _batch_size(args.batch_size)
+        prompt, new = max(len(ids) for ids in encoded), args.max_new_tokens
+        batch_size = wanted if wanted != AUTO else _auto_batch(engine, cfg, prompt=prompt, new=new, prompts=len(prompts))
+        if batch_size < len(prompts) and wanted == AUTO and rank0:  # the budget splits them: say why
+            cost = batch_cost(engine, prompt=prompt, new=new)
+            out.write(f"batch size {batch_size} for {len(prompts)} prompts (auto: {cost.describe()})\n")
         seed = cfg.train.seed if args.seed is None else args.seed
         options = {"do_sample": args.sample, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": seed}
         nvme_before, start = engine.store.nvme_traffic()[0], time.perf_counter()
         done: list[Completion] = []
-        for first in range(0, len(prompts), args.batch_size):
-            batch = slice(first, first + args.batch_size)
+        for first in range(0, len(prompts), batch_size):
+            batch = slice(first, first + batch_size)
             done += _complete(engine, codec, prompts[batch], encoded[batch], max_new_tokens=args.max_new_tokens, **options)
         seconds, nvme_read = time.perf_counter() - start, engine.store.nvme_traffic()[0] - nvme_before
     if rank0:
@@ -139,12 +158,55 @@ def _check_flags(args: argparse.Namespace) -> None:
     """The numbers, before anything is read or built."""
     if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} is outside 1..{MAX_NEW_TOKENS}: ask for at least one new token")
-    if not 1 <= args.batch_size <= MAX_BATCH:
-        raise ValueError(f"--batch-size {args.batch_size} is outside 1..{MAX_BATCH}: give a positive batch size")
+    if args.batch_size is not None:
+        _batch_size(args.batch_size)
     if args.prompt is None and args.prompts is None:
         raise ValueError("no prompt: give --prompt TEXT or --prompts FILE.jsonl")
     if args.prompt == "":
         raise ValueError("--prompt is empty: give the text to complete")
+
+
+def _batch_size(text: str) -> int | str:
+    """`--batch-size`: auto, or a whole number from 1 to MAX_BATCH."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_BATCH:
+        raise ValueError(f"--batch-size {text} is not auto or a whole number in 1..{MAX_BATCH}: give auto or a positive batch size")
+    return n
+
+
+def _auto_batch(engine: Any, cfg: Any, *, prompt: int, new: int, prompts: int) -> int:
+    """The auto batch for this rank's free device budget, the smallest over the ranks (they decode in step)."""
+    budget, source = _device_room(engine, cfg)
+    batch = torch.tensor([auto_batch(batch_cost(engine, prompt=prompt, new=new), budget=budget, prompts=prompts, source=source)])
+    C.all_reduce(batch, comm=engine.comm, op=dist.ReduceOp.MIN)
+    return int(batch)
+
+
+def _device_room(engine: Any, cfg: Any) -> tuple[int, str]:
+    """Bytes the device may still take beyond what the store holds there, and where that figure comes from.
+
+    tiers.device.capacity less the device tier's bytes; else a GPU's free memory now, less its margin;
+    else (the host stands in for the device) the cpu tier's budget, less both tiers' bytes where it is
+    tiers.cpu.capacity (psutil's available memory is already net of them).
+    """
+    held = engine.store.report().tiers
+    budgets = machine_budgets(cfg.tiers, device=engine.stage.device)
+    device, cpu = budgets.device, budgets.cpu
+    if cfg.tiers.device.capacity is not None:
+        used = held[Tier.DEVICE].current
+        return device.nbytes - used, f"tiers.device.capacity {format_size(device.nbytes)} less {format_size(used)} the device tier holds"
+    if device.nbytes is not None:
+        return device.nbytes, device.source
+    assert cpu.nbytes is not None
+    if cfg.tiers.cpu.capacity is None:
+        return cpu.nbytes, f"the host stands in for the device: {cpu.source}"
+    used = held[Tier.DEVICE].current + held[Tier.CPU].current
+    return cpu.nbytes - used, f"tiers.cpu.capacity {format_size(cpu.nbytes)} less {format_size(used)} the device and cpu tiers hold"
 
 
 def read_prompts(path: Path) -> list[str]:

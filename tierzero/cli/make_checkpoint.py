@@ -11,12 +11,13 @@ from typing import Any, TextIO
 from tierzero.checkpoint.export import DEFAULT_MAX_SHARD_SIZE, EXPORT_DTYPES
 from tierzero.checkpoint.format import dtype_name
 from tierzero.checkpoint.stand_in import ARCHS, SIZES, make_checkpoint
+from tierzero.cli.commands import COMMANDS
 from tierzero.common.sizes import format_size
 
 
 def add_make_checkpoint_command(subparsers: Any) -> None:
     """Register `tierzero make-checkpoint` on the `tierzero` command's sub-parsers."""
-    parser = subparsers.add_parser("make-checkpoint", help="write a random-weight transformers checkpoint with a tokenizer")
+    parser = subparsers.add_parser("make-checkpoint", help=COMMANDS["make-checkpoint"].help)
     parser.add_argument("out", help="the model directory to write (new or empty, unless --force)")
     parser.add_argument("--arch", choices=ARCHS, default="llama", help="the architecture (default llama)")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="tiny (tests) or 2b (2.23e9 parameters)")

@@ -15,9 +15,7 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -31,11 +29,13 @@ from tierzero.align import PreferenceBatches, dpo_train_step
 from tierzero.api import initialize
 from tierzero.checkpoint import PeftAdapters, TransformersDirectory, probe_root
 from tierzero.checkpoint.export import check_export
+from tierzero.cli.commands import COMMANDS
 from tierzero.cli.config import parse_overrides
 from tierzero.cli.resume import NonFiniteLosses, checkpoint_due, no_checkpoint_under, resume_from
 from tierzero.cli.run_header import RunHeader
 from tierzero.cli.run_summary import TIERS, PartClock, RunSummary
-from tierzero.comm.dist import RollCallAnswerer, launch_tag, roll_call_s, unanswered_ranks
+from tierzero.cli.stops import CtrlC, lost_rank
+from tierzero.comm.dist import RollCallAnswerer, launch_tag
 from tierzero.common.output_paths import check_writable
 from tierzero.common.sizes import format_size
 from tierzero.config import ConfigError, TierZeroConfigWarning, read_config
@@ -60,7 +60,7 @@ MAX_STEPS = 10**9
 
 def add_train_command(subparsers: Any) -> None:
     """Register `tierzero train` on the `tierzero` command's sub-parsers."""
-    parser = subparsers.add_parser("train", help="train the configured model on byte-level text")
+    parser = subparsers.add_parser("train", help=COMMANDS["train"].help)
     parser.add_argument("--config", required=True, help="a tierzero .yaml/.yml/.json config (or a DeepSpeed .json)")
     _add_run_flags(parser)
     parser.add_argument(
@@ -72,7 +72,7 @@ def add_train_command(subparsers: Any) -> None:
 
 def add_demo_command(subparsers: Any) -> None:
     """Register `tierzero demo`: `train --config configs/demo.yaml` swapping to ./.tierzero-swap."""
-    parser = subparsers.add_parser("demo", help=f"train the demo model ({DEMO_CONFIG}), swapping to ./{DEMO_SWAP}")
+    parser = subparsers.add_parser("demo", help=COMMANDS["demo"].help)
     parser.add_argument("--config", default=None, help=f"another config to run instead of {DEMO_CONFIG}")
     _add_run_flags(parser)
     parser.set_defaults(func=run_demo, resume=False, process_ends=False)
@@ -188,7 +188,7 @@ def train(
     check_vocab(cfg, model)  # before the engine: a model that cannot embed the data's ids is refused in seconds
     summary = RunSummary(planned_steps=cfg.train.steps, parameters=count_parameters(model))
     trained, model_class = count_parameters(model, trainable_only=True), type(model).__name__
-    with _CtrlC(ignore_after=process_ends) as ctrl_c:
+    with CtrlC(ignore_after=process_ends) as ctrl_c:
         with said_to(out):  # a plan's minute of measuring, said as it goes (only rank 0 plans)
             engine = initialize(model, cfg)
         rank, world = _rank_and_world()
@@ -222,7 +222,7 @@ def train(
                 _export(engine, Path(export), tokenizer=tokenizer, out=out)
         except BaseException as exc:
             # Asked before the close, which may take down the store the roll call needs (rank 0's).
-            lost = _lost_rank(exc, rank=rank, world=world, step=engine.global_step + 1, timeout_s=cfg.dist.timeout)
+            lost = lost_rank(exc, rank=rank, world=world, step=engine.global_step + 1, timeout_s=cfg.dist.timeout)
             answerer.stop()  # failed: from now on, never counted as present
             # The first error is the one to report; a close that fails after it would hide it.
             with contextlib.suppress(Exception):
@@ -256,14 +256,14 @@ def _export(engine: Any, directory: Path, *, tokenizer: Path | None, out: TextIO
         out.write(f"exported {exported.describe()}\n")
 
 
-def _close(engine: Any, ctrl_c: _CtrlC) -> None:
+def _close(engine: Any, ctrl_c: CtrlC) -> None:
     """The engine's swap files and its checkpoint directory's lock, whole: Ctrl-C from here on only counts."""
     ctrl_c.closing = True
     engine.close()
 
 
 def _loop(
-    engine: Any, cfg: Any, *, data: Any, summary: RunSummary, ctrl_c: _CtrlC, show: bool, progress: bool, out: TextIO
+    engine: Any, cfg: Any, *, data: Any, summary: RunSummary, ctrl_c: CtrlC, show: bool, progress: bool, out: TextIO
 ) -> None:
     accumulation = cfg.gradient_accumulation_steps
     tokens_per_step = data.tokens_per_batch * data.world_size * accumulation
@@ -323,71 +323,6 @@ def _loop(
     finally:
         summary.seconds = time.perf_counter() - began
         bar.close()
-
-
-class _CtrlC:
-    """Ctrl-C during a run: the first one raises KeyboardInterrupt, later ones are only counted.
-
-    A KeyboardInterrupt raised inside a finalizer or a callback that swallows errors is lost,
-    so the loop also checks the count after each step. A second one (pressed again while the
-    run winds down) would break the clean-up itself, leaving swap files and the checkpoint
-    lock behind, with tracebacks. Once `closing` (set by `_close`) even the first only counts.
-    It does nothing outside the main thread, or where SIGINT is ignored (a background job).
-
-    On the way out the caller's handler comes back, unless `ignore_after` and Ctrl-C was
-    pressed: then the process is about to exit, the user may still be pressing, and a
-    KeyboardInterrupt raised while Python shuts down (joining threads, running finalizers)
-    prints a traceback after the run's last line; so SIGINT is ignored from then on, set in
-    one call in place of the counting handler, leaving no moment for a press to land between.
-    """
-
-    def __init__(self, *, ignore_after: bool = False) -> None:
-        self.count = 0
-        self.closing = False
-        self.ignore_after = ignore_after
-        self._previous: Any = None
-
-    def __enter__(self) -> _CtrlC:
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, signal.SIG_IGN if self.count and self.ignore_after else self._previous)
-
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        self.count += 1
-        if self.count == 1 and not self.closing:
-            raise KeyboardInterrupt
-
-    def check(self) -> None:
-        if self.count:
-            raise KeyboardInterrupt
-
-
-def _lost_rank(exc: BaseException, *, rank: int, world: int, step: int, timeout_s: float) -> ConnectionError | None:
-    """A one-line error for a collective that failed because a peer died (its sockets closed) or hung (timeout).
-
-    The roll call waits its share of `dist.timeout` (`timeout_s`), so that a hung rank stops the job within it.
-
-    A ConnectionError is an OSError, which the command prints as one line and exits 2.
-    """
-    if world == 1 or not isinstance(exc, RuntimeError):
-        return None
-    text = str(exc).strip()
-    if not (isinstance(exc, torch.distributed.DistError) or "gloo" in text or "NCCL" in text):
-        return None
-    cause = text.splitlines()[0] if text else type(exc).__name__
-    gone = unanswered_ranks(rank=rank, world_size=world, tag=launch_tag(), wait_s=roll_call_s(timeout_s))
-    who, those = "another rank", "that rank"  # no store to ask, or every rank answered: the cause says more
-    if gone:
-        who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))}"
-        those = "that rank" if len(gone) == 1 else "those ranks"
-    return ConnectionError(
-        f"rank {rank} of {world} lost contact with {who} in step {step} ({cause}): {those} died or hung, "
-        "so the job stops; relaunch it with --resume to continue from the last checkpoint"
-    )
 
 
 def _train_step(

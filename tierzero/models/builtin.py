@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierzero.models.by_name import transformers_model
 from tierzero.models.kv_cache import CachedAttention, KVCache
 from tierzero.pretrained import build_meta_model
 from tierzero.pretrained.lora import apply_lora
@@ -135,8 +136,8 @@ class GPT(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.tok_emb = nn.Embedding(spec.vocab_size, spec.d_model)
-        self.pos_emb = nn.Embedding(spec.max_seq_len, spec.d_model)
+        self.tok_emb = _embedding(spec.vocab_size, spec.d_model)
+        self.pos_emb = _embedding(spec.max_seq_len, spec.d_model)
         self.drop = nn.Dropout(spec.dropout)
         self.blocks = nn.ModuleList(GPTBlock(spec) for _ in range(spec.n_layer))
         self.ln_f = nn.LayerNorm(spec.d_model)
@@ -258,7 +259,7 @@ class Llama(nn.Module):
         if spec.head_dim % 2:
             raise ValueError(f"llama head size d_model / n_head = {spec.head_dim} is odd: rotary needs an even head size")
         self.spec = spec
-        self.tok_emb = nn.Embedding(spec.vocab_size, spec.d_model)
+        self.tok_emb = _embedding(spec.vocab_size, spec.d_model)
         self.drop = nn.Dropout(spec.dropout)
         self.blocks = nn.ModuleList(LlamaBlock(spec) for _ in range(spec.n_layer))
         self.norm = RMSNorm(spec.d_model)
@@ -349,6 +350,12 @@ def spec_from_config(model_cfg: Any) -> ModelSpec:
     )
 
 
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    """An embedding whose weight `init_module` draws, once: torch's own draw would be thrown away,
+    and on the meta device its normal_ imports torch._dynamo (seconds of every run's start-up)."""
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+
+
 def build_model(model_cfg: Any, *, device: str | torch.device | None = None, seed: int = 0) -> nn.Module:
     """The model a `model` config section describes, with fresh random weights.
 
@@ -378,37 +385,8 @@ def _base_model(model_cfg: Any, *, device: str | torch.device | None) -> nn.Modu
         if kind in BUILT_IN:
             return BUILT_IN[kind](spec_from_config(model_cfg))
         if kind == "transformers":
-            return _transformers_model(model_cfg.transformers_class, dict(model_cfg.transformers_config or {}))
+            return transformers_model(model_cfg.transformers_class, dict(model_cfg.transformers_config or {}), device=device)
     raise ValueError(f"model.type is {kind!r}, expected one of gpt, llama, transformers")
-
-
-def _transformers_model(class_name: str | None, kwargs: dict[str, Any]) -> nn.Module:
-    if not class_name:
-        raise ValueError("model.type is transformers but model.transformers_class is not set: name a class such as GPT2LMHeadModel")
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError("model.type is transformers but the transformers package is not installed: pip install transformers") from None
-    model_class = getattr(transformers, class_name, None)
-    config_class = getattr(model_class, "config_class", None)
-    if model_class is None or config_class is None:
-        raise ValueError(
-            f"model.transformers_class {class_name!r} is not a transformers model class: "
-            "use a class name such as GPT2LMHeadModel or LlamaForCausalLM"
-        )
-    # Config classes store unknown keywords silently; a typo would train the default size.
-    known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise ValueError(
-            f"model.transformers_config has {', '.join(unknown)}, which {config_class.__name__} does not take: "
-            "check the spelling against the transformers documentation of that config"
-        )
-    try:
-        config = config_class(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"model.transformers_config does not fit {config_class.__name__}: {exc}") from None
-    return model_class(config)
 
 
 def materialize(module: nn.Module, *, device: str | torch.device = "cpu") -> nn.Module:

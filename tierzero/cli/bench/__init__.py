@@ -27,14 +27,15 @@ from tierzero.cli.bench import (
     zero,
     zeropp,
 )
+from tierzero.cli.commands import COMMANDS
 
-COMMANDS = (nvme, swap, adam, train, step_host, activations, load, zero, placement, gpu_check, zeropp, oversized)
+BENCH_COMMANDS = (nvme, swap, adam, train, step_host, activations, load, zero, placement, gpu_check, zeropp, oversized)
 """The modules of the `bench` subcommands, in the order `tierzero bench --help` lists them; each adds its own."""
 
 
 def add_bench_commands(subparsers: Any) -> None:
     """Adds `bench` and its subcommands (nvme, swap, adam, train, zero, ...) to the `tierzero` command's sub-parsers."""
-    bench = subparsers.add_parser("bench", help="measure the NVMe tier and stress the swapper")
+    bench = subparsers.add_parser("bench", help=COMMANDS["bench"].help)
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    for module in COMMANDS:
+    for module in BENCH_COMMANDS:
         module.add_command(commands)
