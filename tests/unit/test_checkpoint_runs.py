@@ -17,7 +17,7 @@ from test_checkpoint import config, make_model, train
 from test_checkpoint_train import _config, _run
 
 import tierzero
-from tierzero.checkpoint import CheckpointWriteError, list_checkpoints, load_checkpoint, save_checkpoint
+from tierzero.checkpoint import CheckpointWriteError, list_checkpoints, load_checkpoint, save_checkpoint, save_load
 from tierzero.checkpoint.find import run_checkpoints, run_of
 from tierzero.checkpoint.manifest import Manifest
 from tierzero.cli.main import main
@@ -92,3 +92,36 @@ def test_a_fresh_run_in_a_used_root_is_refused_and_resume_continues_it(tmp_path:
     resumed = _run(config_path, "--resume", "--steps", "4")
     assert f"resumed from {ckpt / '2'} at step 2\n" in resumed
     assert [p.name for p in list_checkpoints(ckpt)] == ["2", "4"]
+
+
+def test_ctrl_c_mid_save_leaves_no_half_written_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "ckpt"
+    with tierzero.initialize(make_model(), config(3)) as engine:
+        train(engine, 0, 1)
+        saved = save_checkpoint(engine, root)
+        train(engine, 1, 2)
+
+        def interrupted(*args: object, **kwargs: object) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(save_load, "_write_rank_files", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            save_checkpoint(engine, root)
+    assert sorted(p.name for p in root.iterdir()) == ["1", "latest"]  # the close released the lock
+    assert list_checkpoints(root) == [saved]
+
+
+def test_a_save_prunes_old_copies_and_links_left_by_dead_saves(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the run's")
+    root.mkdir()
+    (root / ".tmp-old-3-deadbeef").symlink_to(outside)  # a link: unlinked, never followed
+    (root / ".tmp-old-4-feedface").symlink_to(tmp_path / "gone")  # a dangling one too
+    (root / ".tmp-5-0badcafe").mkdir()  # a save killed before its rename
+    with tierzero.initialize(make_model(), config(3)) as engine:
+        train(engine, 0, 1)
+        save_checkpoint(engine, root)
+    assert sorted(p.name for p in root.iterdir()) == ["1", "latest"]
+    assert (outside / "keep.txt").read_text() == "not the run's"

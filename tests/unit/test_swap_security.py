@@ -163,4 +163,5 @@ def test_renaming_the_run_directory_away_redirects_nothing(tmp_path: Path) -> No
         tier.read(region, out)
         assert torch.equal(out, torch.full((8192,), 5, dtype=torch.uint8))
     assert os.listdir(target.parent) == ["precious.bin"] and target.read_bytes() == b"precious" * 512
-    assert os.listdir(tmp_path / "moved") == []
+    assert not (tmp_path / "moved").exists()  # emptied, then removed where it now is (its descriptor says where)
+    assert (base / "job").is_symlink()  # the planted link is not this run's to remove

@@ -17,6 +17,7 @@ import pytest
 from test_train import REPO, _parse, _tiny_config
 
 import tierzero.cli.train as T
+from tierzero.cli.stops import CtrlC
 from tierzero.engine.engine import Engine
 
 
@@ -119,9 +120,37 @@ def test_ctrl_c_pressed_until_the_process_exits_as_a_terminal_sends_it(tmp_path:
 @pytest.mark.parametrize("ignore_after", [False, True])
 def test_after_an_interrupted_run_ctrl_c_is_handed_back_or_ignored_as_asked(ignore_after: bool) -> None:
     before = signal.getsignal(signal.SIGINT)
-    with T._CtrlC(ignore_after=ignore_after):  # never pressed: handed back either way
+    with CtrlC(ignore_after=ignore_after):  # never pressed: handed back either way
         pass
     assert signal.getsignal(signal.SIGINT) is before
-    with pytest.raises(KeyboardInterrupt), T._CtrlC(ignore_after=ignore_after):
+    with pytest.raises(KeyboardInterrupt), CtrlC(ignore_after=ignore_after):
         _ctrl_c()
     assert signal.getsignal(signal.SIGINT) is (signal.SIG_IGN if ignore_after else before)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_run_ended_by_sigterm_or_sighup_leaves_no_lock_and_no_swap_file(tmp_path: Path, signum: int) -> None:
+    """The default action ends the process without the run's close: the signal clean-up removes the
+    swap files and the checkpoint root's lock file (the saved checkpoints stay)."""
+    config, swap = _tiny_config(tmp_path, nvme=True, steps=200, log_every=1)
+    root = tmp_path / "ck"
+    command = [sys.executable, "-m", "tierzero.cli", "train", "--config", str(config), "--no-progress",
+               "--set", f"checkpoint.dir={root}", "--set", "checkpoint.every=1"]  # fmt: skip
+    proc = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"}
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("step 2/"):
+                break
+        assert (root / ".lock").exists() and list(swap.iterdir())
+        proc.send_signal(signum)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signum
+    assert list(swap.iterdir()) == []
+    assert not (root / ".lock").exists() and [p.name for p in root.iterdir() if p.name.startswith(".")] == []

@@ -35,14 +35,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from tierzero.checkpoint.base_codes import BASE_KINDS, check_codes, codec_of_kind
 from tierzero.checkpoint.export import (
     DEFAULT_MAX_SHARD_SIZE,
     OUTPUT_MODE,
     PretrainedWriter,
+    TempFile,
     check_export,
     copy_tokenizer,
     run_inputs,
     saved_name,
+    shard_limit,
     tied_targets,
     write_model_files,
     written_dtype,
@@ -56,9 +59,11 @@ from tierzero.checkpoint.format import (
     dtype_from_name,
     open_safetensors,
 )
-from tierzero.checkpoint.manifest import MANIFEST, MODULE_PREFIX, Manifest, UnitLayout
+from tierzero.checkpoint.manifest import MANIFEST, MODULE_PREFIX, Manifest, UnitLayout, is_step_name
+from tierzero.checkpoint.save_load import ADAPTER_DIR
 from tierzero.checkpoint.shards import ShardReader
 from tierzero.common.output_paths import refuse_overlap
+from tierzero.offload.disk.files import forget, on_signals
 from tierzero.pretrained import PretrainedError, build_meta_model
 
 __all__ = [
@@ -98,8 +103,9 @@ def consolidate(checkpoint: str | Path, out: str | Path, *, note: Callable[[str]
     entries += [TensorEntry(name, t.numel(), t.dtype, tuple(t.shape)) for name, t in module.items()]
     aliases = {alias: slot.names[0] for unit in manifest.units for slot in unit.slots for alias in slot.names[1:]}
     metadata = {"format": "pt", ALIASES_KEY: json.dumps(aliases, sort_keys=True), "tierzero.step": str(manifest.step)}
-    tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}")
-    stream = SafetensorsStream(tmp, entries, algorithm=checksum_algorithm(), metadata=metadata, mode=OUTPUT_MODE)
+    tmp = TempFile(out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}"))
+    stream = SafetensorsStream(tmp.path, entries, algorithm=checksum_algorithm(), metadata=metadata, mode=OUTPUT_MODE)
+    on_signals(tmp)  # SIGTERM or SIGHUP mid-write: no partial file outlives the command
     largest = 0
     try:
         for unit in manifest.units:
@@ -113,9 +119,11 @@ def consolidate(checkpoint: str | Path, out: str | Path, *, note: Callable[[str]
         record = stream.finish()
     except BaseException:
         stream.abort()
-        tmp.unlink(missing_ok=True)
+        tmp.remove()
         raise
-    os.replace(tmp, out)
+    finally:
+        forget(tmp)
+    os.replace(tmp.path, out)
     return Consolidated(path=out, step=manifest.step, tensors=len(entries), nbytes=record.nbytes, largest_unit_bytes=largest)
 
 
@@ -135,17 +143,31 @@ def refuse_inputs(directory: Path, manifest: Manifest, out: Path, *, tokenizer: 
     """ValueError when `out` is, holds or lies inside the root that holds the checkpoint `directory`
     (it would replace or be pruned with the checkpoints there) or what its run read, as its manifest
     records it; see [Note: an output never eats an input]."""
-    root = directory.parent if directory.name.isdigit() else directory
+    root = directory.parent if is_step_name(directory.name) else directory
     inputs = {"checkpoint root": root, **run_inputs(manifest.config), "--tokenizer": tokenizer}
     refuse_overlap(out, inputs, what="consolidate output")
 
 
 def _full_fp32(reader: ShardReader, unit: UnitLayout) -> torch.Tensor:
     """The unit's parameters end to end in fp32: its masters in mixed precision, else its parameters."""
+    base = next((k for k in unit.kinds if k in BASE_KINDS), None)
+    if base is not None:
+        return _dequantized(reader, unit, base)
     kind = "master" if "master" in unit.kinds else "param"
     stored = torch.empty(unit.numel, dtype=dtype_from_name(unit.kinds[kind], where=f"{reader.directory} unit {unit.name}"))
     reader.read(unit, kind, 0, unit.numel, out=stored)
     return stored if stored.dtype == torch.float32 else stored.float()
+
+
+def _dequantized(reader: ShardReader, unit: UnitLayout, kind: str) -> torch.Tensor:
+    """A quantized base's parameters in fp32: all its pieces read and dequantized ([Note: a quantized base in a checkpoint])."""
+    codec = codec_of_kind(kind)
+    assert codec is not None
+    nbytes = unit.of_kind(kind).numel
+    stored = reader.read(unit, kind, 0, nbytes, out=torch.empty(nbytes, dtype=torch.uint8))
+    full = torch.empty(unit.padded_numel, dtype=torch.float32)
+    check_codes(codec, stored, numel=unit.padded_numel, pieces=unit.world_size, unit=unit.name, path=reader.directory)
+    return codec.decode(stored, out=full, pieces=unit.world_size, what=f"{reader.directory}: unit {unit.name}")[: unit.numel]
 
 
 def consolidate_pretrained(checkpoint: str | Path, out_dir: str | Path, *, note: Callable[[str], None] | None = None) -> Consolidated:
@@ -178,6 +200,7 @@ def consolidate_hf(
     out_dir, directory = Path(out_dir), find_checkpoint(checkpoint, note=note)
     manifest = Manifest.read(directory)
     refuse_inputs(directory, manifest, out_dir, tokenizer=tokenizer)
+    _refuse_adapters(directory, manifest)
     source = check_export(manifest.config, out_dir, what="--hf", tokenizer=None if tokenizer is None else Path(tokenizer))
     model = _run_model(_model_section(manifest, directory))
     dtype = dtype or dtype_from_name(manifest.param_dtype, where=str(directory / MANIFEST))
@@ -195,6 +218,7 @@ def consolidate_hf(
             f"{directory / MANIFEST}: tensor {stray[0]} is not in {type(model).__name__}'s state dict: "
             "the checkpoint was not written by this model's run"
         )
+    shard_limit(max_shard_size)  # before the directory exists: a bad size leaves nothing behind
     out_dir.mkdir(parents=True, exist_ok=True)
     largest = 0
     with PretrainedWriter(out_dir, entries, max_shard_size=max_shard_size) as writer:
@@ -211,6 +235,18 @@ def consolidate_hf(
     if source is not None:
         copy_tokenizer(source, out_dir)
     return Consolidated(path=out_dir, step=manifest.step, tensors=done.tensors, nbytes=done.nbytes, largest_unit_bytes=largest)
+
+
+def _refuse_adapters(directory: Path, manifest: Manifest) -> None:
+    """A LoRA run's checkpoint holds the base under peft's names beside its adapters, which --hf would
+    have to merge into the base: refused, naming where the adapters already are in peft's own format."""
+    if not any("lora_" in name for unit in manifest.units for slot in unit.slots for name in slot.names):
+        return
+    raise CheckpointError(
+        f"{directory} is a LoRA run's checkpoint: --hf writes a plain model and does not merge adapters into it; "
+        f"{directory / ADAPTER_DIR} holds them in peft's format: load it with PeftModel.from_pretrained(base, that "
+        "directory) and call merge_and_unload() for a merged model"
+    )
 
 
 def _model_section(manifest: Manifest, directory: Path) -> dict[str, Any]:

@@ -25,16 +25,19 @@ import errno
 import fcntl
 import os
 import secrets
+import shutil
 import socket
 import warnings
 from pathlib import Path
 
 from tierzero.checkpoint.agree import RankFailure, all_gather_objects, on_every_rank
 from tierzero.checkpoint.engine_state import checkpoint_nbytes
-from tierzero.checkpoint.find import refuse_used_root
+from tierzero.checkpoint.find import LATEST, TMP_PREFIX, refuse_used_root, run_checkpoints
 from tierzero.checkpoint.format import DIR_MODE, create_file, make_private_dir
 from tierzero.checkpoint.protocol import Checkpointable
+from tierzero.common.safe_files import same_file
 from tierzero.common.sizes import format_size
+from tierzero.offload.disk.files import forget, on_signals
 
 __all__ = ["LOCK_FILE", "CheckpointDirError", "RootLock", "claim_root", "failure_fix", "probe_root"]
 
@@ -148,33 +151,34 @@ class RootLock:
                 # A file system without locks (some network and FUSE mounts): run, but say what is not guarded.
                 warnings.warn(f"checkpoint.dir {root} cannot be locked ({exc.strerror}): a second run on it would not be refused", stacklevel=2)
                 return cls(path, None)
-            if _same_file(fd, path):
+            if same_file(fd, path):
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-                return cls(path, fd)
+                lock = cls(path, fd)
+                on_signals(lock)  # SIGTERM or SIGHUP ends the run without its close: the file goes anyway
+                return lock
             os.close(fd)  # the holder removed the file between our open and our lock: open the new one
         raise CheckpointDirError(f"checkpoint.dir {root}: its lock file {path} keeps being replaced: is another program removing it?")
 
+    def remove(self) -> None:
+        """The lock file, unlinked if it is still this lock's (from a signal handler: the descriptor stays)."""
+        fd = self._fd
+        with contextlib.suppress(OSError):
+            if fd is not None and same_file(fd, self.path):
+                self.path.unlink()
+
     def release(self) -> None:
+        forget(self)
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
         try:
-            if _same_file(fd, self.path):
+            if same_file(fd, self.path):
                 self.path.unlink()
         except OSError:
             pass  # the lock itself goes with the descriptor
         finally:
             os.close(fd)
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        on_disk = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    return (held.st_dev, held.st_ino) == (on_disk.st_dev, on_disk.st_ino)
 
 
 def claim_root(engine: Checkpointable, root: Path, *, fresh: bool = False) -> RootLock:
@@ -212,3 +216,20 @@ def claim_root(engine: Checkpointable, root: Path, *, fresh: bool = False) -> Ro
 
 def _agreed(failure: RankFailure, world_size: int) -> CheckpointDirError:
     return CheckpointDirError(failure.message if world_size == 1 else str(failure))
+
+
+def prune(root: Path, *, keep: int | None, current: Path, run_id: str) -> None:
+    """Delete all but the newest `keep` checkpoints of the run `run_id`, and `.tmp-*` directories of saves that died."""
+    for stale in root.glob(f"{TMP_PREFIX}*"):
+        if stale.is_symlink():  # never followed: planted, or an old copy's link
+            stale.unlink(missing_ok=True)
+        elif stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(f".{LATEST}.tmp-*"):  # a pointer's temp file left by a killed save (never followed)
+        stale.unlink(missing_ok=True)
+    if keep is None:
+        return
+    complete = run_checkpoints(root, run_id)
+    for old in complete[: max(0, len(complete) - keep)]:
+        if old != current:
+            shutil.rmtree(old, ignore_errors=True)

@@ -48,6 +48,7 @@ from tierzero.checkpoint.format import (
 from tierzero.checkpoint.protocol import Exportable
 from tierzero.common.output_paths import check_writable, refuse_overlap
 from tierzero.common.sizes import format_size, parse_size
+from tierzero.offload.disk.files import forget, on_signals
 from tierzero.pretrained.files import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
 
 #: huggingface_hub's default before transformers 5 raised it to 50GB: shards a hub upload takes.
@@ -111,9 +112,7 @@ class PretrainedWriter:
     """
 
     def __init__(self, directory: str | Path, entries: Sequence[TensorEntry], *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
-        limit = parse_size(max_shard_size)
-        if limit < 1:
-            raise ValueError(f"max shard size is {max_shard_size!r}, expected a positive size such as 5GB or 500MB")
+        limit = shard_limit(max_shard_size)
         if not entries:
             raise ValueError(f"nothing to write to {directory}: the model has no tensors")
         self.directory = Path(directory)
@@ -124,7 +123,7 @@ class PretrainedWriter:
         self._dtype = next((e.dtype for e in entries if e.dtype.is_floating_point), entries[0].dtype)
         self._shard, self._done_in_shard = 0, 0
         self._stream: SafetensorsStream | None = None
-        self._tmp: Path | None = None
+        self._tmp: TempFile | None = None
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """The next declared tensor's value, cast to its declared dtype, from any device."""
@@ -158,7 +157,9 @@ class PretrainedWriter:
             self._stream.abort()
             self._stream = None
         if self._tmp is not None:
-            self._tmp.unlink(missing_ok=True)
+            self._tmp.remove()
+            forget(self._tmp)
+            self._tmp = None
 
     def __enter__(self) -> PretrainedWriter:
         return self
@@ -169,9 +170,10 @@ class PretrainedWriter:
 
     def _open_shard(self) -> None:
         final = self.directory / self.files[self._shard]
-        self._tmp = final.with_name(f".{final.name}.tmp-{secrets.token_hex(4)}")
+        self._tmp = TempFile(final.with_name(f".{final.name}.tmp-{secrets.token_hex(4)}"))
+        on_signals(self._tmp)  # SIGTERM or SIGHUP mid-shard: no partial file outlives the export
         self._stream = SafetensorsStream(
-            self._tmp, self._shards[self._shard], algorithm=checksum_algorithm(), metadata={"format": "pt"}, mode=OUTPUT_MODE
+            self._tmp.path, self._shards[self._shard], algorithm=checksum_algorithm(), metadata={"format": "pt"}, mode=OUTPUT_MODE
         )
 
     def _close_shard(self) -> None:
@@ -181,9 +183,33 @@ class PretrainedWriter:
             # An earlier save's entry points: from here until the index lands, nothing loads.
             (self.directory / INDEX_FILE).unlink(missing_ok=True)
             (self.directory / WEIGHTS_FILE).unlink(missing_ok=True)
-        os.replace(self._tmp, self.directory / self.files[self._shard])
+        os.replace(self._tmp.path, self.directory / self.files[self._shard])
+        forget(self._tmp)
         self._stream, self._tmp = None, None
         self._shard, self._done_in_shard = self._shard + 1, 0
+
+
+def shard_limit(max_shard_size: int | str, *, what: str = "max shard size") -> int:
+    """The largest weight file in bytes; ValueError naming `what` when it is no positive size.
+    Checked before any output directory is made, so that a bad setting leaves nothing behind."""
+    try:
+        limit = parse_size(max_shard_size)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    if limit < 1:
+        raise ValueError(f"{what} is {max_shard_size!r}, expected a positive size such as 5GB or 500MB")
+    return limit
+
+
+@dataclass(frozen=True, slots=True)
+class TempFile:
+    """A file written under a temporary name until it is renamed into place: removed when the
+    write fails, and on SIGTERM or SIGHUP while it is registered with `on_signals`."""
+
+    path: Path
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 # ---- the other files of the directory -------------------------------------------------
@@ -217,9 +243,16 @@ def copy_tokenizer(source: Path, directory: Path) -> list[str]:
     """Copy the tokenizer files of `source` into `directory`; their names."""
     names = tokenizer_files(source, what="tokenizer")
     for name in names:
-        tmp = directory / f".{name}.tmp-{secrets.token_hex(4)}"
-        shutil.copyfile(source / name, tmp)  # an ordinary file: 0666 less the umask
-        os.replace(tmp, directory / name)
+        tmp = TempFile(directory / f".{name}.tmp-{secrets.token_hex(4)}")
+        on_signals(tmp)
+        try:
+            shutil.copyfile(source / name, tmp.path)  # an ordinary file: 0666 less the umask
+            os.replace(tmp.path, directory / name)
+        except BaseException:
+            tmp.remove()
+            raise
+        finally:
+            forget(tmp)
     return names
 
 

@@ -33,6 +33,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,7 +43,8 @@ from tierzero.checkpoint.agree import (
     from_rank0,
     on_every_rank,
 )
-from tierzero.checkpoint.directory import failure_fix
+from tierzero.checkpoint.base_codes import check_codes, source_of_param
+from tierzero.checkpoint.directory import failure_fix, prune
 from tierzero.checkpoint.engine_state import (
     read_scalars,
     require_step_boundary,
@@ -58,7 +60,6 @@ from tierzero.checkpoint.find import (
     TMP_PREFIX,
     find_checkpoint,
     list_checkpoints,
-    run_checkpoints,
     run_of,
 )
 from tierzero.checkpoint.format import (
@@ -88,10 +89,12 @@ from tierzero.checkpoint.manifest import (
     tensor_name,
 )
 from tierzero.checkpoint.moments import check_absmax, check_state_dtype, join, packed, saved_parts
+from tierzero.checkpoint.optim_state import read_optimizer_state, write_optimizer_state
 from tierzero.checkpoint.protocol import Checkpointable
 from tierzero.checkpoint.rng import RngState, parse_rng_state, rng_state, set_rng_state
 from tierzero.checkpoint.shards import ShardReader
 from tierzero.common.slices import Kind, SliceKey, Tier
+from tierzero.offload.disk.files import forget, on_signals
 from tierzero.optim.moments import MOMENT_BLOCK
 from tierzero.pretrained.lora import adapter_state, is_peft_model, write_adapters
 from tierzero.stages.plan import SliceSpec
@@ -132,6 +135,9 @@ def save_checkpoint(engine: Checkpointable, root: str | Path, *, keep: int | Non
     made = on_every_rank(comm, lambda: _make_tmp_dir(root, step) if comm.rank == 0 else None, fail=fail)
     tmp = from_rank0(comm, made)
     assert tmp is not None
+    half = _HalfWritten(tmp)
+    if comm.rank == 0:
+        on_signals(half)  # SIGTERM or SIGHUP mid-save: no half-written directory outlives the run
     try:
         if is_peft_model(engine.module):
             # A LoRA run's adapters in peft's format too, inside the checkpoint (pruned with it).
@@ -144,9 +150,25 @@ def save_checkpoint(engine: Checkpointable, root: str | Path, *, keep: int | Non
         )
     except CheckpointWriteError:
         if comm.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            half.remove()
         all_gather_objects(comm, None)  # every rank raises once the half-written directory is gone
         raise
+    except BaseException:  # Ctrl-C mid-save: this process is going down, and its peers fail on their own
+        if comm.rank == 0:
+            half.remove()
+        raise
+    finally:
+        forget(half)
+
+
+@dataclass(frozen=True, slots=True)
+class _HalfWritten:
+    """A save's temporary directory, removed whole if the save does not finish."""
+
+    path: Path
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 def _make_tmp_dir(root: Path, step: int) -> Path:
@@ -190,7 +212,8 @@ def _write_rank_files(engine: Checkpointable, tmp: Path, *, algorithm: str) -> l
         stream.abort()
         raise
     state = write_json(tmp / rank_state_file(rank), {"rank": rank, "rng": rng_state()}, algorithm=algorithm)
-    return [tensors, state]
+    optimizer = getattr(engine.stage, "optimizer", None)  # [Note: torch.optim states in a checkpoint]
+    return [tensors, state, *write_optimizer_state(optimizer, tmp, rank=rank, algorithm=algorithm)]
 
 
 def _publish(engine: Checkpointable, root: Path, tmp: Path, per_rank: list[list[FileRecord]], *, algorithm: str, keep: int | None) -> Path:
@@ -226,23 +249,9 @@ def _publish(engine: Checkpointable, root: Path, tmp: Path, per_rank: list[list[
     write_text_atomic(root / LATEST, f"{final.name}\n")
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
-    _prune(root, keep=keep, current=final, run_id=engine.run_id)
+    prune(root, keep=keep, current=final, run_id=engine.run_id)
     return final
 
-
-def _prune(root: Path, *, keep: int | None, current: Path, run_id: str) -> None:
-    """Delete all but the newest `keep` checkpoints of the run `run_id`, and `.tmp-*` directories of saves that died."""
-    for stale in root.glob(f"{TMP_PREFIX}*"):
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
-    for stale in root.glob(f".{LATEST}.tmp-*"):  # a pointer's temp file left by a killed save (never followed)
-        stale.unlink(missing_ok=True)
-    if keep is None:
-        return
-    complete = run_checkpoints(root, run_id)
-    for old in complete[: max(0, len(complete) - keep)]:
-        if old != current:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 # ---- loading -----------------------------------------------------------------------
@@ -261,6 +270,8 @@ def load_checkpoint(engine: Checkpointable, path: str | Path) -> Path:
     on_every_rank(engine.comm, lambda: _write_slices(engine, loaded.reader, loaded.plan), fail=_load_failure)
     on_every_rank(engine.comm, lambda: _load_module_state(engine, loaded.reader), fail=_load_failure)
     restore_scalars(engine, loaded.reader.manifest.scalars)
+    if loaded.optimizer is not None:
+        getattr(engine.stage, "optimizer").load_state_dict(loaded.optimizer)
     set_rng_state(loaded.rng)
     return directory
 
@@ -286,6 +297,8 @@ class _Load:
     reader: ShardReader
     plan: list[_SliceLoad]
     rng: RngState
+    optimizer: dict[str, Any] | None = None
+    """A torch.optim class's per-unit states ([Note: torch.optim states in a checkpoint])."""
 
 
 def _prepare_load(engine: Checkpointable, directory: Path) -> _Load:
@@ -303,7 +316,11 @@ def _prepare_load(engine: Checkpointable, directory: Path) -> _Load:
             )
         for spec in saved_specs(engine, unit):
             start, end = wanted_range(engine, unit, spec)
-            source = _source_kind(spec.kind, layout, directory=directory)
+            base = None if spec.kind is not Kind.PARAM else source_of_param(
+                spec.codec, layout.kinds, unit=unit.name, world_size=engine.comm.world_size,
+                saved_at=manifest.world_size, path=directory / MANIFEST,
+            )  # fmt: skip
+            source = base or _source_kind(spec.kind, layout, directory=directory)
             if spec.kind in (Kind.EXP_AVG, Kind.EXP_AVG_SQ):
                 check_state_dtype(spec, layout, directory=directory)
             plan.append(_SliceLoad(unit=unit, spec=spec, layout=layout, source=source, start=start, end=end))
@@ -311,9 +328,15 @@ def _prepare_load(engine: Checkpointable, directory: Path) -> _Load:
     needed = {rank for s in plan for rank in reader.files_for(s.layout, s.start, s.end)}
     reader.verify(needed | {engine.comm.rank % manifest.world_size})
     plan = [_with_absmax(s, reader) if packed(s.spec) else s for s in plan]
+    for s in plan:
+        if s.spec.codec is not None:
+            _check_base(s, reader)
     _check_module_state(engine, reader)
     _check_loss_scaler(engine, directory, manifest)
-    return _Load(reader=reader, plan=plan, rng=_read_rng(engine, directory, manifest))
+    optimizer = read_optimizer_state(
+        getattr(engine.stage, "optimizer", None), directory, manifest, rank=engine.comm.rank, world_size=engine.comm.world_size
+    )
+    return _Load(reader=reader, plan=plan, rng=_read_rng(engine, directory, manifest), optimizer=optimizer)
 
 
 def _check_module_state(engine: Checkpointable, reader: ShardReader) -> None:
@@ -364,6 +387,14 @@ def _with_absmax(s: _SliceLoad, reader: ShardReader) -> _SliceLoad:
     absmax = reader.read(s.layout, kind, first, last, out=torch.empty(last - first, dtype=torch.float32))
     check_absmax(absmax, unit=s.unit.name, kind=s.source, path=reader.directory)
     return replace(s, absmax=absmax)
+
+
+def _check_base(s: _SliceLoad, reader: ShardReader) -> None:
+    """Every scale of a quantized base's range finite and >= 0, read from the verified files, before any state changes."""
+    assert s.spec.codec is not None
+    stored = reader.read(s.layout, s.source, s.start, s.end, out=torch.empty(s.end - s.start, dtype=torch.uint8))
+    pieces = s.spec.parameters // s.unit.shard_numel
+    check_codes(s.spec.codec, stored, numel=s.spec.parameters, pieces=pieces, unit=s.unit.name, path=reader.directory)
 
 
 def _load_module_state(engine: Checkpointable, reader: ShardReader) -> None:

@@ -8,14 +8,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tierzero.checkpoint.consolidate import consolidate, consolidate_pretrained
-from tierzero.checkpoint.export import DEFAULT_MAX_SHARD_SIZE, EXPORT_DTYPES
+from tierzero.checkpoint.export import DEFAULT_MAX_SHARD_SIZE, EXPORT_DTYPES, shard_limit
 from tierzero.checkpoint.formats import TransformersDirectory
+from tierzero.cli.commands import COMMANDS
 from tierzero.common.sizes import format_size
 
 
 def add_consolidate_command(subparsers: Any) -> None:
     """Register `tierzero consolidate CKPT OUT [--hf ...]` on the `tierzero` command's sub-parsers."""
-    parser = subparsers.add_parser("consolidate", help="write a sharded checkpoint's full model to safetensors (--hf: a transformers directory)")
+    parser = subparsers.add_parser("consolidate", help=COMMANDS["consolidate"].help)
     parser.add_argument("checkpoint", help="a checkpoint directory, or a checkpoint root (its newest complete checkpoint)")
     parser.add_argument(
         "out", help="the .safetensors file to write, or a directory for model.safetensors (and a transformers config.json)"
@@ -46,6 +47,8 @@ def run_consolidate(args: argparse.Namespace, *, out: TextIO | None = None) -> i
         raise ValueError(
             f"consolidate writes safetensors, got output {args.out}: name it <something>.safetensors, or give a directory"
         )
+    if args.max_shard_size is not None:
+        shard_limit(args.max_shard_size, what="--max-shard-size")  # before anything is read or made
     stream = out or sys.stdout
 
     def note(line: str) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tierzero.checkpoint import find_checkpoint
+from tierzero.checkpoint.manifest import Manifest
 
 __all__ = ["NonFiniteLoss", "NonFiniteLosses", "checkpoint_due", "no_checkpoint_under", "resume_from"]
 
@@ -22,9 +23,21 @@ def resume_from(engine: Any, root: Path, step: int | None, *, show: bool, out: T
             raise FileNotFoundError(f"--resume {step}: {exc}") from None
         raise FileNotFoundError(no_checkpoint_under(root)) from None
     loaded = engine.load_checkpoint(chosen)
-    at = engine.micro_steps // engine.cfg.gradient_accumulation_steps
+    at = _recount(engine, Manifest.read(loaded).config.get("gradient_accumulation_steps"))
     if show:
         out.write(f"resumed from {loaded} at step {at}\n")
+    return at
+
+
+def _recount(engine: Any, saved_accumulation: Any) -> int:
+    """The loop steps (of train.steps) the checkpoint's run had done: its micro-steps over the
+    gradient_accumulation_steps it ran with. A resume under another accumulation re-counts the
+    micro-steps in the new one, so that the steps shown, the steps left and the saved steps' names
+    (optimizer steps) agree, rather than the old micro-steps being divided by the new count."""
+    accumulation = engine.cfg.gradient_accumulation_steps
+    saved = saved_accumulation if type(saved_accumulation) is int and saved_accumulation >= 1 else accumulation
+    at = engine.micro_steps // saved
+    engine.micro_steps = at * accumulation
     return at
 
 

@@ -20,13 +20,16 @@ A refused file raises `RefusedFile`, one line naming it; callers skip it and say
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
 import secrets
 import stat
 import sys
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -34,6 +37,7 @@ from tierzero.common.sizes import format_size
 
 __all__ = [
     "RefusedFile",
+    "check_regular",
     "confined",
     "create_new",
     "is_ours",
@@ -42,6 +46,7 @@ __all__ = [
     "open_lock",
     "open_regular",
     "read_capped",
+    "read_regular",
     "say_once",
     "scratch_path",
     "this_user",
@@ -113,6 +118,27 @@ def _open_checked(path: str | os.PathLike[str], flags: int, *, dir_fd: int | Non
     return fd
 
 
+def check_regular(path: str | os.PathLike[str]) -> None:
+    """Refuse (`RefusedFile`, "<path> is a FIFO, not a regular file") a path the user gave, symlinks
+    followed, that is no regular file: a FIFO blocks the open, a device such as /dev/zero never ends.
+    For a file handed to a library that opens it itself (safetensors, tokenizers, pyarrow); a missing
+    file is FileNotFoundError, for the caller to word."""
+    _check(path, os.stat(path), owned=False)
+
+
+def read_regular(path: str | os.PathLike[str], *, limit: int | None = None) -> bytes:
+    """The bytes of a file the user named (their config, data, tokenizer, model), symlinks followed and
+    any owner allowed, refused as `check_regular` refuses before any byte is read, and opened without
+    blocking so that a FIFO swapped in after the check is refused too; `RefusedFile` past `limit` bytes."""
+    check_regular(path)
+    fd = _open_checked(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, owned=False)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read() if limit is None else f.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise RefusedFile(path, f"larger than the {format_size(limit)} such a file may hold")
+    return data
+
+
 def read_capped(path: str | os.PathLike[str], *, limit: int, dir_fd: int | None = None, owned: bool = True) -> bytes:
     """The bytes of `path`, opened as `open_regular` does; `RefusedFile` when it holds more than `limit`."""
     with os.fdopen(open_regular(path, dir_fd=dir_fd, owned=owned), "rb") as f:
@@ -166,6 +192,42 @@ def open_lock(path: str | os.PathLike[str]) -> int:
     except FileNotFoundError:
         pass
     return _open_checked(path, _READ_FLAGS | os.O_CREAT, owned=True)
+
+
+@contextlib.contextmanager
+def held_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """An exclusive flock on `path` (made by `open_lock`) for the block, and the file removed after it.
+
+    Removing a lock file others may be waiting on is safe only if each holder checks, once it
+    has the lock, that the name still leads to the file it locked (a waiter may wake holding a
+    file just unlinked): else it tries again on the new one. `RefusedFile` as `open_lock`.
+    Where the file system has no locks the block runs unlocked.
+    """
+    fd = open_lock(path)
+    for _ in range(16):  # past that, a file replaced again and again: go on with the newest
+        with contextlib.suppress(OSError):  # no locks on this file system: the block runs unlocked
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        if same_file(fd, path):
+            break
+        os.close(fd)
+        fd = open_lock(path)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if same_file(fd, path):
+                os.unlink(path)
+        os.close(fd)
+
+
+def same_file(fd: int, path: str | os.PathLike[str]) -> bool:
+    """Whether `path` (not followed if a symlink) is the file open as `fd`."""
+    try:
+        on_disk = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (on_disk.st_dev, on_disk.st_ino)
 
 
 def confined(directory: Path, name: object) -> Path:

@@ -30,7 +30,6 @@ it wrote.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import io
 import itertools
@@ -45,7 +44,7 @@ from typing import BinaryIO
 import crc32c
 import numpy as np
 
-from tierzero.common.safe_files import RefusedFile, create_new, load_json, open_lock, open_regular, scratch_path
+from tierzero.common.safe_files import RefusedFile, create_new, held_lock, load_json, open_regular, scratch_path
 from tierzero.data.sources import Source, read_documents, source_digest
 from tierzero.data.tokenizer import TextTokenizer
 
@@ -122,22 +121,14 @@ def _stream_digest(sources: list[Source], tokenizer: TextTokenizer, text_field: 
 def _locked(path: Path) -> Iterator[None]:
     """Hold an exclusive flock on `path`; where the file system has none, or something planted holds
     the name, go on unlocked (writes are atomic anyway)."""
-    try:
-        fd = open_lock(path)
-    except RefusedFile as exc:
-        fd = -1
-        warnings.warn(f"token cache lock {exc}: going on without it", stacklevel=4)
-    except OSError as exc:
-        raise OSError(f"data.cache_dir {path.parent} cannot be written ({exc.strerror}): set data.cache_dir to a writable directory") from None
-    if fd < 0:
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(held_lock(path))  # removed after: no lock file outlives a tokenization, failed or not
+        except RefusedFile as exc:
+            warnings.warn(f"token cache lock {exc}: going on without it", stacklevel=4)
+        except OSError as exc:
+            raise OSError(f"data.cache_dir {path.parent} cannot be written ({exc.strerror}): set data.cache_dir to a writable directory") from None
         yield
-        return
-    try:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
 
 
 def _open_cache(npy: Path, meta: Path, digest: str, dtype: np.dtype) -> tuple[np.ndarray | None, int, str | None]:
@@ -163,7 +154,10 @@ def _open_cache(npy: Path, meta: Path, digest: str, dtype: np.dtype) -> tuple[np
         return None, 0, f"holds {ids.shape} {ids.dtype}, its record says ({record.get('tokens')},) {dtype}"
     if _crc(ids) != record.get("crc32c"):
         return None, 0, "fails its CRC-32C check"
-    return ids, int(record.get("documents", 0)), None
+    documents = record.get("documents", 0)
+    if type(documents) is not int or documents < 0:
+        return None, 0, f"has a record {meta.name} whose document count is {json.dumps(documents, default=repr)[:40]}"
+    return ids, documents, None
 
 
 def _map_ids(f: BinaryIO) -> np.ndarray:

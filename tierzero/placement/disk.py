@@ -51,6 +51,7 @@ from tierzero.common.slices import IO_ALIGNMENT, aligned_empty
 from tierzero.config import NvmeTierConfig, TiersConfig
 from tierzero.offload.base import Region
 from tierzero.offload.disk.busy import Busy
+from tierzero.offload.disk.files import NvmeSpaceError
 from tierzero.offload.nvme import NvmeTier
 from tierzero.placement.history import HISTORY_S, HISTORY_SAMPLES, Sample, kept, medians, span_text
 
@@ -321,6 +322,17 @@ def streaming(
             raise stream.failed
 
 
+class ProbeSpaceError(NvmeSpaceError):
+    """The disk under `tiers.nvme.path` has no room for the probe that measures it (`offload: auto`)."""
+
+    def __init__(self, *, path: Path, need: int, free: int) -> None:
+        super().__init__(path=path, need=need, free=free)
+        self.strerror = (
+            f"offload: auto measures the disk at {path} with a {format_size(need)} probe file, and it has "
+            f"{format_size(free)} free: free space there, pick another tiers.nvme.path, or name each offload tier instead of auto"
+        )
+
+
 @contextmanager
 def _probe_slices(
     path: str | os.PathLike[str], nvme: NvmeTierConfig | None, nbytes: int, slices: int, buffers: int | None = None
@@ -333,10 +345,13 @@ def _probe_slices(
     if size == 0:
         raise ValueError(f"{format_size(nbytes)} in {slices} slices is under one {IO_ALIGNMENT}-byte block each")
     nvme = nvme or TiersConfig().nvme
-    tier = NvmeTier(
-        path, capacity=size * slices, block_size=nvme.block_size, queue_depth=nvme.queue_depth,
-        threads=nvme.threads, backend=nvme.backend,
-    )  # fmt: skip
+    try:
+        tier = NvmeTier(
+            path, capacity=size * slices, block_size=nvme.block_size, queue_depth=nvme.queue_depth,
+            threads=nvme.threads, backend=nvme.backend,
+        )  # fmt: skip
+    except NvmeSpaceError as exc:  # the probe's own file, not tiers.nvme.capacity, is what did not fit
+        raise ProbeSpaceError(path=exc.path, need=exc.need, free=exc.free) from None
     with tier:
         regions = [tier.allocate(size, label=f"probe/{i}") for i in range(slices)]
         yield tier, regions, [aligned_empty(size).fill_(i + 1) for i in range(buffers or slices)]

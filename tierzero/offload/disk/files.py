@@ -43,7 +43,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
@@ -108,10 +108,9 @@ class RunFiles:
                 except FileNotFoundError:
                     pass
         if self.made_dir or self.dir_fd >= 0:
-            try:
-                self.run_dir.rmdir()  # only when the other ranks' files are gone too
-            except OSError:
-                pass
+            for path in (self.run_dir, _moved_to(self.dir_fd) or self.run_dir):
+                with contextlib.suppress(OSError):  # only when the other ranks' files are gone too
+                    os.rmdir(path)
 
     def close(self) -> None:
         """`remove`, then closes the directory's descriptor and leaves the signal registry. Idempotent."""
@@ -124,14 +123,15 @@ class RunFiles:
 
 
 # [Note: process-wide registry] A signal arrives with no tier in hand, so the handler
-# reaches the live tiers' files through this mapping. It holds the small RunFiles
+# reaches the live tiers' files through this mapping (and whatever else `on_signals`
+# named: a checkpoint root's lock, a half-written checkpoint). It holds the small RunFiles
 # records, never the tiers, so registering keeps no dropped tier (and its memory and
 # threads) alive; a record leaves it only once its files are gone (`RunFiles.close`),
 # so a signal that lands while a dropped tier's finalizer is still stopping its
 # workers removes the files too. Interpreter exit needs no registry: each tier's
 # weakref.finalize runs at exit. The set of warned paths makes the O_DIRECT warning
 # appear once per process.
-_LIVE: dict[int, RunFiles] = {}
+_LIVE: dict[int, Removable] = {}
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _INSTALL_LOCK = threading.Lock()
 _previous: dict[int, Any] = {}
@@ -156,8 +156,25 @@ os.register_at_fork(after_in_child=_forget_in_child)
 def register(files: RunFiles) -> None:
     """Have SIGINT, SIGTERM and SIGHUP remove `files` until `files.close()`; installs the
     handlers once. Call it before the first file exists."""
-    _LIVE[id(files)] = files
+    on_signals(files)
+
+
+class Removable(Protocol):
+    """What a signal removes: `remove()` may run at any moment, any number of times, in the main thread."""
+
+    def remove(self) -> None: ...
+
+
+def on_signals(what: Removable) -> None:
+    """Have SIGINT, SIGTERM and SIGHUP call `what.remove()` (a checkpoint root's lock file, a
+    half-written checkpoint) until `forget(what)`; see [Note: signal clean-up]."""
+    _LIVE[id(what)] = what
     _install_handlers()
+
+
+def forget(what: Removable) -> None:
+    """`what` is gone or kept on purpose: signals no longer remove it."""
+    _LIVE.pop(id(what), None)
 
 
 def new_run_id() -> str:
@@ -194,6 +211,17 @@ def create_swap(files: RunFiles, *, base: Path, size: int, fresh: bool) -> int:
             raise NvmeSpaceError(path=base, need=size, free=shutil.disk_usage(base).free) from exc
         raise
     return fd
+
+
+def _moved_to(dir_fd: int) -> str | None:
+    """Where the directory open at `dir_fd` is now, when the path still names it: a swap path renamed
+    mid-run moves the run directory away from `RunFiles.run_dir`, and its descriptor follows it."""
+    try:
+        path, st = os.readlink(f"/proc/self/fd/{dir_fd}"), os.fstat(dir_fd)
+        now = os.lstat(path)
+    except OSError:
+        return None
+    return path if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino) else None
 
 
 def _open_run_dir(files: RunFiles, *, fresh: bool) -> None:
