@@ -57,7 +57,7 @@ def test_a_model_that_cannot_embed_the_tokenizers_ids_is_refused(tmp_path: Path)
     fits = _cfg(tmp_path, type="llama", vocab_size=VOCAB)
     check_vocab(fits, build_model(fits.model, device="meta"))
     hf = _cfg(tmp_path, type="transformers", transformers_class="GPT2LMHeadModel",
-              transformers_config={"vocab_size": 10, "n_embd": 16, "n_layer": 1, "n_head": 2, "n_positions": 16})
+              transformers_config={"vocab_size": 10, "n_embd": 16, "n_layer": 1, "n_head": 2, "n_positions": 128})
     with pytest.raises(ValueError, match=rf"has {VOCAB} ids but the model \(model.transformers_config\) has vocab_size 10: "
                        "use the tokenizer that came with the model, or a model with vocab_size >= 14"):
         check_vocab(hf, build_model(hf.model))

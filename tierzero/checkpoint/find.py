@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierzero.checkpoint.format import CheckpointError, read_json
-from tierzero.checkpoint.manifest import FORMAT, MANIFEST
+from tierzero.checkpoint.manifest import FORMAT, MANIFEST, is_step_name
 from tierzero.common.safe_files import say_once
 
 __all__ = [
@@ -87,7 +87,7 @@ def _scan(root: Path) -> tuple[list[Path], list[_Skipped]]:
         return [], []
     complete, skipped = [], []
     for path in root.iterdir():
-        if path.name.isdigit():
+        if is_step_name(path.name):
             reason = _incomplete(path)
             if reason is None:
                 complete.append(path)
@@ -132,7 +132,7 @@ def find_checkpoint(path: str | Path, *, step: int | None = None, note: Callable
     path = Path(path)
     if path.name.startswith(TMP_PREFIX):
         raise CheckpointError(f"{path} is a half-written checkpoint (a save that never finished): load a step directory instead")
-    if path.name.isdigit() and ((path / MANIFEST).exists() or _holds_rank_files(path)):
+    if is_step_name(path.name) and ((path / MANIFEST).exists() or _holds_rank_files(path)):
         reason = _incomplete(path)
         if reason is not None:
             raise CheckpointError(f"{path} cannot be loaded: {reason}; {_available(path.parent)}")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierzero.checkpoint.base_codes import BASE_KINDS, codec_of_kind
 from tierzero.checkpoint.fields import Fields, shown
 from tierzero.checkpoint.format import (
     CHECKSUM_ALGORITHMS,
@@ -47,6 +48,11 @@ def rank_state_file(rank: int) -> str:
     return f"rank-{rank:05d}.json"
 
 
+def optimizer_files(rank: int) -> tuple[str, str]:
+    """A torch.optim class's states of `rank`: tensors, then the rest ([Note: torch.optim states in a checkpoint])."""
+    return f"optimizer-{rank:05d}.safetensors", f"optimizer-{rank:05d}.json"
+
+
 def tensor_name(unit: str, kind: str) -> str:
     return f"{unit}/{kind}"
 
@@ -64,8 +70,16 @@ def absmax_kind(kind: str) -> str:
 
 
 #: The kinds a checkpoint stores (gradients are zero at a step boundary).
-SAVED_KINDS = frozenset({Kind.PARAM.value, Kind.MASTER.value, *MOMENTS, *map(absmax_kind, MOMENTS)})
+SAVED_KINDS = frozenset({Kind.PARAM.value, Kind.MASTER.value, *MOMENTS, *map(absmax_kind, MOMENTS), *BASE_KINDS})
 _RANK_FILE = re.compile(r"rank-\d+\.(safetensors|json)")
+
+
+def is_step_name(name: str) -> bool:
+    """Whether `name` is a step directory's: ASCII digits only. str.isdigit() alone also takes "²", which
+    int() refuses, and "٣", which no step was ever saved as."""
+    return name.isascii() and name.isdigit()
+
+
 _HEX8 = re.compile(r"[0-9a-f]{8}")
 #: Steps and micro-steps fit an int64 wherever they are used (a tensor, a seed).
 MAX_STEP = 2**62
@@ -110,7 +124,12 @@ class UnitLayout:
         return self.padded_numel // self.world_size
 
     def of_kind(self, kind: str) -> UnitLayout:
-        """The logical buffer `kind` is cut from: the unit's elements, or for an absmax its blocks."""
+        """The logical buffer `kind` is cut from: the unit's elements, for an absmax its blocks, for a
+        quantized base its pieces' bytes ([Note: a quantized base in a checkpoint] in base_codes.py)."""
+        codec = codec_of_kind(kind)
+        if codec is not None:
+            nbytes = self.world_size * codec.piece_nbytes(self.shard_numel)
+            return dataclasses.replace(self, numel=nbytes, padded_numel=nbytes, slots=())
         if not kind.endswith(ABSMAX_SUFFIX):
             return self
         blocks = -(-self.numel // MOMENT_BLOCK)
@@ -140,7 +159,8 @@ class UnitLayout:
             if slot.offset + slot.numel > numel:
                 raise f.error(f"{f.where}slots[{i}] ends at {slot.offset + slot.numel}, past the unit's {numel} elements")
         kinds = f.mapping("kinds")
-        if Kind.PARAM.value not in kinds or not all(k in SAVED_KINDS and isinstance(v, str) and v in DTYPE_NAMES for k, v in kinds.items()):
+        params = [k for k in kinds if k == Kind.PARAM.value or (k in BASE_KINDS and kinds[k] == "uint8")]
+        if len(params) != 1 or not all(k in SAVED_KINDS and isinstance(v, str) and v in DTYPE_NAMES for k, v in kinds.items()):
             raise f.bad("kinds", kinds, f"param and others of {sorted(SAVED_KINDS)}, each a dtype of {sorted(DTYPE_NAMES)}")
         for moment in MOMENTS:
             scales = kinds.get(absmax_kind(moment))
@@ -239,7 +259,7 @@ class Manifest:
         f = Fields(read_json(path), path=path)
         _check_identity(f)
         step, world_size = f.integer("step", hi=MAX_STEP), f.integer("world_size", lo=1)
-        if directory.name.isdigit() and int(directory.name) != step:
+        if is_step_name(directory.name) and int(directory.name) != step:
             raise f.bad("step", step, f"{int(directory.name)}, the step its directory is named by")
         manifest = cls(
             step=step,
@@ -276,11 +296,16 @@ def _check_identity(f: Fields) -> None:
 
 
 def _file_records(f: Fields, *, world_size: int) -> dict[str, FileRecord]:
-    """Exactly a tensor file and a state file per rank; counted before any name is built."""
+    """Exactly a tensor file and a state file per rank, and a torch.optim class's two where it has states;
+    counted before any name is built."""
     raw = f.mapping("files")
-    if len(raw) != 2 * world_size:
-        raise f.error(f"files lists {len(raw)} files, a checkpoint written at world size {world_size} has {2 * world_size}")
-    expected = {name for rank in range(world_size) for name in (rank_tensor_file(rank), rank_state_file(rank))}
+    if len(raw) not in (2 * world_size, 4 * world_size):
+        expected_count = f"{2 * world_size} (or {4 * world_size})"
+        raise f.error(f"files lists {len(raw)} files, a checkpoint written at world size {world_size} has {expected_count}")
+    per_rank = (lambda r: (rank_tensor_file(r), rank_state_file(r))) if len(raw) == 2 * world_size else (
+        lambda r: (rank_tensor_file(r), rank_state_file(r), *optimizer_files(r))
+    )
+    expected = {name for rank in range(world_size) for name in per_rank(rank)}
     if set(raw) != expected:
         raise f.bad("files", min(set(raw) - expected), f"the rank files of world size {world_size}")
     records = {}

@@ -8,16 +8,21 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from tierzero.cli.commands import COMMANDS
 from tierzero.cli.config import parse_overrides
+from tierzero.common.safe_files import RefusedFile, loads_bounded, read_regular
 from tierzero.common.sizes import format_size
 from tierzero.common.slices import KEPT_KINDS, shown_kinds
 from tierzero.config import NvmeTierConfig, load_config
+from tierzero.config.hf_sizes import position_limit
 from tierzero.estimate.estimator import Bandwidth, Estimate, Target, estimate, measure_flops
 from tierzero.estimate.machines import PRESETS, Machine, load_machine
+from tierzero.estimate.saving import Saving, compare_unquantized
 from tierzero.placement import MachineBudgets, machine_budgets, target_budgets
 from tierzero.placement.disk import label_of
 from tierzero.placement.planner import PlacementError, plan_placement
 from tierzero.placement.progress import said_to
+from tierzero.pretrained.files import check_positions
 
 __all__ = ["DEFAULT_BENCH_PATHS", "add_estimate_command", "format_estimate", "load_bench", "run_estimate", "to_json"]
 
@@ -130,6 +135,8 @@ a quarter of an hour at 10^8), and 65,536 data-parallel ranks is past any machin
 
 #: Where `tierzero estimate` looks for `tierzero bench nvme --json` results when --nvme-bench is not given.
 DEFAULT_BENCH_PATHS = ("bench-nvme.json", "results/bench-nvme.json")
+BENCH_LIMIT = 64 << 20
+"""A `bench nvme --json` file is kilobytes."""
 
 
 def load_bench(
@@ -146,12 +153,14 @@ def load_bench(
             return None
         path = str(found)
     try:
-        report = json.loads(Path(path).read_text())
+        report = loads_bounded(read_regular(path, limit=BENCH_LIMIT), name=f"--nvme-bench {path}")
         best = report["best"]
         read, write = float(best["read_GBps"]), float(best["write_GBps"])
         at = "best point"
         if nvme is not None and (own := _at_setting(report.get("runs") or [], nvme)) is not None:
             (read, write), at = own, label_of(nvme)
+    except RefusedFile as exc:  # a FIFO or a device: never opened
+        raise ValueError(f"--nvme-bench {exc}: pass the file `tierzero bench nvme --json` wrote") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(
             f"--nvme-bench {path}: expected `tierzero bench nvme --json` results with best.read_GBps and "
@@ -176,7 +185,7 @@ def _at_setting(runs: list[dict[str, Any]], nvme: NvmeTierConfig) -> tuple[float
 
 def add_estimate_command(subparsers: Any) -> None:
     """Register `tierzero estimate` on the `tierzero` command's sub-parsers."""
-    parser = subparsers.add_parser("estimate", help="bytes per tier, NVMe traffic and step-time floor of a config")
+    parser = subparsers.add_parser("estimate", help=COMMANDS["estimate"].help)
     parser.add_argument("--config", required=True, help="a tierzero .yaml/.yml/.json config (or a DeepSpeed .json)")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     layout = parser.add_mutually_exclusive_group()
@@ -208,6 +217,14 @@ def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     _check_flags(args)
     cfg = load_config(args.config, overrides=parse_overrides(args.overrides, nvme_path=args.nvme_path))
+    # as train refuses them: an estimate of a run that cannot start says nothing
+    if cfg.model.pretrained is not None:
+        check_positions(Path(cfg.model.pretrained), seq_len=cfg.train.seq_len)
+    elif cfg.model.type == "transformers" and (found := position_limit(cfg.model.transformers_config)) and cfg.train.seq_len > found[0]:
+        raise ValueError(
+            f"train.seq_len {cfg.train.seq_len} is above model.transformers_config.{found[1]} {found[0]}, the positions of "
+            f"the model: lower train.seq_len or raise model.transformers_config.{found[1]}"
+        )
     machine = None if getattr(args, "machine", None) is None else load_machine(args.machine)
     flops = None
     if args.flops is not None:
@@ -228,11 +245,21 @@ def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
     if cfg.offload.planned:
         return _plan(cfg, args, out=out, budgets=budgets, disk=disk, flops=flops, machine=machine, local=local)
     result = estimate(cfg, world_size=args.world_size, local_world_size=local, disk=disk, flops=flops, target=target)
+    saving = compare_unquantized(cfg, result, world_size=args.world_size, local_world_size=local, target=target)
     if args.json:
-        out.write(json.dumps(to_json(result, budgets=budgets), indent=2) + "\n")
+        out.write(json.dumps({**to_json(result, budgets=budgets), **_saving_json(saving)}, indent=2) + "\n")
     else:
-        out.write(format_estimate(result, budgets=budgets))
+        out.write(format_estimate(result, budgets=budgets) + _saving_text(saving))
     return 0 if result.fits else 1
+
+
+def _saving_json(saving: Saving | None) -> dict[str, Any]:
+    """--json's "unquantized" entry: the same config's figures with plain state (none when nothing is quantized)."""
+    return {} if saving is None else {"unquantized": saving.to_json()}
+
+
+def _saving_text(saving: Saving | None) -> str:
+    return "" if saving is None else "\n" + "\n".join(saving.lines()) + "\n"
 
 
 def _plan(
@@ -263,10 +290,17 @@ def _plan(
             out.write("\n".join(lines) + "\n")
         return 1
     result = plan.estimate
+    # the plan's homes and overrides, replayed without capacities as the planner does: the bytes alone differ
+    free = {"tiers.device.capacity": None, "tiers.cpu.capacity": None, **plan.overrides}
+    target = None if machine is None else Target(gpu_memory=machine.gpu_memory or 0, disk_free=machine.disk_free or 0)
+    saving = compare_unquantized(
+        cfg, result, world_size=args.world_size, local_world_size=local, target=target, homes=plan.homes, extra=free
+    )
     if args.json:
-        out.write(json.dumps({**to_json(result, budgets=budgets), "placement": plan.summary()}, indent=2) + "\n")
+        data = {**to_json(result, budgets=budgets), "placement": plan.summary(), **_saving_json(saving)}
+        out.write(json.dumps(data, indent=2) + "\n")
     else:
-        out.write(format_estimate(result, budgets=budgets) + "\n" + "\n".join(plan.lines()) + "\n")
+        out.write(format_estimate(result, budgets=budgets) + "\n" + "\n".join(plan.lines()) + "\n" + _saving_text(saving))
     return 0
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from tierzero.common.safe_files import RefusedFile, check_regular, read_regular
 from tierzero.common.sizes import format_size
 from tierzero.config.errors import ConfigError
 
@@ -35,22 +36,30 @@ _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 def read_mapping_file(path: Path) -> dict[str, Any]:
     """The top-level mapping of a .yaml/.yml/.json file; an empty file is an empty mapping."""
-    suffix = path.suffix.lower()
-    if suffix not in (".yaml", ".yml", ".json"):
-        raise ConfigError(f"config file {path}: expected a .yaml, .yml or .json file, got suffix {suffix or 'none'!r}")
-    source = f"config file {path}"
-    try:
-        if not path.is_file():
-            problem = "is a directory" if path.is_dir() else "does not exist"
-            raise ConfigError(f"{source} {problem}: pass the path of a config file")
-        with path.open("rb") as file:
-            raw = file.read(MAX_FILE_BYTES + 1)
+    suffix, source = path.suffix.lower(), f"config file {path}"
+    try:  # what it is before its name: /dev/zero or a FIFO is no config whatever its suffix, and is never opened
+        check_regular(path)
+    except FileNotFoundError:
+        pass  # worded below, once the suffix is known to be a config's
+    except RefusedFile as exc:
+        kind = "is a directory" if path.is_dir() else f"is {exc.reason}"
+        raise ConfigError(f"{source} {kind}: pass the path of a config file") from None
     except OSError as exc:
         raise ConfigError(f"{source} cannot be read ({exc.strerror}): pass the path of a readable config file") from None
-    if len(raw) > MAX_FILE_BYTES:
+    if suffix not in (".yaml", ".yml", ".json"):
+        raise ConfigError(f"config file {path}: expected a .yaml, .yml or .json file, got suffix {suffix or 'none'!r}")
+    try:
+        raw = read_regular(path, limit=MAX_FILE_BYTES)
+    except FileNotFoundError:
+        raise ConfigError(f"{source} does not exist: pass the path of a config file") from None
+    except RefusedFile as exc:  # larger than the cap, or swapped since the check
+        if "larger than" not in exc.reason:
+            raise ConfigError(f"{source} is {exc.reason}: pass the path of a config file") from None
         raise ConfigError(
             f"{source} is larger than {format_size(MAX_FILE_BYTES)}, far more than a config needs: pass the config file itself"
-        )
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"{source} cannot be read ({exc.strerror}): pass the path of a readable config file") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

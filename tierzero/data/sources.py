@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierzero.common.safe_files import RefusedFile, confined, load_json, loads_bounded
+from tierzero.common.safe_files import RefusedFile, check_regular, confined, load_json, loads_bounded, read_regular
 
 __all__ = [
     "DATASET_MARKERS",
@@ -94,6 +94,8 @@ def find_files(path: str | os.PathLike[str] | None) -> list[Path]:
     target = Path(text)
     if target.is_file():
         return [target]
+    if target.exists() and not target.is_dir():  # a FIFO or a device: named as such, never opened
+        raise ValueError(f"data.path {target} is {_kind_of(target)}, not a regular file: point it at a text file, a directory or a glob")
     if target.is_dir():
         files = sorted(p for p in target.rglob("*") if p.is_file())
         if not files:
@@ -135,8 +137,16 @@ def read_documents(source: Source, *, text_field: str = "text") -> Iterator[str]
         yield from _read_dataset(source.path, text_field)
 
 
+def _kind_of(path: Path) -> str:
+    try:
+        check_regular(path)
+    except RefusedFile as exc:
+        return exc.reason.removesuffix(", not a regular file")
+    return "a regular file"
+
+
 def _read_text(path: Path) -> str:
-    data = path.read_bytes()
+    data = read_regular(path)  # found a regular file; refused, never blocked on, if swapped for a FIFO since
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -201,19 +211,34 @@ def _read_dataset(path: Path, field: str) -> Iterator[str]:
         )
     _named_files(path, "state.json", "_data_files")  # datasets opens each: none may lead out of `path`
     _record(path, "dataset_info.json")  # datasets reads it as an object, with a traceback for anything else
-    loaded = datasets.load_from_disk(str(path))
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as exc:  # datasets and pyarrow raise their own types for a damaged file, naming none
+        raise ValueError(_unreadable(path, exc)) from None
     if field not in loaded.column_names:
         raise ValueError(
             f"data.path {path}: the dataset has no column {field!r} (its columns: {', '.join(loaded.column_names)}): "
             "set data.text_field to the column holding the text"
         )
-    row = 0
-    for batch in loaded.select_columns([field]).iter(batch_size=DATASET_BATCH):
-        for text in batch[field]:
+    row, batches = 0, None
+    while True:
+        try:
+            batches = batches or iter(loaded.select_columns([field]).iter(batch_size=DATASET_BATCH))
+            texts = next(batches)[field]
+        except StopIteration:
+            return
+        except Exception as exc:  # a table (or its state.json) damaged past the header fails only when read
+            raise ValueError(_unreadable(path, exc)) from None
+        for text in texts:
             if not isinstance(text, str):
                 raise ValueError(f"data.path {path} row {row}: column {field!r} is {_kind(text)}, expected a string")
             row += 1
             yield text
+
+
+def _unreadable(path: Path, exc: Exception) -> str:
+    detail = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+    return f"data.path {path}: datasets cannot read it ({type(exc).__name__}: {detail}): write the dataset again with save_to_disk"
 
 
 def _named_files(path: Path, name: str, key: str) -> list[object]:

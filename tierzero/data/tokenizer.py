@@ -9,7 +9,6 @@ token stream puts its EOS id after each one (tierzero.data.tokens).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,8 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from tierzero.common.safe_files import loads_bounded
+from tierzero.common.safe_files import RefusedFile, check_regular, loads_bounded
+from tierzero.config.hf_sizes import position_limit
 
 __all__ = ["BYTE_VOCAB", "TextTokenizer", "check_vocab", "load_tokenizer", "model_vocab_size"]
 
@@ -57,6 +57,7 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> TextTokenizer:
     directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
     if not os.path.isdir(directory):
         raise ValueError(f"data.tokenizer {directory} is not a directory: point it at a tokenizer directory (tokenizer.json, tokenizer_config.json)")
+    _refuse_special_files(directory)
     try:
         import transformers  # heavy: only for tokenized data
     except ImportError:
@@ -65,7 +66,7 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> TextTokenizer:
         loaded = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except RecursionError:
         raise ValueError(f"data.tokenizer {directory}: {_too_deep(directory)}: replace it with the file save_pretrained wrote") from None
-    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
+    except Exception as exc:  # the tokenizers library raises a bare Exception for a tokenizer.json it cannot parse
         detail = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         raise ValueError(
             f"data.tokenizer {directory} cannot be loaded ({detail}): it needs tokenizer.json and tokenizer_config.json, "
@@ -89,6 +90,19 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> TextTokenizer:
     return TextTokenizer(directory=directory, backend=backend, eos_id=int(loaded.eos_token_id), vocab_size=vocab)
 
 
+def _refuse_special_files(directory: str) -> None:
+    """ValueError naming the first FIFO, device or socket among `directory`'s files (symlinks followed):
+    transformers opens every tokenizer file it knows by name, and would block on a FIFO for ever."""
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        try:
+            if not entry.is_dir():
+                check_regular(entry.path)
+        except FileNotFoundError:
+            continue  # a dangling symlink: transformers says which file it missed
+        except RefusedFile as exc:
+            raise ValueError(f"data.tokenizer {directory}: {exc}: replace it with the file save_pretrained wrote") from None
+
+
 def _too_deep(directory: str) -> str:
     """Which JSON file of `directory` nests past the recursion limit, in loads_bounded's words: looked for only
     once transformers hit it, so that a good tokenizer.json (megabytes) is not parsed twice on every load."""
@@ -110,12 +124,30 @@ def model_vocab_size(model: nn.Module) -> int:
     return embedding.num_embeddings
 
 
+def check_positions(cfg: Any, model: nn.Module) -> None:
+    """Refuse a transformers model by class name with fewer positions than `train.seq_len`: past them a
+    learned position table has no row (an IndexError deep in the first step). Its built config is asked,
+    so a class default (GPT-2's 1024) counts as much as a key of model.transformers_config; a pretrained
+    model's positions are checked where its directory is read (tierzero.pretrained.files.check_positions)."""
+    if cfg.model.type != "transformers" or cfg.model.pretrained is not None:
+        return
+    found = position_limit(getattr(getattr(model, "config", None), "__dict__", {}))
+    if found is not None and cfg.train.seq_len > found[0]:
+        limit, key = found
+        raise ValueError(
+            f"train.seq_len {cfg.train.seq_len} is above model.transformers_config.{key} {limit}, the positions of "
+            f"the model: lower train.seq_len or raise model.transformers_config.{key}"
+        )
+
+
 def check_vocab(cfg: Any, model: nn.Module) -> None:
     """Refuse a model whose vocabulary does not cover the data's ids (`cfg.data`, `cfg.model`), before any training.
 
     A built-in model embeds model.vocab_size ids; a transformers model is asked (its
-    embedding can differ from config.json's vocab_size after a resize).
+    embedding can differ from config.json's vocab_size after a resize). A transformers model by class name
+    must also have positions for train.seq_len (`check_positions`).
     """
+    check_positions(cfg, model)
     if cfg.data.tokenizer is None:
         need, what = BYTE_VOCAB, "byte-level data (data.tokenizer null) has 256 ids"
     else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,18 +20,15 @@ from typing import Any
 
 import torch
 
-from tierzero.common.safe_files import loads_bounded
+from tierzero.common.safe_files import RefusedFile, check_regular, loads_bounded, read_regular
+from tierzero.config.hf_sizes import position_limit as limit_of
+from tierzero.config.hf_sizes import size_problem
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-POSITION_KEYS = ("max_position_embeddings", "n_positions")
-"""The config.json keys that give a model's positions: Llama's and most models', GPT-2's."""
-HEAD_KEYS = (("hidden_size", "num_attention_heads"), ("n_embd", "n_head"))
-"""The config.json keys of a model's width and of the attention heads it is split into: most models', GPT-2's."""
-SIZE_KEYS = ("vocab_size", *(key for pair in HEAD_KEYS for key in pair), "num_hidden_layers", "n_layer")
-"""The config.json keys that, where present, must be positive integers: transformers' own checks let
-some through (vocab_size 0 builds) and word the rest as tracebacks without the file."""
+MAX_JSON_BYTES = 1 << 30
+"""A config.json or an index: an index of a million tensors is about 100 MiB."""
 #: The fix every refusal of a damaged file ends with.
 _REFETCH = "download or save_pretrained the model again"
 
@@ -89,9 +87,10 @@ def scan_directory(directory: Path) -> dict[str, TensorInfo]:
     A single `model.safetensors` wins over an index, as transformers' own loader has it.
     """
     require_config(directory)
-    if (directory / WEIGHTS_FILE).is_file():
+    # exists(), not is_file(): a FIFO or a device under either name is refused as such by the reader
+    if (directory / WEIGHTS_FILE).exists():
         return read_header(directory / WEIGHTS_FILE)
-    if (directory / INDEX_FILE).is_file():
+    if (directory / INDEX_FILE).exists():
         return _scan_index(directory / INDEX_FILE)
     pickled = " (its pytorch_model.bin is a pickle, which tierzero does not load)" if (directory / "pytorch_model.bin").exists() else ""
     raise PretrainedError(
@@ -103,7 +102,9 @@ def scan_directory(directory: Path) -> dict[str, TensorInfo]:
 def require_config(directory: Path) -> Path:
     """`directory/config.json`, refused when the directory or the file is missing."""
     config = directory / CONFIG_FILE
-    if not config.is_file():
+    if config.exists():
+        _regular(config)
+    else:
         what = "is missing" if directory.is_dir() else f"is missing ({directory} is not a directory)"
         raise PretrainedError(
             f"{config} {what}: point at the folder save_pretrained wrote (config.json beside model.safetensors)"
@@ -112,32 +113,35 @@ def require_config(directory: Path) -> Path:
 
 
 def read_config(directory: Path) -> dict[str, Any]:
-    """`directory/config.json` as a JSON object with its SIZE_KEYS positive integers and its heads
+    """`directory/config.json` as a JSON object with its sizes positive integers and its heads
     dividing its width; PretrainedError naming the file and the key otherwise."""
     config = require_config(directory)
-    value = _json(config.read_bytes(), name=str(config), where=f"{config} is not valid JSON")
-    for key in SIZE_KEYS:
-        size = value.get(key, 1)
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise PretrainedError(f"{config}: {key} is {json.dumps(size)[:40]}, expected a positive integer: fix {CONFIG_FILE}")
-    for width, heads in HEAD_KEYS:
-        # A config with its own head_dim may project its width to heads of any size (Gemma, Qwen3).
-        if "head_dim" not in value and value.get(width, 0) % value.get(heads, 1):
-            raise PretrainedError(
-                f"{config}: {heads} {value[heads]} does not divide {width} {value[width]}: fix {CONFIG_FILE}"
-            )
+    value = _json(_read(config), name=str(config), where=f"{config} is not valid JSON")
+    if (problem := size_problem(value)) is not None:
+        raise PretrainedError(f"{config}: {problem[1]}: fix {CONFIG_FILE}")
+    if (dtype := _dtype_problem(value)) is not None:
+        raise PretrainedError(f"{config}: {dtype}: fix {CONFIG_FILE}")
     return value
+
+
+def _dtype_problem(value: dict[str, Any]) -> str | None:
+    """What is wrong with the names config.json gives transformers to look up: its model type, and its
+    dtype (`torch_dtype`, `dtype` in newer transformers), which transformers takes with a traceback
+    when they are of another type, or (the dtype) no attribute of torch."""
+    if "model_type" in value and not isinstance(value["model_type"], str):
+        return f"model_type is {json.dumps(value['model_type'], default=repr)[:40]}, expected a name such as \"llama\""
+    for key in ("torch_dtype", "dtype"):
+        name = value.get(key)
+        if name is None or name == "auto" or (isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype)):
+            continue
+        return f"{key} is {json.dumps(name, default=repr)[:40]}, expected a torch dtype's name such as \"bfloat16\""
+    return None
 
 
 def position_limit(directory: Path) -> tuple[int, str] | None:
     """The longest sequence the model of `directory/config.json` has positions for, and the key
-    that says so (the first of POSITION_KEYS it holds); None when it names none."""
-    value = read_config(directory)
-    for key in POSITION_KEYS:
-        limit = value.get(key)
-        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
-            return limit, key
-    return None
+    that says so (tierzero.config.hf_sizes.position_limit); None when it names none."""
+    return limit_of(read_config(directory))
 
 
 def check_positions(directory: Path, *, seq_len: int) -> None:
@@ -158,7 +162,7 @@ def _scan_index(index: Path) -> dict[str, TensorInfo]:
     headers: dict[str, dict[str, TensorInfo]] = {}
     for shard in sorted(set(weight_map.values())):
         path = index.parent / shard
-        if not path.is_file():
+        if not path.exists():
             first = next(name for name, s in weight_map.items() if s == shard)
             raise PretrainedError(f"{index} maps tensor {first} to {path}, which is missing: {_REFETCH}")
         headers[shard] = read_header(path)
@@ -174,7 +178,7 @@ def _scan_index(index: Path) -> dict[str, TensorInfo]:
 
 
 def _weight_map(index: Path) -> dict[str, str]:
-    value = _json(index.read_bytes(), name=str(index), where=f"{index} is not valid JSON")
+    value = _json(_read(index), name=str(index), where=f"{index} is not valid JSON")
     weight_map = value.get("weight_map")
     valid = isinstance(weight_map, dict) and all(isinstance(v, str) and "/" not in v for v in weight_map.values())
     if not valid or not weight_map:
@@ -186,8 +190,9 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """The tensors a safetensors file declares, checked against its size; none of its data is read."""
+    _regular(path)
     size = path.stat().st_size
-    with open(path, "rb") as f:
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:  # a FIFO swapped in: no hang
         prefix = f.read(8)
         if len(prefix) < 8:
             raise PretrainedError(f"{path} is truncated: {size} bytes, fewer than a safetensors header length: {_REFETCH}")
@@ -217,6 +222,23 @@ def _refuse_overlaps(path: Path, tensors: dict[str, TensorInfo]) -> None:
             )
         if previous is None or end > previous[0][1]:
             previous = ((begin, end), name)
+
+
+def _regular(path: Path) -> None:
+    """PretrainedError for a FIFO, a device or a socket where a model file should be: never opened."""
+    try:
+        check_regular(path)
+    except RefusedFile as exc:
+        raise PretrainedError(f"{exc}: point at the folder save_pretrained wrote, which holds regular files") from None
+
+
+def _read(path: Path) -> bytes:
+    """A model directory's JSON file, refused as `_regular` refuses before it is opened."""
+    _regular(path)
+    try:
+        return read_regular(path, limit=MAX_JSON_BYTES)
+    except RefusedFile as exc:
+        raise PretrainedError(f"{exc}: {_REFETCH}") from None
 
 
 def _json(raw: bytes, *, name: str, where: str) -> dict[str, Any]:

@@ -135,8 +135,25 @@ def apply_lora(
         detail = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         raise ValueError(f"model.lora.target_modules {list(target_modules or [])} do not fit the model ({detail}): "
                          "name Linear modules it has, e.g. q_proj, v_proj") from None
+    _refuse_non_linear(wrapped, target_modules)
     materialize_adapters(wrapped, seed=seed)
     return wrapped
+
+
+def _refuse_non_linear(wrapped: nn.Module, target_modules: Sequence[str] | None) -> None:
+    """Adapters only on Linear layers (GPT-2's Conv1D counts): peft's embedding and convolution adapters
+    keep their weights under other names and shapes (lora_embedding_A), which the engine's adapter
+    init, units and saved adapters do not handle."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in wrapped.named_modules():
+        if isinstance(module, LoraLayer) and not isinstance(module, LoraLinear):
+            base = type(module.get_base_layer()).__name__
+            raise ValueError(
+                f"model.lora.target_modules {list(target_modules or [])} puts an adapter on {name.split('.')[-1]} "
+                f"({base}), and tierzero trains LoRA on Linear layers only: name Linear modules, e.g. q_proj, v_proj"
+            )
 
 
 def save_adapters(engine: Any, directory: str | os.PathLike[str]) -> Path | None:
