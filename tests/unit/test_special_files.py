@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tierzero.cli.estimate import load_bench
+from tierzero.cli.generate import read_prompts
 from tierzero.cli.main import main
 from tierzero.config import ConfigError, load_config
 from tierzero.data import find_files, load_tokenizer
@@ -117,3 +118,18 @@ def test_pretrained_files_that_are_fifos_or_devices_are_refused_naming_them(tmp_
     weights.unlink()
     index = _fifo(tmp_path / "model.safetensors.index.json")
     assert _refusal(lambda: PretrainedWeights.open(tmp_path), PretrainedError) == f"{index} is a FIFO, not a regular file: {fix}"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "directory"])
+def test_a_prompts_file_that_is_no_regular_file_is_refused_naming_it(tmp_path: Path, kind: str) -> None:
+    if kind == "fifo":
+        path, what = _fifo(tmp_path / "p.jsonl"), "a FIFO, not a regular file"
+    elif kind == "dev-zero":
+        path, what = Path("/dev/zero"), "a character device, not a regular file"
+    else:
+        path, what = tmp_path, "a directory, not a regular file"
+    assert _refusal(lambda: read_prompts(path)) == f'--prompts {path} is {what}: give a JSON Lines file with a "prompt" string a line'
+    missing = tmp_path / "none.jsonl"
+    assert _refusal(lambda: read_prompts(missing), FileNotFoundError) == (
+        f'--prompts {missing}: no such file; give a JSON Lines file with a "prompt" string a line'
+    )

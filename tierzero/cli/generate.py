@@ -34,7 +34,7 @@ from tierzero.cli.commands import COMMANDS
 from tierzero.cli.config import parse_overrides
 from tierzero.comm import collectives as C
 from tierzero.common.output_paths import check_writable
-from tierzero.common.safe_files import loads_bounded
+from tierzero.common.safe_files import RefusedFile, loads_bounded, read_regular
 from tierzero.common.sizes import format_size
 from tierzero.common.slices import Tier
 from tierzero.config import AUTO, read_config
@@ -209,12 +209,21 @@ def _device_room(engine: Any, cfg: Any) -> tuple[int, str]:
     return cpu.nbytes - used, f"tiers.cpu.capacity {format_size(cpu.nbytes)} less {format_size(used)} the device and cpu tiers hold"
 
 
+PROMPTS_LIMIT = 1 << 30
+"""The most bytes a prompts file may hold: a billion characters of prompts is past any batch."""
+
+
 def read_prompts(path: Path) -> list[str]:
     """The prompts of a JSON Lines file, `{"prompt": "..."}` a line (blank lines skipped)."""
-    if not path.is_file():
-        raise FileNotFoundError(f"--prompts {path}: no such file; give a JSON Lines file with a \"prompt\" string a line")
+    wanted = 'give a JSON Lines file with a "prompt" string a line'
+    try:
+        text = read_regular(path, limit=PROMPTS_LIMIT).decode(errors="replace")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--prompts {path}: no such file; {wanted}") from None
+    except RefusedFile as exc:  # a FIFO, a device, a directory: refused before a byte is read
+        raise ValueError(f"--prompts {exc}: {wanted}") from None
     prompts = []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
