@@ -33,7 +33,7 @@ def _raw(swap: Path, *, stage: int, offload: dict[str, str], model: str = "gpt",
 
 
 def _counts(run: D.DryRun) -> dict[str, Any]:
-    return {f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.name not in ("model", "plan")}
+    return {f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.name not in ("model", "plan", "units")}
 
 
 @pytest.mark.parametrize(

@@ -13,14 +13,18 @@ from tierzero.cli.config import parse_overrides
 from tierzero.common.safe_files import RefusedFile, loads_bounded, read_regular
 from tierzero.common.sizes import format_size
 from tierzero.common.slices import KEPT_KINDS, shown_kinds
-from tierzero.config import NvmeTierConfig, load_config
+from tierzero.config import AUTO, NvmeTierConfig, load_config
 from tierzero.config.hf_sizes import position_limit
+from tierzero.config.sections import MAX_GENERATE_BATCH
+from tierzero.estimate.dry_run import dry_run
 from tierzero.estimate.estimator import Bandwidth, Estimate, Target, estimate, measure_flops
+from tierzero.estimate.generation import GeneratePrediction, device_room, predict_generate
 from tierzero.estimate.machines import PRESETS, Machine, load_machine
 from tierzero.estimate.saving import Saving, compare_unquantized
 from tierzero.placement import MachineBudgets, machine_budgets, target_budgets
 from tierzero.placement.disk import label_of
 from tierzero.placement.planner import PlacementError, plan_placement
+from tierzero.placement.prediction import measure_copy_rate
 from tierzero.placement.progress import said_to
 from tierzero.pretrained.files import check_positions
 
@@ -209,6 +213,16 @@ def add_estimate_command(subparsers: Any) -> None:
         help="override one dotted config key, e.g. --set zero.stage=2 (the value is read as YAML)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument(
+        "--generate", action="store_true",
+        help="also predict a generate run's tokens/s: its batch, weight bytes read per decoding step, step time",
+    )
+    parser.add_argument("--prompt-len", type=int, default=128, help="--generate: prompt tokens a row (default 128)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="--generate: new tokens a row (default 32)")
+    parser.add_argument(
+        "--batch-size", default=None, metavar="N|auto",
+        help="--generate: rows decoded together (default: generate.batch_size; auto: the largest the device budget fits)",
+    )
     parser.set_defaults(func=run_estimate)
 
 
@@ -243,14 +257,47 @@ def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
         target = Target(gpu_memory=machine.gpu_memory or 0, disk_free=machine.disk_free or 0)
         out.write("" if args.json else machine.describe() + "\n")
     if cfg.offload.planned:
+        if getattr(args, "generate", False):
+            raise ValueError("--generate predicts a placed run: with offload: auto, set offload.* to the plan's homes first")
         return _plan(cfg, args, out=out, budgets=budgets, disk=disk, flops=flops, machine=machine, local=local)
     result = estimate(cfg, world_size=args.world_size, local_world_size=local, disk=disk, flops=flops, target=target)
     saving = compare_unquantized(cfg, result, world_size=args.world_size, local_world_size=local, target=target)
+    generation = _generation(cfg, args, result, budgets=budgets, machine=machine) if getattr(args, "generate", False) else None
     if args.json:
-        out.write(json.dumps({**to_json(result, budgets=budgets), **_saving_json(saving)}, indent=2) + "\n")
+        extra = {} if generation is None else {"generate": generation.to_json()}
+        out.write(json.dumps({**to_json(result, budgets=budgets), **_saving_json(saving), **extra}, indent=2) + "\n")
     else:
-        out.write(format_estimate(result, budgets=budgets) + _saving_text(saving))
+        text = "" if generation is None else "\n" + "\n".join(generation.lines()) + "\n"
+        out.write(format_estimate(result, budgets=budgets) + _saving_text(saving) + text)
     return 0 if result.fits else 1
+
+
+def _generation(cfg: Any, args: Any, result: Estimate, *, budgets: MachineBudgets, machine: Machine | None) -> GeneratePrediction:
+    """--generate: the decoding step of the estimated placement, its batch auto's unless given."""
+    wanted = cfg.generate.batch_size if args.batch_size is None else args.batch_size
+    batch = None if str(wanted).strip().lower() == AUTO else _batch_size(wanted)
+    if machine is not None:
+        copy = Bandwidth(read=machine.copy_rate, write=machine.copy_rate, source=f"{machine.name}'s {machine.copy_rate / 1e9:.1f} GB/s")
+    else:
+        rate = measure_copy_rate()
+        copy = Bandwidth(read=rate, write=rate, source=f"measured {rate / 1e9:.1f} GB/s")
+    # the estimate's own dry run, kept by its arguments: the model and units it built
+    run = dry_run(cfg, world_size=result.world_size, local_world_size=result.local_world_size, cuda=result.cuda)
+    return predict_generate(
+        cfg, result, model=run.model, units=run.units, prompt=args.prompt_len, new=args.new_tokens, batch=batch,
+        room=device_room(result, device=budgets.device, cpu=budgets.cpu), copy=copy, most=MAX_GENERATE_BATCH,
+    )
+
+
+def _batch_size(value: Any) -> int:
+    """--batch-size or generate.batch_size as a whole number in 1..MAX_GENERATE_BATCH."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_GENERATE_BATCH:
+        raise ValueError(f"--batch-size {value} is not auto or a whole number in 1..{MAX_GENERATE_BATCH}: give auto or a positive batch size")
+    return n
 
 
 def _saving_json(saving: Saving | None) -> dict[str, Any]:

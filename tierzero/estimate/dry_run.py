@@ -39,6 +39,7 @@ from tierzero.estimate.counting import CountingStore, Traffic
 from tierzero.estimate.shapes import ShapesOnly
 from tierzero.models.builtin import build_model, count_parameters
 from tierzero.stages.plan import Homes, SlicePlan
+from tierzero.units.unit import Unit
 
 __all__ = ["DryRun", "dry_run"]
 
@@ -78,6 +79,8 @@ class DryRun:
     """Bytes rank 0 sends in a later step: group -> collective -> inside its node ("intra") and across ("inter")."""
     phases: dict[str, Traffic]
     """What a later step moved and stepped in each of its parts ("forward", "backward", "step"), in order."""
+    units: tuple[Unit, ...] = ()
+    """The engine's units, in order (their shapes and dtypes: what a generate run gathers)."""
 
 
 _MAX_STEPS = 8
@@ -131,6 +134,7 @@ def dry_run(
         steps=fast.steps,
         comm=fast.comm,
         phases=fast.phases,
+        units=tuple(engine.units),
     )
     _kept[key] = run
     while len(_kept) > _KEPT:

@@ -61,6 +61,7 @@ from tierzero.placement.candidates import FIELDS, Candidate, fill, whole_kind
 from tierzero.placement.compute import Compute, measure_compute
 from tierzero.placement.disk import disk_rates
 from tierzero.placement.prediction import Prediction, measure_copy_rate, measure_step_rate, predict
+from tierzero.placement.progress import PLANNED, REPLAYED, REPLAYS
 from tierzero.placement.refusal import PlacementError, refusal, shortfall_text
 from tierzero.stages.plan import Homes
 
@@ -326,16 +327,18 @@ def plan_placement(
             forward_share=compute.forward_share, device_step_rate=device_step_rate,
         )  # fmt: skip
         verdict = shortfall_text(short) if short else f"{candidate.prediction.step_s:.2f} s predicted"
-        log.info("replay %d, %.1f s: %s: %s", replays, time.perf_counter() - began, candidate.label, verdict)
+        log.info(
+            "replay %d, %.1f s: %s: %s", replays, time.perf_counter() - began, candidate.label, verdict, extra={REPLAYS: replays}
+        )
         return candidate
 
     def judge_split(candidate: Candidate) -> Candidate:
         # Slices moved into host memory leave the kept heap room there; those moved into a GPU need not.
         return judge(candidate, kept=Tier.CPU in candidate.homes.units.values())
 
-    log.info("replaying the step for each candidate placement")
-    began = time.perf_counter()
     lowest, *higher = whole_kind(cfg)
+    log.info("replaying the step for each candidate placement", extra={PLANNED: 1 + len(higher)})
+    began = time.perf_counter()
     whole = [judge(lowest)]
     for candidate in reversed(higher):  # most in memory first: what they dominate is not replayed
         if not any(not c.short and c.result is not None and _dominates(c.homes, candidate.homes) for c in whole):
@@ -351,7 +354,10 @@ def plan_placement(
         )
     ]  # fmt: skip
     ranked = sorted((c for c in whole + splits if not c.short), key=_rank)
-    log.info("%d replays of %d placements in %.1f s", replays, len(whole) + len(splits), time.perf_counter() - began)
+    log.info(
+        "%d replays of %d placements in %.1f s", replays, len(whole) + len(splits), time.perf_counter() - began,
+        extra={REPLAYED: replays},
+    )
     if not ranked:
         raise refusal(cfg, whole + splits, rank_budgets, lowest=lowest)
     best = ranked[0]
