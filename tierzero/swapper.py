@@ -52,6 +52,9 @@ class _KeyTail:
     taints: bool
     """Whether a failure of this operation makes later reads of the key fail: true for a
     write (the bytes on the home are half-written) and for a read that failed for that reason."""
+    handed: bool = False
+    """Whether it was handed on (to a worker, or to its predecessor to start it): one that was not,
+    because Ctrl-C landed in between, never runs."""
 
 
 class Swapper:
@@ -150,21 +153,20 @@ class Swapper:
         return TransferOutcome(event=event if dst.is_cuda else None)
 
     def close(self) -> None:
-        """Wait for every transfer a worker has begun, cancel those none has, then release the
-        staging buffers. Idempotent.
+        """Wait for every submitted transfer, then release the staging buffers. Idempotent.
 
-        A transfer not begun uses no buffer yet, and nothing reads a closed store's bytes; and
-        one may never begin: Ctrl-C can land between `_schedule` naming it the key's tail and
-        handing it to a worker, and waiting for it would hang the close (and the run) for good.
+        A transfer that was never handed on is cancelled instead: Ctrl-C can land between
+        `_schedule` naming it the key's tail and handing it to a worker, and it would never run,
+        hanging the close (and the run) for good.
         """
         if self._closed:
             return
         self._closed = True
         with self._lock:
-            pending = [tail.future for tail in self._tails.values()]
-        for future in pending:
-            if not future.cancel():  # begun (or done): its worker holds a buffer until it ends
-                future.exception()
+            pending = list(self._tails.values())
+        for tail in pending:
+            if tail.handed or not tail.future.cancel():
+                tail.future.exception()
         self._executor.shutdown(wait=True)
         self._pool.close()
 
@@ -214,6 +216,7 @@ class Swapper:
             start()
         else:
             previous.future.add_done_callback(start)
+        tail.handed = True
         return Transfer(result)
 
     @staticmethod
