@@ -14,10 +14,12 @@ from typing import Any, TextIO
 import yaml
 
 from tierzero.cli.commands import COMMANDS
+from tierzero.config import AUTO
 from tierzero.config.errors import ConfigError, TierZeroConfigWarning
 from tierzero.config.loading import load_config
 from tierzero.config.markdown import config_markdown
 from tierzero.config.reading import load_yaml
+from tierzero.config.sections import MAX_GENERATE_BATCH
 
 
 def add_config_commands(subparsers: Any) -> None:
@@ -40,6 +42,21 @@ def add_config_commands(subparsers: Any) -> None:
 
     docs = commands.add_parser("docs", help="print the markdown reference of every config key")
     docs.set_defaults(func=run_docs)
+
+
+def parse_batch_size(text: str) -> int | str:
+    """`--batch-size` of `generate` and `estimate --generate`: auto, or a whole number from 1 to MAX_GENERATE_BATCH."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_GENERATE_BATCH:
+        raise ValueError(
+            f"--batch-size {text} is not auto or a whole number in 1..{MAX_GENERATE_BATCH}: give auto or a positive batch size"
+        )
+    return n
 
 
 def parse_overrides(items: list[str], *, nvme_path: str | None = None) -> dict[str, Any]:

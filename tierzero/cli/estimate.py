@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tierzero.cli.commands import COMMANDS
-from tierzero.cli.config import parse_overrides
+from tierzero.cli.config import parse_batch_size, parse_overrides
 from tierzero.common.safe_files import RefusedFile, loads_bounded, read_regular
 from tierzero.common.sizes import format_size
 from tierzero.common.slices import KEPT_KINDS, shown_kinds
@@ -275,7 +275,8 @@ def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
 def _generation(cfg: Any, args: Any, result: Estimate, *, budgets: MachineBudgets, machine: Machine | None) -> GeneratePrediction:
     """--generate: the decoding step of the estimated placement, its batch auto's unless given."""
     wanted = cfg.generate.batch_size if args.batch_size is None else args.batch_size
-    batch = None if str(wanted).strip().lower() == AUTO else _batch_size(wanted)
+    parsed = parse_batch_size(str(wanted))
+    batch = None if parsed == AUTO else int(parsed)
     if machine is not None:
         copy = Bandwidth(read=machine.copy_rate, write=machine.copy_rate, source=f"{machine.name}'s {machine.copy_rate / 1e9:.1f} GB/s")
     else:
@@ -287,17 +288,6 @@ def _generation(cfg: Any, args: Any, result: Estimate, *, budgets: MachineBudget
         cfg, result, model=run.model, units=run.units, prompt=args.prompt_len, new=args.new_tokens, batch=batch,
         room=device_room(result, device=budgets.device, cpu=budgets.cpu), copy=copy, most=MAX_GENERATE_BATCH,
     )
-
-
-def _batch_size(value: Any) -> int:
-    """--batch-size or generate.batch_size as a whole number in 1..MAX_GENERATE_BATCH."""
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= MAX_GENERATE_BATCH:
-        raise ValueError(f"--batch-size {value} is not auto or a whole number in 1..{MAX_GENERATE_BATCH}: give auto or a positive batch size")
-    return n
 
 
 def _saving_json(saving: Saving | None) -> dict[str, Any]:

@@ -31,14 +31,13 @@ import torch.distributed as dist
 from tierzero.api import initialize
 from tierzero.checkpoint import find_checkpoint
 from tierzero.cli.commands import COMMANDS
-from tierzero.cli.config import parse_overrides
+from tierzero.cli.config import parse_batch_size, parse_overrides
 from tierzero.comm import collectives as C
 from tierzero.common.output_paths import check_writable
 from tierzero.common.safe_files import RefusedFile, loads_bounded, read_regular
 from tierzero.common.sizes import format_size
 from tierzero.common.slices import Tier
 from tierzero.config import AUTO, read_config
-from tierzero.config.sections import MAX_GENERATE_BATCH
 from tierzero.data import check_vocab
 from tierzero.data.tokenizer import TextTokenizer, load_tokenizer
 from tierzero.inference.batch import auto_batch, batch_cost
@@ -48,7 +47,6 @@ from tierzero.placement.budgets import machine_budgets
 __all__ = ["add_generate_command", "run_generate"]
 
 MAX_NEW_TOKENS = 1 << 20
-MAX_BATCH = MAX_GENERATE_BATCH
 
 
 def add_generate_command(subparsers: Any) -> None:
@@ -130,7 +128,7 @@ def run_generate(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
         raise ValueError(f"prompt {empty + 1} encodes to no tokens: give it some text")
     rank0 = int(os.environ.get("RANK", "0")) == 0
     with _engine(cfg, checkpoint=args.checkpoint, out=out if rank0 else None) as engine:
-        wanted = cfg.generate.batch_size if args.batch_size is None else _batch_size(args.batch_size)
+        wanted = cfg.generate.batch_size if args.batch_size is None else parse_batch_size(args.batch_size)
         prompt, new = max(len(ids) for ids in encoded), args.max_new_tokens
         batch_size = wanted if wanted != AUTO else _auto_batch(engine, cfg, prompt=prompt, new=new, prompts=len(prompts))
         if batch_size < len(prompts) and wanted == AUTO and rank0:  # the budget splits them: say why
@@ -159,24 +157,11 @@ def _check_flags(args: argparse.Namespace) -> None:
     if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} is outside 1..{MAX_NEW_TOKENS}: ask for at least one new token")
     if args.batch_size is not None:
-        _batch_size(args.batch_size)
+        parse_batch_size(args.batch_size)
     if args.prompt is None and args.prompts is None:
         raise ValueError("no prompt: give --prompt TEXT or --prompts FILE.jsonl")
     if args.prompt == "":
         raise ValueError("--prompt is empty: give the text to complete")
-
-
-def _batch_size(text: str) -> int | str:
-    """`--batch-size`: auto, or a whole number from 1 to MAX_BATCH."""
-    if text.strip().lower() == AUTO:
-        return AUTO
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= MAX_BATCH:
-        raise ValueError(f"--batch-size {text} is not auto or a whole number in 1..{MAX_BATCH}: give auto or a positive batch size")
-    return n
 
 
 def _auto_batch(engine: Any, cfg: Any, *, prompt: int, new: int, prompts: int) -> int:

@@ -33,7 +33,7 @@ import torch
 
 from tierzero.common.safe_files import loads_bounded
 from tierzero.data.shape import BatchShape
-from tierzero.data.sources import Format, find_sources
+from tierzero.data.sources import Format, encodes_utf8, find_sources
 from tierzero.data.tokenizer import TextTokenizer, load_tokenizer
 
 __all__ = ["FIELDS", "IGNORE", "PreferenceBatch", "PreferenceBatches", "PreferencePair", "read_preferences", "tokenize_pairs"]
@@ -101,18 +101,9 @@ def _record(raw: bytes, *, where: str) -> tuple[str, str, str]:
         if name not in record:
             keys = ", ".join(map(repr, list(record)[:8])) or "none"
             raise ValueError(f"{where} has no {name!r} field (its keys: {keys}): each record needs prompt, chosen and rejected strings")
-        if not isinstance(record[name], str) or not _encodes(record[name]):
+        if not isinstance(record[name], str) or not encodes_utf8(record[name]):
             raise ValueError(f"{where}: field {name!r} is not a string of UTF-8 text: fix the line")
     return record["prompt"], record["chosen"], record["rejected"]
-
-
-def _encodes(text: str) -> bool:
-    """Whether `text` is UTF-8-encodable: JSON's \\u escapes can spell half a surrogate pair, which is not."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def tokenize_pairs(records: list[tuple[str, str, str]], tokenizer: TextTokenizer) -> list[PreferencePair]:

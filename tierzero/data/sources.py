@@ -30,6 +30,7 @@ __all__ = [
     "DATASET_MARKERS",
     "Format",
     "Source",
+    "encodes_utf8",
     "find_files",
     "find_sources",
     "read_documents",
@@ -179,7 +180,7 @@ def _read_jsonl(path: Path, field: str) -> Iterator[str]:
             text = record[field]
             if not isinstance(text, str):
                 raise ValueError(f"{where}: field {field!r} is {_kind(text)}, expected a string: fix the line")
-            if b"\\u" in raw and not _encodes(text):
+            if b"\\u" in raw and not encodes_utf8(text):
                 raise ValueError(
                     f"{where}: field {field!r} holds a lone surrogate escape (such as \\ud800), which is no character "
                     "in UTF-8: fix the line"
@@ -187,7 +188,7 @@ def _read_jsonl(path: Path, field: str) -> Iterator[str]:
             yield text
 
 
-def _encodes(text: str) -> bool:
+def encodes_utf8(text: str) -> bool:
     """Whether `text` is UTF-8-encodable: JSON's \\u escapes can spell half a surrogate pair, which is not."""
     try:
         text.encode("utf-8")
