@@ -132,13 +132,13 @@ def save_checkpoint(engine: Checkpointable, root: str | Path, *, keep: int | Non
     root, comm, step = Path(root), engine.comm, engine.global_step
     engine.stage.finish()  # parameter all-gathers still in flight write the buffers being saved
     algorithm, fail = checksum_algorithm(), _save_failure(step, root)
-    made = on_every_rank(comm, lambda: _make_tmp_dir(root, step) if comm.rank == 0 else None, fail=fail)
-    tmp = from_rank0(comm, made)
-    assert tmp is not None
-    half = _HalfWritten(tmp)
+    half = _HalfWritten(root / f"{TMP_PREFIX}{step}-{secrets.token_hex(4)}")  # rank 0's is the one made
     if comm.rank == 0:
-        on_signals(half)  # SIGTERM or SIGHUP mid-save: no half-written directory outlives the run
+        on_signals(half)  # before it exists: SIGTERM or SIGHUP mid-save leaves no half-written directory
     try:
+        made = on_every_rank(comm, lambda: _make_tmp_dir(half.path) if comm.rank == 0 else None, fail=fail)
+        tmp = from_rank0(comm, made)
+        assert tmp is not None
         if is_peft_model(engine.module):
             # A LoRA run's adapters in peft's format too, inside the checkpoint (pruned with it).
             adapters = adapter_state(engine)
@@ -171,9 +171,9 @@ class _HalfWritten:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _make_tmp_dir(root: Path, step: int) -> Path:
-    root.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
-    return make_private_dir(root / f"{TMP_PREFIX}{step}-{secrets.token_hex(4)}")
+def _make_tmp_dir(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+    return make_private_dir(path)
 
 
 def _save_failure(step: int, root: Path) -> Callable[[RankFailure], Exception]:
