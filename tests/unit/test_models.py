@@ -156,6 +156,9 @@ def test_transformers_errors_are_one_line() -> None:
         build_model(_model_cfg("transformers", transformers_class=None, transformers_config={}))
     with pytest.raises(ValueError, match=r"^model.transformers_config has bogus, which GPT2Config does not take"):
         build_model(_model_cfg("transformers", transformers_class="GPT2LMHeadModel", transformers_config={"n_layer": 1, "bogus": 1}))
+    for key in ("torch_dtype", "dtype"):  # a name transformers takes, but the engine's dtypes are the precision section's
+        with pytest.raises(ValueError, match=rf"^model.transformers_config.{key}: .*: remove model.transformers_config.{key} and set precision.param_dtype$"):
+            build_model(_model_cfg("transformers", transformers_class="GPT2LMHeadModel", transformers_config={"n_layer": 1, key: "bfloat16"}))
 
 
 def test_spec_rejects_heads_that_do_not_divide_the_width() -> None:

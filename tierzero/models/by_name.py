@@ -37,6 +37,11 @@ def transformers_model(class_name: str | None, kwargs: dict[str, Any], *, device
             "use a class name such as GPT2LMHeadModel or LlamaForCausalLM"
         )
     _check_causal_lm(class_name)
+    if dtypes := sorted({"torch_dtype", "dtype"} & set(kwargs)):
+        raise ValueError(
+            f"model.transformers_config.{dtypes[0]}: the engine sets the model's dtypes from the precision section: "
+            f"remove model.transformers_config.{dtypes[0]} and set precision.param_dtype"
+        )
     # Config classes store unknown keywords silently; a typo would train the default size.
     known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
     unknown = sorted(set(kwargs) - known)
