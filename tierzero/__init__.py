@@ -14,7 +14,6 @@ import os
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import importlib
-from typing import Any
 
 __version__ = "0.1.0"
 
@@ -25,7 +24,7 @@ _LAZY = {"initialize": "tierzero.api", "Engine": "tierzero.engine.engine"}
 (the config, the command table) load without torch's seconds of import."""
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name not in _LAZY:
         raise AttributeError(f"module 'tierzero' has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY[name]), name)

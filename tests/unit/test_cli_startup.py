@@ -32,7 +32,7 @@ def _loaded(*argv: str) -> tuple[set[str], str]:
 @pytest.mark.parametrize("argv", [("--help",), ("--version",), ("no-such-command",)])
 def test_help_and_version_import_neither_torch_nor_the_commands(argv: tuple[str, ...]) -> None:
     loaded, out = _loaded(*argv)
-    assert loaded == {"tierzero.cli.commands", "tierzero.cli.main"}, loaded
+    assert loaded == {"tierzero.cli.commands", "tierzero.cli.launch", "tierzero.cli.main"}, loaded
     if argv == ("--help",):
         for name, command in COMMANDS.items():
             assert name in out and command.help.split()[0] in out

@@ -2,6 +2,6 @@
 
 import sys
 
-from tierzero.cli.main import main
+from tierzero.cli.launch import run
 
-sys.exit(main())
+sys.exit(run())

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from tierzero import __version__
 from tierzero.cli.commands import COMMANDS
+from tierzero.cli.launch import quit_quietly
 
 
 def _build_parser(wanted: str | None) -> argparse.ArgumentParser:
@@ -43,5 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tierzero: interrupted", file=sys.stderr)
         return 130
+    if signal.getsignal(signal.SIGINT) is quit_quietly:  # loaded: the command handles Ctrl-C from here
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     args.process_ends = argv is None  # the command line, not a caller: see train's `process_ends`
     return guard.run(args)
