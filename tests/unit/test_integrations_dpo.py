@@ -1,17 +1,11 @@
 """TRL's DPOTrainer training a tierzero engine (tierzero.integrations.trl.TierzeroDPOTrainer) against the
-same engine driven by hand with tierzero's own DPO step (tierzero/align/step.py) on the Trainer's batches.
+same engine driven by hand with tierzero's own DPO step (tierzero/align/step.py) on the Trainer's batches:
+the same weights bit for bit, and the Trainer's logged loss, learning rate, gradient norm and reward
+metrics the engine's and tierzero's DPO's.
 
 The policy is a tiny transformers Llama with peft's LoRA on q_proj and v_proj (lora_B drawn away
 from zero, so that the policy and its reference differ from step 0); the reference, in both runs,
 is the same model with its adapters off, through the engine.
-
-Not bit for bit, within 1e-6: the two compute the same loss by different arithmetic. TRL sums the
-completion's log-probabilities from its fused LM head (the LM head and log-softmax in tiles of the
-completion's positions only), over the whole padded rows with their attention mask; tierzero takes
-a cross-entropy over the full logits of the rows one token shorter, without a mask (right padding
-changes no completion position under causal attention). The rounding differs in the last bits of
-the log-probs, hence of the gradients and the margins; after 3 steps of Adam at lr 1e-2 the weights
-differ by 7.5e-8 at most and the margins by 5e-8 (the losses logged happen to round to the same float).
 """
 
 from __future__ import annotations
@@ -24,7 +18,7 @@ import torch
 from test_data_tokens import tiny_tokenizer
 
 import tierzero
-from tierzero.align import dpo_micro_step
+from tierzero.align import completion_logps, dpo_micro_step
 from tierzero.data.preference import IGNORE, PreferenceBatch
 
 transformers = pytest.importorskip("transformers")
@@ -33,16 +27,18 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 integration = pytest.importorskip("tierzero.integrations.trl")
 
-BETA, GA, STEPS, TOLERANCE = 0.1, 2, 3, 1e-6
+BETA, GA, STEPS = 0.1, 2, 3
 CONFIG = {
     "zero": {"stage": 3},
     "optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.0},
+    "scheduler": {"type": "cosine", "warmup_steps": 1, "total_steps": STEPS},
     "gradient_clipping": 0.5,
     "gradient_accumulation_steps": GA,
     "dpo": {"beta": BETA},
 }
-"""Stage 3 with clipping: each unit's step is deferred to the next forward, the policy's in TRL's order
-(policy, then reference) and the reference's in tierzero's; the weights must not care."""
+"""Stage 3 with clipping (the engine measures the norm) and a schedule (each step's rate differs): each unit's
+step is deferred to the next forward; the weights must not care whether the Trainer or a hand drives it."""
+STAGE_1 = {**CONFIG, "zero": {"stage": 1}}
 RECORDS = [
     {"prompt": "the cat sat", "chosen": " on the mat", "rejected": " far"},
     {"prompt": "a dog", "chosen": " ran far", "rejected": " sat on a cat end"},
@@ -54,6 +50,8 @@ RECORDS = [
     {"prompt": "the dog ran on the", "chosen": " mat", "rejected": " story of the end"},
 ]
 """8 pairs: 4 micro-batches of 2 an epoch, so that 3 steps at GA 2 cross into the second epoch."""
+LOGGED = ("loss", "learning_rate", "grad_norm", "rewards/margins", "rewards/accuracies")
+FIRST_STEP = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
 
 
 def _policy() -> Any:
@@ -94,11 +92,11 @@ def _dpo_args(out: Path, **given: Any) -> Any:
     return trl.DPOConfig(output_dir=str(out), **kwargs)
 
 
-def _trainer(tmp_path: Path, model: Any, **given: Any) -> Any:
+def _trainer(tmp_path: Path, model: Any, config: dict[str, Any] = CONFIG, **given: Any) -> Any:
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_tokenizer(tmp_path / "tok"))
     args = _dpo_args(tmp_path / "dpo", **given)
     return integration.TierzeroDPOTrainer(
-        model, CONFIG, args=args, train_dataset=datasets.Dataset.from_list(RECORDS), processing_class=tokenizer
+        model, config, args=args, train_dataset=datasets.Dataset.from_list(RECORDS), processing_class=tokenizer
     )
 
 
@@ -106,46 +104,71 @@ def _as_preference_batch(batch: dict[str, torch.Tensor]) -> PreferenceBatch:
     """TRL's rows (prompt + completion, chosen rows first, padded right) as tierzero's: inputs and next-token targets,
     `IGNORE` wherever TRL's completion mask, shifted by one, is not set (the prompt and the padding)."""
     ids, completion = batch["input_ids"], batch["completion_mask"]
-    return PreferenceBatch(tokens=ids[:, :-1], targets=ids[:, 1:].masked_fill(completion[:, 1:] == 0, IGNORE))
+    targets = ids[:, 1:].clone()
+    targets[completion[:, 1:] == 0] = IGNORE
+    return PreferenceBatch(tokens=ids[:, :-1], targets=targets)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)  # TRL's average of its per-micro-batch metrics between two logs
+
+
+def _first_step_rewards(engine: Any, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """The first step's reward and log-prob metrics, by hand: both of its micro-batches meet the initial weights."""
+    rows: dict[str, list[float]] = {name: [] for name in FIRST_STEP}
+    with torch.no_grad():
+        for batch in batches[:GA]:
+            policy, reference = completion_logps(engine, _as_preference_batch(batch), is_hf=True)
+            pairs = policy.shape[0] // 2
+            rewards = BETA * (policy - reference)
+            for name, values in zip(FIRST_STEP, (rewards[:pairs], rewards[pairs:], policy[:pairs], policy[pairs:]), strict=True):
+                rows[name].append(values.mean().item())
+    return {name: _mean(values) for name, values in rows.items()}
 
 
 def _by_hand(engine: Any, batches: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
     """tierzero's own DPO step on each batch; what the Trainer logs each step, computed as it computes it."""
     logs = []
     for start in range(0, len(batches), GA):
-        loss, margins = torch.tensor(0.0), []
+        lr, loss, margins, accuracies = engine.lr, torch.tensor(0.0), [], []
         for batch in batches[start : start + GA]:
             terms = dpo_micro_step(engine, _as_preference_batch(batch), beta=BETA, is_hf=True)
             loss += terms.loss / GA  # the Trainer's running sum of micro-batch losses over GA
             margins.append(terms.margin.item())
-        logs.append({"loss": loss.item(), "rewards/margins": sum(margins) / len(margins), "grad_norm": engine.grad_norm})
+            accuracies.append(terms.accuracy.item())
+        logs.append(
+            {"loss": loss.item(), "learning_rate": lr, "grad_norm": engine.grad_norm,
+             "rewards/margins": _mean(margins), "rewards/accuracies": _mean(accuracies)}
+        )  # fmt: skip
     return logs
 
 
-def test_trls_dpo_trainer_trains_as_tierzeros_own_dpo_step(tmp_path: Path) -> None:
-    trainer = _trainer(tmp_path, _policy())
+@pytest.mark.parametrize("config", [CONFIG, STAGE_1], ids=["stage3", "stage1"])
+def test_trls_dpo_trainer_trains_bit_for_bit_as_tierzeros_own_dpo_step(tmp_path: Path, config: dict[str, Any]) -> None:
+    trainer = _trainer(tmp_path, _policy(), config)
     recording = trainer.data_collator = _Recording(trainer.data_collator)
     with trainer.engine:
         before = trainer.engine.full_state_dict()
         trainer.train()
         trained = trainer.engine.full_state_dict()
-        logged = [
-            {key: entry[key] for key in ("loss", "rewards/margins", "grad_norm")} for entry in trainer.state.log_history if "loss" in entry
-        ]
+        logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     batches = recording.batches[: STEPS * GA]  # past an epoch's end the loader collates one batch ahead
     assert len(batches) == STEPS * GA and trainer.beta == BETA
+    for batch in batches:  # the trainer's conversion is the one written above
+        ours, theirs = integration.preference_batch(batch), _as_preference_batch(batch)
+        assert torch.equal(ours.tokens, theirs.tokens) and torch.equal(ours.targets, theirs.targets)
 
-    with tierzero.initialize(_policy(), CONFIG) as engine:
+    with tierzero.initialize(_policy(), config) as engine:
+        first = _first_step_rewards(engine, batches)
         expected = _by_hand(engine, batches)
         by_hand = engine.full_state_dict()
     assert trained.keys() == by_hand.keys()
     moved = [name for name in trained if not torch.equal(trained[name], before[name])]
     assert moved and all("lora_" in name for name in moved)  # the adapters train, the base is frozen
-    gap = max((trained[name] - by_hand[name]).abs().max().item() for name in trained)
-    assert gap <= TOLERANCE
-    assert len(logged) == STEPS
-    for ours, theirs in zip(logged, expected, strict=True):
-        assert all(abs(ours[key] - theirs[key]) <= TOLERANCE for key in ours), (ours, theirs)
+    assert all(torch.equal(trained[name], by_hand[name]) for name in trained)
+    assert [{key: entry[key] for key in LOGGED} for entry in logged] == expected
+    assert {key: logged[0][key] for key in FIRST_STEP} == first
+    assert len({entry["learning_rate"] for entry in logged}) == STEPS  # the schedule moved the rate each step
     assert expected[0]["rewards/margins"] != 0.0  # the reference is not the policy: the adapters were off
 
 
@@ -155,6 +178,11 @@ REFUSED = [
     (
         {"activation_offloading": True},
         "DPOConfig.activation_offloading=True with a tierzero engine: the config's activations.offload offloads them",
+    ),
+    (
+        {"loss_type": ["ipo"]},
+        "DPOConfig.loss_type=['ipo'] with a tierzero engine: the loss is tierzero's sigmoid DPO (tierzero.align.dpo_loss); "
+        "leave loss_type at its default ['sigmoid']",
     ),
 ]
 
@@ -175,3 +203,19 @@ def test_what_the_config_or_the_engine_decides_is_refused_in_one_line(tmp_path: 
     with pytest.raises(ValueError) as raised:
         _trainer(tmp_path, _policy().get_base_model())
     assert str(raised.value).startswith("TierzeroDPOTrainer needs a peft LoRA model, got LlamaForCausalLM: the reference is")
+
+
+def test_a_batch_tierzeros_dpo_step_cannot_read_is_refused_in_one_line() -> None:
+    ids = torch.tensor([[0, 3, 4, 5], [0, 3, 6, 7]])
+    right = {
+        "input_ids": ids,
+        "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
+        "completion_mask": torch.tensor([[0, 0, 1, 1], [0, 0, 1, 0]]),
+    }
+    assert integration.preference_batch(right).targets.tolist() == [[IGNORE, 4, 5], [IGNORE, 6, IGNORE]]
+    with pytest.raises(ValueError) as raised:
+        integration.preference_batch({**right, "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])})
+    assert str(raised.value).startswith("TierzeroDPOTrainer got rows padded on the left: tierzero's DPO step reads them without")
+    with pytest.raises(ValueError) as raised:
+        integration.preference_batch({**right, "pixel_values": torch.zeros(2, 3)})
+    assert str(raised.value).startswith("TierzeroDPOTrainer got a batch with ['pixel_values']: tierzero's DPO step reads text rows")

@@ -6,7 +6,10 @@ preference records themselves are read by tierzero.data.preference.
 """
 
 from tierzero.align.dpo import DpoTerms, dpo_loss, sequence_logps
-from tierzero.align.step import DpoStats, dpo_micro_step, dpo_train_step, logits_of
+from tierzero.align.step import DpoStats, completion_logps, dpo_micro_step, dpo_train_step, logits_of
 from tierzero.data.preference import PreferenceBatches
 
-__all__ = ["DpoStats", "DpoTerms", "PreferenceBatches", "dpo_loss", "dpo_micro_step", "dpo_train_step", "logits_of", "sequence_logps"]
+__all__ = [
+    "DpoStats", "DpoTerms", "PreferenceBatches", "completion_logps", "dpo_loss", "dpo_micro_step", "dpo_train_step", "logits_of",
+    "sequence_logps",
+]

@@ -19,7 +19,7 @@ from tierzero.align.dpo import DpoTerms, dpo_loss, sequence_logps
 from tierzero.data.preference import PreferenceBatch
 from tierzero.pretrained.lora import adapters_off
 
-__all__ = ["DpoStats", "dpo_micro_step", "dpo_train_step", "logits_of"]
+__all__ = ["DpoStats", "completion_logps", "dpo_micro_step", "dpo_train_step", "logits_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,18 @@ def logits_of(engine: Any, tokens: torch.Tensor, *, is_hf: bool) -> torch.Tensor
     return engine(input_ids=tokens).logits if is_hf else engine(tokens)
 
 
+def completion_logps(engine: Any, batch: PreferenceBatch, *, is_hf: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's and the reference's summed log-probs of the completions, (2B,) each, the policy's with gradients.
+
+    The reference's forward runs first, so that its logits are freed before the policy's builds
+    its activations; `dpo_micro_step`, and TRL's DPOTrainer on the engine, take their loss from these.
+    """
+    with torch.no_grad(), adapters_off(engine.module):
+        reference = sequence_logps(logits_of(engine, batch.tokens, is_hf=is_hf), batch.targets)
+    policy = sequence_logps(logits_of(engine, batch.tokens, is_hf=is_hf), batch.targets)
+    return policy, reference
+
+
 def dpo_micro_step(
     engine: Any, batch: PreferenceBatch, *, beta: float, is_hf: bool, mark: Callable[[str], None] | None = None
 ) -> DpoTerms:
@@ -45,9 +57,7 @@ def dpo_micro_step(
     """
     mark = mark or _unmarked
     mark("forward")
-    with torch.no_grad(), adapters_off(engine.module):
-        reference = sequence_logps(logits_of(engine, batch.tokens, is_hf=is_hf), batch.targets)
-    policy = sequence_logps(logits_of(engine, batch.tokens, is_hf=is_hf), batch.targets)
+    policy, reference = completion_logps(engine, batch, is_hf=is_hf)
     terms = dpo_loss(policy, reference, beta=beta)
     mark("backward")
     engine.backward(terms.loss)
