@@ -1,4 +1,5 @@
-"""`tierzero consolidate CKPT OUT [--hf]`: a sharded checkpoint's full model as safetensors or a transformers directory."""
+"""`tierzero consolidate CKPT OUT [--hf]`: a sharded checkpoint's full model as safetensors or a transformers directory
+(for a LoRA run, its base with the adapters merged, or with `--adapters-only` the adapters in peft's format)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from tierzero.checkpoint.consolidate import consolidate, consolidate_pretrained
+from tierzero.checkpoint.consolidate import consolidate, consolidate_adapters, consolidate_pretrained
 from tierzero.checkpoint.export import DEFAULT_MAX_SHARD_SIZE, EXPORT_DTYPES, shard_limit
 from tierzero.checkpoint.formats import TransformersDirectory
 from tierzero.cli.commands import COMMANDS
@@ -25,7 +26,10 @@ def add_consolidate_command(subparsers: Any) -> None:
         "--hf", action="store_true",
         help="write OUT as save_pretrained does: sharded safetensors, index, config.json and the tokenizer",
     )  # fmt: skip
-    parser.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default=None, help="--hf: dtype written (default: the training dtype)")
+    parser.add_argument(
+        "--dtype", choices=sorted(EXPORT_DTYPES), default=None,
+        help="--hf: dtype written (default: the training dtype; bf16 for a LoRA run's merged model)",
+    )  # fmt: skip
     parser.add_argument(
         "--max-shard-size", default=None, metavar="SIZE", help=f"--hf: largest weight file (default {DEFAULT_MAX_SHARD_SIZE})"
     )
@@ -33,14 +37,25 @@ def add_consolidate_command(subparsers: Any) -> None:
         "--tokenizer", default=None, metavar="DIR",
         help="--hf: tokenizer directory to copy (default: the run's data.tokenizer, or its model.pretrained's tokenizer)",
     )  # fmt: skip
+    parser.add_argument(
+        "--adapters-only", action="store_true",
+        help="--hf of a LoRA run: its adapters in peft's format, as train --export writes them, instead of the merged model",
+    )  # fmt: skip
     parser.set_defaults(func=run_consolidate)
 
 
 def run_consolidate(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     target = Path(args.out)
-    hf_only = [flag for flag, value in (("--dtype", args.dtype), ("--max-shard-size", args.max_shard_size), ("--tokenizer", args.tokenizer)) if value]
+    given = (("--dtype", args.dtype), ("--max-shard-size", args.max_shard_size), ("--tokenizer", args.tokenizer))
+    shaping = [flag for flag, value in given if value]
+    hf_only = shaping + (["--adapters-only"] if args.adapters_only else [])
     if hf_only and not args.hf:
         raise ValueError(f"{hf_only[0]} shapes a transformers directory: add --hf")
+    if args.adapters_only and shaping:
+        raise ValueError(
+            f"{shaping[0]} shapes the merged model, and --adapters-only writes peft's adapter files alone (fp32, no "
+            f"tokenizer, as train --export writes them): drop {shaping[0]} or --adapters-only"
+        )
     if args.hf and target.suffix == ".safetensors":
         raise ValueError(f"--hf writes a directory, got output {args.out}: name a directory, or drop --hf for one file")
     if not args.hf and target.suffix and target.suffix != ".safetensors":
@@ -54,7 +69,9 @@ def run_consolidate(args: argparse.Namespace, *, out: TextIO | None = None) -> i
     def note(line: str) -> None:
         stream.write(f"{line}\n")
 
-    if args.hf:
+    if args.adapters_only:
+        done = consolidate_adapters(args.checkpoint, target, note=note)
+    elif args.hf:
         hf = TransformersDirectory(
             dtype=EXPORT_DTYPES[args.dtype] if args.dtype else None, tokenizer=args.tokenizer,
             max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
