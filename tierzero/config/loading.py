@@ -130,6 +130,6 @@ def _raw_of(cfg: Config) -> dict[str, Any]:
     file `cfg` was loaded from; a Config does not remember which values were written.
     """
     raw = cfg.to_dict()
-    if cfg.optimizer.weight_decay == TORCH_WEIGHT_DECAY[cfg.optimizer.type]:
+    if cfg.optimizer.weight_decay == TORCH_WEIGHT_DECAY.get(cfg.optimizer.type, 0.0):
         del raw["optimizer"]["weight_decay"]
     return raw

@@ -33,6 +33,7 @@ from tierzero.optim.flat import make_optimizer
 from tierzero.optim.groups import GroupRules
 from tierzero.optim.schedule import Schedule
 from tierzero.optim.schedule import lr_lambda as schedule_lambda
+from tierzero.optim.unit_states import states_by_tier
 from tierzero.prefetch import Prefetcher
 from tierzero.pretrained import PretrainedWeights
 from tierzero.stages import STAGES, Homes, Stage3, StepScalars
@@ -374,6 +375,7 @@ class Engine:
             **self.store.report().summary(self.store.kind_bytes()),
             # Where each kind lives, by tier: the config's `offload` or the planner's choice, unit by unit.
             "placement": self.plan.bytes_by_home(),
+            "optimizer_states": states_by_tier(self.stage.optimizer, self.units, rank=self.comm.rank, homes=self.stage.homes),
             "planned": None if self.placement is None else self.placement.summary(),
         }
 

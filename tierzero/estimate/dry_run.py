@@ -38,6 +38,7 @@ from tierzero.engine.micro_step import PARTS, micro_step
 from tierzero.estimate.counting import CountingStore, Traffic
 from tierzero.estimate.shapes import ShapesOnly
 from tierzero.models.builtin import build_model, count_parameters
+from tierzero.optim.unit_states import HeldStates, held_states
 from tierzero.stages.plan import Homes, SlicePlan
 from tierzero.units.unit import Unit
 
@@ -81,6 +82,9 @@ class DryRun:
     """What a later step moved and stepped in each of its parts ("forward", "backward", "step"), in order."""
     units: tuple[Unit, ...] = ()
     """The engine's units, in order (their shapes and dtypes: what a generate run gathers)."""
+    optimizer_states: dict[str, HeldStates] = field(default_factory=dict)
+    """The states a torch.optim class keeps beside each trained unit's shard, by unit, and the tier whose
+    memory holds them ([Note: counting a class's states]); empty for the engine's own optimizers."""
 
 
 _MAX_STEPS = 8
@@ -135,6 +139,7 @@ def dry_run(
         comm=fast.comm,
         phases=fast.phases,
         units=tuple(engine.units),
+        optimizer_states=slow.states,
     )
     _kept[key] = run
     while len(_kept) > _KEPT:
@@ -157,6 +162,7 @@ class _Replay:
     steps: int = 0
     comm: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     phases: dict[str, Traffic] = field(default_factory=dict)
+    states: dict[str, HeldStates] = field(default_factory=dict)
 
 
 class _CountedOptimizer:
@@ -205,8 +211,10 @@ def _set_up_and_step(
     ctx = DistContext(rank=0, world_size=world_size, local_rank=0, device=torch.device("meta"), created_group=False)
     run = _Replay(store=store, model=model, parameters=count_parameters(model))
     engine = Engine(model, cfg, ctx=ctx, store=store, mesh=mesh, homes=homes)
-    engine.stage.optimizer = _CountedOptimizer(engine.stage.optimizer, store)
     try:
+        # Counted before the steps, which on the meta device run no class ([Note: a torch.optim class per unit]).
+        run.states = held_states(engine.stage.optimizer, engine.units, rank=0, homes=engine.stage.homes)
+        engine.stage.optimizer = _CountedOptimizer(engine.stage.optimizer, store)
         run.written_setup = store.nvme_written
         store.reset_traffic()
         _step(engine, cfg, mark=store.mark)

@@ -24,6 +24,7 @@ from tierzero.config import load_config
 from tierzero.estimate.counting import Traffic
 from tierzero.estimate.dry_run import dry_run
 from tierzero.offload.disk.files import free_space as _free_space
+from tierzero.optim.unit_states import HeldStates
 from tierzero.stages.plan import Homes, SlicePlan
 from tierzero.units.precision import dtype_of
 
@@ -59,9 +60,15 @@ class TierEstimate:
     working: dict[str, int] = field(default_factory=dict)
     """Peak transient bytes by use: gathered (stage-3 full units), scratch (gradients, step), fetched
     (copies of slices homed elsewhere), staging (the swapper's pool), bounce (the NVMe tier's), cache
-    (tiers.nvme.cache's entries)."""
+    (tiers.nvme.cache's entries); and, not transient but in no kind's column, optimizer_states
+    (`optimizer_states`, shown beside the rest)."""
+    optimizer_states: int = 0
+    """Bytes of the states a torch.optim class (optimizer.type lion, adafactor, torch:<class>) keeps in this
+    tier's memory beside the units' shards ([Note: counting a class's states]): no store slice holds them,
+    so `homes` has none of them; `home_total` and `peak` count them."""
     peak: int = 0
-    """The store ledger's peak for this tier (`engine.memory_report()["tiers"][tier]["peak"]`)."""
+    """The store ledger's peak for this tier (`engine.memory_report()["tiers"][tier]["peak"]`), plus
+    `optimizer_states` (from the first step on, they are held throughout)."""
     uncounted: int = 0
     """Bytes in `peak` that do not count against the capacity (the NVMe tier's bounce blocks)."""
     disk_need: int = 0
@@ -71,7 +78,7 @@ class TierEstimate:
 
     @property
     def home_total(self) -> int:
-        return sum(self.homes.values())
+        return sum(self.homes.values()) + self.optimizer_states
 
     @property
     def need(self) -> int:
@@ -128,6 +135,8 @@ class Estimate:
     """Whether the step runs on a GPU (this host's, or the `Target`'s)."""
     plan: SlicePlan | None = None
     """Each unit's slices and their homes, as the engine registers them."""
+    optimizer_states: dict[str, HeldStates] = field(default_factory=dict)
+    """What a torch.optim class keeps beside each trained unit's shard, by unit (empty for adamw, adam, sgd)."""
     phases: dict[str, Traffic] = field(default_factory=dict)
     """What a later step moved and stepped in each of its parts ("forward", "backward", "step")."""
     problems: list[str] = field(default_factory=list)
@@ -189,9 +198,13 @@ def estimate(
     for spec in run.plan.all():
         homes = tiers[spec.home].homes  # SECONDARY (hpZ) joins the model states only where there is one
         homes[spec.kind] = homes.get(spec.kind, 0) + spec.nbytes
+    for held in run.optimizer_states.values():
+        tiers[held.tier].optimizer_states += held.nbytes  # never NVMe: the dry run refuses it
     for tier, est in tiers.items():
         est.working = {use: n for use, n in run.working[tier].items() if use != "home" and n}
-        est.peak = run.peak[tier] if tier is not Tier.NVME else est.home_total
+        if est.optimizer_states:
+            est.working["optimizer_states"] = est.optimizer_states
+        est.peak = run.peak[tier] + est.optimizer_states if tier is not Tier.NVME else est.home_total
         est.uncounted = run.bounce if tier is Tier.CPU else 0
     nvme_file = run.plan.home_bytes(Tier.NVME)
     if cfg.tiers.nvme.capacity is not None and nvme_file:
@@ -227,6 +240,7 @@ def estimate(
         cuda=cuda,
         plan=run.plan,
         phases=run.phases,
+        optimizer_states=dict(run.optimizer_states),
     )
     _check_fit(result, cfg)
     if suggest and not result.fits:

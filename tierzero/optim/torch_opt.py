@@ -36,7 +36,7 @@ from tierzero.optim.base import FlatOptimizer, OptimizerSpec, OptimizerType, Opt
 from tierzero.units.slice_layout import ParamGroup
 from tierzero.units.unit import Unit
 
-__all__ = ["NAMED", "TORCH_PREFIX", "Lion", "TorchOptimizer", "make_torch_optimizer", "resolve_class"]
+__all__ = ["NAMED", "TORCH_PREFIX", "Lion", "TorchOptimizer", "make_torch_optimizer", "resolve_class", "unit_pieces"]
 
 TORCH_PREFIX = "torch:"
 
@@ -106,6 +106,20 @@ class _Piece:
     shape: tuple[int, ...]
 
 
+def unit_pieces(unit: Unit, *, rank: int) -> list[_Piece]:
+    """The parameters `rank`'s instance for `unit` steps: a piece per original tensor in its shard, of
+    the tensor's own shape where the shard holds it whole, else flat (tierzero/optim/unit_states.py
+    counts their states)."""
+    start, end = unit.shard_range(rank)
+    pieces = []
+    for slot in unit.slots:
+        a, b = max(slot.offset, start), min(slot.offset + slot.numel, end)
+        if a < b:
+            shape = tuple(slot.shape) if b - a == slot.numel else (b - a,)
+            pieces.append(_Piece(a - start, b - start, slot.group, shape))
+    return pieces
+
+
 @dataclass(slots=True)
 class _UnitInstance:
     """One unit's torch.optim instance and the parameters it steps, one per `_Piece`."""
@@ -156,13 +170,7 @@ class TorchOptimizer(FlatOptimizer):
         self.pending = dict(states)
 
     def _build(self, unit: Unit, *, rank: int, master: torch.Tensor) -> _UnitInstance:
-        start, end = unit.shard_range(rank)
-        pieces = []
-        for slot in unit.slots:
-            a, b = max(slot.offset, start), min(slot.offset + slot.numel, end)
-            if a < b:
-                shape = tuple(slot.shape) if b - a == slot.numel else (b - a,)
-                pieces.append(_Piece(a - start, b - start, slot.group, shape))
+        pieces = unit_pieces(unit, rank=rank)
         params = [torch.nn.Parameter(master.new_empty(0)) for _ in pieces]  # each step makes them views of its master
         by_group: dict[int, list[torch.nn.Parameter]] = {}
         for piece, param in zip(pieces, params, strict=True):

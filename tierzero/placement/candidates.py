@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from tierzero.common.sizes import format_size
 from tierzero.common.slices import SliceKey, Tier, align_up
 from tierzero.config import AUTO, Config
+from tierzero.config.optim import per_unit
 from tierzero.estimate.estimator import Bandwidth, Estimate
 from tierzero.placement.prediction import Prediction
 from tierzero.stages.plan import KIND_HOMES, Homes
@@ -48,9 +49,10 @@ class Candidate:
 
 
 def whole_kind(cfg: Config) -> list[Candidate]:
-    """Every whole-kind placement of the auto kinds the stage allows (nvme only with a path), the
-    ones that keep least in memory first: their replay gives the slice sizes that let the planner
-    refuse a placement whose homes alone are over budget without replaying it."""
+    """Every whole-kind placement of the auto kinds the stage and the config allow (nvme only with a path,
+    and not for the optimizer states of a torch.optim class, which it keeps in memory), the ones that
+    keep least in memory first: their replay gives the slice sizes that let the planner refuse a
+    placement whose homes alone are over budget without replaying it."""
     choices: list[Iterable[Tier]] = []
     for what, key in FIELDS.items():
         configured = getattr(cfg.offload, key)
@@ -60,7 +62,7 @@ def whole_kind(cfg: Config) -> list[Candidate]:
         tiers = [Tier.DEVICE]
         if cfg.zero.stage >= MIN_STAGE[what]:
             tiers.insert(0, Tier.CPU)
-            if cfg.tiers.nvme.path is not None:
+            if cfg.tiers.nvme.path is not None and not (what == "optimizer" and per_unit(cfg.optimizer.type)):
                 tiers.insert(0, Tier.NVME)
         choices.append(tiers)
     return [
@@ -126,8 +128,9 @@ def fill(
 
 
 def _groups(result: Estimate, *, disk: Bandwidth | None, auto: set[str]) -> tuple[dict[tuple[str, str], list[float]], Tier]:
-    """The slices `fill` may move, by (unit, kind field): [disk seconds they cost, aligned bytes];
-    and the tier they are on, the lowest that holds any."""
+    """The slices `fill` may move, by (unit, kind field): [disk seconds they cost, aligned bytes, with the
+    states a torch.optim class keeps beside the unit's shard where they are on that tier]; and the tier
+    they are on, the lowest that holds any."""
     assert result.plan is not None
     movable = [(unit, spec) for unit, specs in result.plan.specs.items() for spec in specs if KIND_HOMES[spec.kind] in auto]
     source = Tier.NVME if any(spec.home is Tier.NVME for _, spec in movable) else Tier.CPU
@@ -138,6 +141,10 @@ def _groups(result: Estimate, *, disk: Bandwidth | None, auto: set[str]) -> tupl
             group = groups.setdefault((unit, KIND_HOMES[spec.kind]), [0.0, 0.0])
             group[0] += 0.0 if disk is None else read / disk.read + written / disk.write
             group[1] += align_up(spec.nbytes)
+    if "optimizer" in auto:
+        for unit, held in result.optimizer_states.items():
+            if held.tier is source and held.nbytes:  # a torch.optim class's states move with the unit's optimizer home
+                groups.setdefault((unit, "optimizer"), [0.0, 0.0])[1] += held.nbytes
     return groups, source
 
 

@@ -7,7 +7,8 @@ candidates (tierzero/placement/candidates.py):
 
 1. every whole-kind placement the stage allows for the kinds left to it (parameters,
    gradients, optimizer states each wholly on the device, in host memory or on NVMe; the
-   kinds the config names stay where it says);
+   kinds the config names stay where it says; a torch.optim class's optimizer states never
+   on NVMe, which the config refuses: it keeps them in memory, and the replay counts them there);
 2. from each of the best whole-kind placements that leave state on NVMe, the same with as
    many units' NVMe slices moved into memory as the budgets have room for, unit by unit
    and kind by kind, those that cost most disk time per byte first, by the replay's own
@@ -293,6 +294,7 @@ def plan_placement(
         device_step_rate = measure_step_rate(cfg, device="cuda")
 
     specs: dict[str, Any] = {}
+    states: dict[str, int] = {}  # a torch.optim class's states by unit, held where its optimizer home is
     replays = 0
 
     def replay(homes: Homes, overrides: dict[str, int]) -> Estimate:
@@ -307,7 +309,7 @@ def plan_placement(
     def judge(candidate: Candidate, *, kept: bool = False) -> Candidate:
         # Homes alone over a budget: refused without a replay (the working set only adds to them).
         # `kept`: a split's cpu need counts the heap kept freed (a whole-kind placement fits as the store counts).
-        homes_short = rank_budgets.shortfalls_of_homes(_home_bytes(specs, candidate.homes)) if specs else {}
+        homes_short = rank_budgets.shortfalls_of_homes(_home_bytes(specs, states, candidate.homes)) if specs else {}
         if homes_short:
             candidate.short = homes_short
             return candidate
@@ -315,6 +317,7 @@ def plan_placement(
         result = replay(candidate.homes, {})
         assert result.plan is not None
         specs.update(result.plan.specs)
+        states.update({unit: held.nbytes for unit, held in result.optimizer_states.items()})
         short = rank_budgets.shortfalls(result, kept=kept)
         for lowered in _lowered_prefetch(cfg, result, short, shared_host=rank_budgets.shared_host):
             again = replay(candidate.homes, lowered)
@@ -389,12 +392,15 @@ def _lowered_prefetch(
     ]
 
 
-def _home_bytes(specs: dict[str, Any], homes: Homes) -> dict[Tier, int]:
-    """Bytes each tier's homes hold under `homes`, from a replay's slice sizes (the same for every placement)."""
+def _home_bytes(specs: dict[str, Any], states: dict[str, int], homes: Homes) -> dict[Tier, int]:
+    """Bytes each tier's homes hold under `homes`, from a replay's slice sizes and a torch.optim class's
+    `states` by unit (the same for every placement), those in the memory of the unit's optimizer home."""
     held = dict.fromkeys(Tier, 0)
     for unit, unit_specs in specs.items():
         for spec in unit_specs:
             held[homes.of(unit, spec.kind)] += spec.nbytes
+    for unit, nbytes in states.items():
+        held[homes.tier(unit, "optimizer")] += nbytes
     return held
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,9 @@ from tierzero.config import Config
 from tierzero.engine.micro_step import PARTS
 from tierzero.estimate.counting import Traffic
 from tierzero.estimate.estimator import Estimate
+from tierzero.optim.base import FlatOptimizer
 from tierzero.optim.flat import make_optimizer
+from tierzero.optim.torch_opt import TorchOptimizer
 from tierzero.stages.step_pipeline import MAX_RESIDENT_GROUPS
 
 __all__ = [
@@ -246,25 +249,38 @@ def measure_copy_rate(nbytes: int | None = None, *, copies: int = 5) -> float:
 
 
 def measure_step_rate(cfg: Config, numel: int = 1 << 24, *, steps: int = 3, device: str | None = None) -> float:
-    """Elements per second of `cfg`'s optimizer kernel (tierzero.optim.flat) on `device`, by default the
-    step's: the median of `steps` steps of `numel` elements after a warm-up. One step read 2.3 to
-    3.8 G/s within minutes on the 2-core VM, against 2.2 in the 2B step (docs/benchmarks-journal.md,
-    session 9)."""
+    """Elements per second of `cfg`'s optimizer kernel (tierzero.optim.flat, or its torch.optim class) on
+    `device`, by default the step's: the median of `steps` steps of `numel` elements after a warm-up.
+    One step read 2.3 to 3.8 G/s within minutes on the 2-core VM, against 2.2 in the 2B step
+    (docs/benchmarks-journal.md, session 9)."""
     optimizer = make_optimizer(cfg.optimizer)
     # An auto optimizer is timed on the host, where an offloaded step runs.
     if device is None:
         device = "cuda" if torch.cuda.is_available() and cfg.offload.optimizer is Tier.DEVICE else "cpu"
     param, grad = torch.randn(numel, device=device), torch.randn(numel, device=device)
-    states = optimizer.new_states(numel, device=device)
-    lrs = optimizer.group_lrs(1.0)
-    optimizer.step(param=param, grad=grad, states=states, step=1, lr=lrs)  # warm-up: first touch of the pages
+    step_once = _stepper(optimizer, param, grad)
+    step_once(1)  # warm-up: first touch of the pages
     runs = []
     for step in range(2, steps + 2):
         if device == "cuda":
             torch.cuda.synchronize()
         began = time.perf_counter()
-        optimizer.step(param=param, grad=grad, states=states, step=step, lr=lrs)
+        step_once(step)
         if device == "cuda":
             torch.cuda.synchronize()
         runs.append(time.perf_counter() - began)
     return numel / statistics.median(runs)
+
+
+def _stepper(optimizer: FlatOptimizer, param: torch.Tensor, grad: torch.Tensor) -> Callable[[int], None]:
+    """Step number k of `optimizer` on `param` with `grad`: the engine's kernel on the flat slice, or a
+    torch.optim class (optimizer.type lion, adafactor, torch:<class>) built on it as one 1-D parameter,
+    as it steps a piece a shard cuts (Adafactor's unfactored second moment: its slower case)."""
+    if isinstance(optimizer, TorchOptimizer):
+        flat = torch.nn.Parameter(param)
+        flat.grad = grad
+        instance = optimizer.cls([{"params": [flat], **optimizer.hypers_of(optimizer.groups[0])}], **optimizer.kwargs)
+        return lambda _: instance.step()
+    states = optimizer.new_states(param.numel(), device=param.device)
+    lrs = optimizer.group_lrs(1.0)
+    return lambda step: optimizer.step(param=param, grad=grad, states=states, step=step, lr=lrs)
