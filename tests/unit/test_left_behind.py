@@ -1,6 +1,7 @@
 """What a stopped or refused command leaves behind: nothing. `consolidate` (one file, and `--hf`)
 stopped by SIGTERM, SIGHUP or Ctrl-C mid-write leaves no partial `.tmp-` file; a bad
-`--max-shard-size` is refused before the output directory is made; an NVMe tier whose swap path
+`--max-shard-size` is refused before the output directory is made; a save stopped while it writes
+the root's `latest` pointer leaves no temp file beside it; an NVMe tier whose swap path
 was renamed mid-run still removes its run directory, where the directory now is."""
 
 from __future__ import annotations
@@ -65,6 +66,29 @@ def test_consolidate_stopped_mid_write_leaves_no_temp_file(root: Path, tmp_path:
     )  # fmt: skip
     assert ran.returncode == (130 if signum == signal.SIGINT else -signum), ran.stderr
     assert sorted(p.name for p in out.iterdir()) == [], ran.stderr
+
+
+STOP_AT_POINTER = """
+import os, signal, sys
+from pathlib import Path
+from tierzero.checkpoint import format as F
+replace = os.replace
+def stopping(src, dst):
+    if Path(dst).name == "latest":
+        os.kill(os.getpid(), int(sys.argv[1]))  # the pointer's temp file is written, not yet renamed
+    replace(src, dst)
+F.os.replace = stopping
+F.write_text_atomic(Path(sys.argv[2]) / "latest", "1\\n")
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=["TERM", "HUP", "INT"])
+def test_a_save_stopped_while_writing_the_latest_pointer_leaves_no_temp_file(tmp_path: Path, signum: int) -> None:
+    ran = subprocess.run(
+        [sys.executable, "-c", STOP_AT_POINTER, str(int(signum)), str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert ran.returncode in ((1, -signum) if signum == signal.SIGINT else (-signum,)), ran.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], ran.stderr
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +43,6 @@ from tierzero.checkpoint.export import (
     DEFAULT_MAX_SHARD_SIZE,
     OUTPUT_MODE,
     PretrainedWriter,
-    TempFile,
     check_export,
     copy_tokenizer,
     run_inputs,
@@ -58,6 +56,7 @@ from tierzero.checkpoint.find import find_checkpoint
 from tierzero.checkpoint.format import (
     CheckpointError,
     SafetensorsStream,
+    TempFile,
     TensorEntry,
     checksum_algorithm,
     dtype_from_name,
@@ -116,7 +115,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, *, note: Callable[[str]
     entries += [TensorEntry(name, t.numel(), t.dtype, tuple(t.shape)) for name, t in module.items()]
     aliases = {alias: slot.names[0] for unit in manifest.units for slot in unit.slots for alias in slot.names[1:]}
     metadata = {"format": "pt", ALIASES_KEY: json.dumps(aliases, sort_keys=True), "tierzero.step": str(manifest.step)}
-    tmp = TempFile(out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}"))
+    tmp = TempFile.beside(out)
     stream = SafetensorsStream(tmp.path, entries, algorithm=checksum_algorithm(), metadata=metadata, mode=OUTPUT_MODE)
     on_signals(tmp)  # SIGTERM or SIGHUP mid-write: no partial file outlives the command
     largest = 0

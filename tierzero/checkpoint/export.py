@@ -26,7 +26,6 @@ import copy
 import json
 import os
 import re
-import secrets
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from torch import nn
 from tierzero.checkpoint.agree import RankFailure, on_every_rank
 from tierzero.checkpoint.format import (
     SafetensorsStream,
+    TempFile,
     TensorEntry,
     checksum_algorithm,
     dtype_name,
@@ -170,7 +170,7 @@ class PretrainedWriter:
 
     def _open_shard(self) -> None:
         final = self.directory / self.files[self._shard]
-        self._tmp = TempFile(final.with_name(f".{final.name}.tmp-{secrets.token_hex(4)}"))
+        self._tmp = TempFile.beside(final)
         on_signals(self._tmp)  # SIGTERM or SIGHUP mid-shard: no partial file outlives the export
         self._stream = SafetensorsStream(
             self._tmp.path, self._shards[self._shard], algorithm=checksum_algorithm(), metadata={"format": "pt"}, mode=OUTPUT_MODE
@@ -199,17 +199,6 @@ def shard_limit(max_shard_size: int | str, *, what: str = "max shard size") -> i
     if limit < 1:
         raise ValueError(f"{what} is {max_shard_size!r}, expected a positive size such as 5GB or 500MB")
     return limit
-
-
-@dataclass(frozen=True, slots=True)
-class TempFile:
-    """A file written under a temporary name until it is renamed into place: removed when the
-    write fails, and on SIGTERM or SIGHUP while it is registered with `on_signals`."""
-
-    path: Path
-
-    def remove(self) -> None:
-        self.path.unlink(missing_ok=True)
 
 
 # ---- the other files of the directory -------------------------------------------------
@@ -243,7 +232,7 @@ def copy_tokenizer(source: Path, directory: Path) -> list[str]:
     """Copy the tokenizer files of `source` into `directory`; their names."""
     names = tokenizer_files(source, what="tokenizer")
     for name in names:
-        tmp = TempFile(directory / f".{name}.tmp-{secrets.token_hex(4)}")
+        tmp = TempFile.beside(directory / name)
         on_signals(tmp)
         try:
             shutil.copyfile(source / name, tmp.path)  # an ordinary file: 0666 less the umask
