@@ -294,10 +294,10 @@ def test_dpo_without_lora_and_a_beta_not_above_zero_are_refused(tmp_path: Path) 
     tok, path = _data(tmp_path)
     raw = {"train": {"objective": "dpo"}, "data": {"path": str(path), "tokenizer": str(tok)}}
     with pytest.raises(ConfigError) as refused:
-        load_config(raw)
+        load_config(raw | {"dpo": {"reference": "adapters_off"}})
     assert str(refused.value) == (
-        "train.objective is dpo but model.lora.r is 0 (full fine-tuning): the reference is the base with the LoRA "
-        "adapters switched off; set model.lora.r (e.g. 8), or train.objective to sft"
+        "dpo.reference is adapters_off but model.lora.r is 0 (full fine-tuning): there are no adapters to switch "
+        "off; set dpo.reference to precomputed (or auto), or model.lora.r (e.g. 8)"
     )
     for beta in (0, -0.1):
         with pytest.raises(ConfigError, match=rf"^dpo.beta: expected a positive number, got {beta}$"):

@@ -9,7 +9,9 @@ the margin is beta x (r_c - r_r) and the loss -log sigmoid(margin), averaged ove
 mean margin, and the accuracy the share of pairs whose margin is positive: both only
 describe the step, and carry no gradient. The reference here is the policy's own base with
 its LoRA adapters switched off (tierzero.pretrained.lora.adapters_off), so its log-probs
-cost a no-grad forward and 2B floats, never a second model.
+cost a no-grad forward and 2B floats, never a second model; or, with dpo.reference
+precomputed, the initial model's log-probs of every record, computed once before the first
+step (tierzero/align/reference.py).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tierzero.align.dpo import DpoTerms, dpo_loss, sequence_logps
+from tierzero.align.table import ReferenceTable
 from tierzero.data.preference import PreferenceBatch
 from tierzero.pretrained.lora import adapters_off
 
@@ -36,20 +37,27 @@ def logits_of(engine: Any, tokens: torch.Tensor, *, is_hf: bool) -> torch.Tensor
     return engine(input_ids=tokens).logits if is_hf else engine(tokens)
 
 
-def completion_logps(engine: Any, batch: PreferenceBatch, *, is_hf: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logps(
+    engine: Any, batch: PreferenceBatch, *, is_hf: bool, table: ReferenceTable | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The policy's and the reference's summed log-probs of the completions, (2B,) each, the policy's with gradients.
 
     The reference's forward runs first, so that its logits are freed before the policy's builds
     its activations; `dpo_micro_step`, and TRL's DPOTrainer on the engine, take their loss from these.
+    With `table` (dpo.reference precomputed, tierzero/align/reference.py) the reference is looked up instead.
     """
-    with torch.no_grad(), adapters_off(engine.module):
-        reference = sequence_logps(logits_of(engine, batch.tokens, is_hf=is_hf), batch.targets)
+    if table is not None:
+        reference = table.lookup(batch).to(batch.tokens.device)
+    else:
+        with torch.no_grad(), adapters_off(engine.module):
+            reference = sequence_logps(logits_of(engine, batch.tokens, is_hf=is_hf), batch.targets)
     policy = sequence_logps(logits_of(engine, batch.tokens, is_hf=is_hf), batch.targets)
     return policy, reference
 
 
 def dpo_micro_step(
-    engine: Any, batch: PreferenceBatch, *, beta: float, is_hf: bool, mark: Callable[[str], None] | None = None
+    engine: Any, batch: PreferenceBatch, *, beta: float, is_hf: bool, mark: Callable[[str], None] | None = None,
+    table: ReferenceTable | None = None,
 ) -> DpoTerms:
     """Reference and policy forwards, the DPO loss, backward and `engine.step()` on one micro-batch; the detached terms.
 
@@ -57,7 +65,7 @@ def dpo_micro_step(
     """
     mark = mark or _unmarked
     mark("forward")
-    policy, reference = completion_logps(engine, batch, is_hf=is_hf)
+    policy, reference = completion_logps(engine, batch, is_hf=is_hf, table=table)
     terms = dpo_loss(policy, reference, beta=beta)
     mark("backward")
     engine.backward(terms.loss)
@@ -68,9 +76,10 @@ def dpo_micro_step(
 
 def dpo_train_step(
     engine: Any, data: Any, dpo: Any, *, step: int, accumulation: int, device: torch.device, is_hf: bool,
-    mark: Callable[[str], None] | None = None,
+    mark: Callable[[str], None] | None = None, table: ReferenceTable | None = None,
 ) -> DpoStats:  # fmt: skip
-    """One optimizer step over `accumulation` micro-batches of `data` (`PreferenceBatches`), `dpo` the `dpo` section.
+    """One optimizer step over `accumulation` micro-batches of `data` (`PreferenceBatches`), `dpo` the `dpo` section;
+    `table`, the precomputed reference (None: the adapters-off forward).
 
     The figures are averaged over the micro-batches and over the ranks (one all-reduce), so every
     rank returns the same; `mark`, if any, also hears "" at the end of each micro-step.
@@ -79,8 +88,9 @@ def dpo_train_step(
     for micro in range(accumulation):
         batch = data.batch(step * accumulation + micro)
         if device.type == "cuda":  # pinned, the copies are asynchronous
-            batch = PreferenceBatch(*(t.pin_memory().to(device, non_blocking=True) for t in (batch.tokens, batch.targets)))
-        terms = dpo_micro_step(engine, batch, beta=float(dpo.beta), is_hf=is_hf, mark=mark)
+            tokens, targets = (t.pin_memory().to(device, non_blocking=True) for t in (batch.tokens, batch.targets))
+            batch = PreferenceBatch(tokens=tokens, targets=targets, records=batch.records)
+        terms = dpo_micro_step(engine, batch, beta=float(dpo.beta), is_hf=is_hf, mark=mark, table=table)
         total += torch.stack([terms.loss.float(), terms.margin.float(), terms.accuracy.float()])
         if mark is not None:
             mark("")

@@ -25,7 +25,7 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from tierzero.align import PreferenceBatches, dpo_train_step
+from tierzero.align import PreferenceBatches, dpo_train_step, reference_for_run
 from tierzero.api import initialize
 from tierzero.checkpoint import PeftAdapters, TransformersDirectory, probe_root
 from tierzero.checkpoint.export import check_export
@@ -212,7 +212,8 @@ def train(
                     out.write("\n".join(header.lines(world_size=world)) + "\n")
                 batches = PreferenceBatches.from_config if cfg.train.objective == "dpo" else batches_from_config
                 data = batches(cfg, rank=rank, world_size=world)
-                _loop(engine, cfg, data=data, summary=summary, ctrl_c=ctrl_c, show=rank == 0, progress=progress, out=out)
+                table = reference_for_run(engine, cfg, data, resumed=resume, device=_compute_device(), out=out if rank == 0 else None)
+                _loop(engine, cfg, data=data, summary=summary, ctrl_c=ctrl_c, show=rank == 0, progress=progress, out=out, table=table)
             elif rank == 0:
                 out.write(
                     f"the run is already complete at step {summary.complete_at} (train.steps {cfg.train.steps}): "
@@ -263,7 +264,7 @@ def _close(engine: Any, ctrl_c: CtrlC) -> None:
 
 
 def _loop(
-    engine: Any, cfg: Any, *, data: Any, summary: RunSummary, ctrl_c: CtrlC, show: bool, progress: bool, out: TextIO
+    engine: Any, cfg: Any, *, data: Any, summary: RunSummary, ctrl_c: CtrlC, show: bool, progress: bool, out: TextIO, table: Any = None
 ) -> None:
     accumulation = cfg.gradient_accumulation_steps
     tokens_per_step = data.tokens_per_batch * data.world_size * accumulation
@@ -282,8 +283,8 @@ def _loop(
         for step in range(start, cfg.train.steps):
             t0, moved, lr = time.perf_counter(), traffic(), float(engine.lr)
             if cfg.train.objective == "dpo":  # preference tuning (tierzero/align/): its step in place of the next-token one
-                loss = summary.note_preference(dpo_train_step(engine, data, cfg.dpo, step=step, accumulation=accumulation,
-                                                              device=device, is_hf=cfg.model.is_transformers, mark=clock and clock.mark))
+                loss = summary.note_preference(dpo_train_step(engine, data, cfg.dpo, step=step, accumulation=accumulation, device=device,
+                                                              is_hf=cfg.model.is_transformers, mark=clock and clock.mark, table=table))
             else:
                 loss = _train_step(
                     engine, data, step=step, accumulation=accumulation, device=device, is_hf=cfg.model.is_transformers, clock=clock

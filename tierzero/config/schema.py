@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tierzero.common.sizes import format_size
 from tierzero.common.slices import Tier
-from tierzero.config.checks import float_check, int_check
+from tierzero.config.checks import AUTO, float_check, int_check
 from tierzero.config.data import DataConfig
 from tierzero.config.errors import ConfigError
 from tierzero.config.model import ModelConfig
@@ -79,6 +79,13 @@ class Config(Section):
     def uses_nvme(self) -> bool:
         return Tier.NVME in self.placements().values()
 
+    @property
+    def dpo_reference(self) -> str:
+        """dpo.reference with auto resolved: adapters_off with model.lora, precomputed without."""
+        if self.dpo.reference != AUTO:
+            return self.dpo.reference
+        return "adapters_off" if self.model.lora.r else "precomputed"
+
 
 # Optimizer states may live off the device at every stage the engine runs (1 to 3), so only
 # parameters and gradients have a lowest stage.
@@ -139,14 +146,14 @@ def _check_nvme_placement(cfg: Config) -> None:
 
 
 def _check_preference_tuning(cfg: Config) -> None:
-    """`train.objective: dpo` needs LoRA (its reference is the base with the adapters off) and tokenized JSON Lines."""
+    """`train.objective: dpo` needs adapters to switch off for dpo.reference adapters_off, and tokenized JSON Lines."""
     if cfg.train.objective != "dpo":
         return
-    if cfg.model.lora.r == 0:
+    if cfg.dpo.reference == "adapters_off" and cfg.model.lora.r == 0:
         raise ConfigError(
-            "train.objective is dpo but model.lora.r is 0 (full fine-tuning): the reference is the base with the "
-            "LoRA adapters switched off; set model.lora.r (e.g. 8), or train.objective to sft",
-            key="model.lora.r",
+            "dpo.reference is adapters_off but model.lora.r is 0 (full fine-tuning): there are no adapters to switch "
+            "off; set dpo.reference to precomputed (or auto), or model.lora.r (e.g. 8)",
+            key="dpo.reference",
         )
     if cfg.data.tokenizer is None or cfg.data.format not in ("auto", "jsonl"):
         raise ConfigError(

@@ -42,6 +42,8 @@ STAGE = dataclasses.replace(
 
 OBJECTIVES = ("sft", "dpo")
 """`train.objective`: next-token training, or preference tuning (tierzero/align/)."""
+DPO_REFERENCES = (AUTO, "adapters_off", "precomputed")
+"""`dpo.reference`: where the DPO reference's log-probs come from (tierzero/align/reference.py)."""
 MAX_CAPACITY = 1 << 50
 """The limit of a tier capacity: 1 PiB."""
 MAX_HOST_BUFFERS = 64 * GiB
@@ -171,8 +173,8 @@ class TrainConfig(Section):
     overflowed gradients is not counted: only the loss is."""
     objective: str = setting("sft", choice_check(OBJECTIVES))
     """sft: next-token loss on data.path's text; dpo: preference tuning (the `dpo` section) on JSON Lines
-    records {prompt, chosen, rejected} tokenized with data.tokenizer, against the base with the
-    model.lora adapters switched off."""
+    records {prompt, chosen, rejected} tokenized with data.tokenizer, against the reference dpo.reference
+    names."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -339,7 +341,8 @@ class CheckpointConfig(Section):
 @dataclass(kw_only=True, slots=True, frozen=True)
 class DpoConfig(Section):
     """Preference tuning, `train.objective: dpo` (tierzero/align/): the sigmoid DPO loss of each record's
-    chosen completion against its rejected one, the reference being the base with the LoRA adapters off."""
+    chosen completion against its rejected one, under a frozen reference: the base with the LoRA adapters
+    off, or the initial model's log-probs computed before the first step."""
 
     SECTION: ClassVar[str] = "dpo"
     beta: float = setting(0.1, float_check(lo=0.0, lo_open=True, limit=1e6))
@@ -350,6 +353,14 @@ class DpoConfig(Section):
     """Prompt tokens kept, the last ones (nearest the completion); the prompt and completion (its EOS
     appended) are then cut to train.seq_len + 1 tokens, the completion's end first. At most
     train.seq_len, so that every completion keeps a token; 0: half of train.seq_len."""
+    reference: str = setting(AUTO, choice_check(DPO_REFERENCES))
+    """adapters_off: each step's reference forward runs the base with the model.lora adapters switched off
+    (needs model.lora). precomputed: before the first step the initial model's summed log-probs of every
+    record's chosen and rejected completions (with model.lora, of the base and its adapters as they start)
+    are computed once, without gradients (2 floats a record, each rank a share), and looked up at each
+    step: full fine-tuning needs no second model, and a step saves the reference's forward. `tierzero train` keeps them in checkpoint.dir as dpo-reference.safetensors,
+    which a --resume reads back (refused when missing or corrupt, never recomputed from the trained weights).
+    auto: adapters_off with model.lora, precomputed without."""
 
 
 MAX_GENERATE_BATCH = 1 << 16

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,9 @@ class PreferenceBatch:
     """(2B, width) int64 input ids."""
     targets: torch.Tensor
     """(2B, width) int64 next ids, `IGNORE` where the target is a prompt token or padding."""
+    records: torch.Tensor | None = None
+    """(B,) int64: each pair's record number in the dataset, in the order of the rows (a precomputed reference
+    is looked up by it, tierzero/align/reference.py); None for a batch not drawn from `PreferenceBatches`."""
 
     @property
     def pairs(self) -> int:
@@ -184,15 +188,34 @@ class PreferenceBatches(BatchShape):
 
     def batch(self, index: int) -> PreferenceBatch:
         """This rank's part of global batch `index` (a micro-step counter)."""
+        return self.of_records(self.records_of(index))
+
+    def records_of(self, index: int) -> list[int]:
+        """The record numbers of this rank's part of global batch `index`, in order."""
         if index < 0:
             raise ValueError(f"batch index {index} is negative")
         first = index * self.global_batch + self.rank * self.micro_batch_size
         picked = []
         for position in range(first, first + self.micro_batch_size):
             epoch, within = divmod(position, len(self.pairs))
-            picked.append(self.pairs[int(self.order(epoch)[within])])
+            picked.append(int(self.order(epoch)[within]))
+        return picked
+
+    def of_records(self, records: Sequence[int]) -> PreferenceBatch:
+        """The pairs of these record numbers as one batch: the chosen rows, then the rejected ones."""
+        picked = [self.pairs[r] for r in records]
         chosen = [self.window(pair.prompt, pair.chosen) for pair in picked]
-        return self.rows(chosen + [self.window(pair.prompt, pair.rejected) for pair in picked])
+        rows = self.rows(chosen + [self.window(pair.prompt, pair.rejected) for pair in picked])
+        return PreferenceBatch(tokens=rows.tokens, targets=rows.targets, records=torch.tensor(list(records), dtype=torch.int64))
+
+    def fingerprint(self) -> str:
+        """A checksum of what every record's sequences are made of (each pair's ids, seq_len, max_prompt_len), in
+        record order: a reference computed for these records is refused for others (tierzero/align/reference.py)."""
+        crc = zlib.crc32(np.array([len(self.pairs), self.seq_len, self.max_prompt_len], dtype=np.int64).tobytes())
+        for pair in self.pairs:
+            for ids in (pair.prompt, pair.chosen, pair.rejected):
+                crc = zlib.crc32(np.array([len(ids), *ids], dtype=np.int64).tobytes(), crc)
+        return f"{crc:08x}"
 
     def window(self, prompt: list[int], completion: list[int]) -> tuple[list[int], int]:
         """(the sequence, cut to seq_len + 1 tokens, and how many of its first tokens are the prompt's)."""
