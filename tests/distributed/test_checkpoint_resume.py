@@ -7,7 +7,8 @@ that rank SIGKILL itself at the point once `engine.global_step` is <step>: `forw
 (inside a block's forward), `optimizer` (inside the optimizer step, once its first unit
 is stepped), `write` (inside a checkpoint write, after two slices) or `publish` (after
 the rename, before `latest` moves). As torchrun does, the launcher kills the other
-ranks once one dies.
+ranks once one dies. The QLoRA runs (peft's LoRA on a tiny Llama, its frozen base stored
+as NF4 codes, the adapters' Adam moments as int8 codes) resume those quantized bytes.
 """
 
 from __future__ import annotations
@@ -26,10 +27,21 @@ import pytest
 STEPS, EVERY = 8, 2
 
 
-def _job_case(stage: int, dtype: str) -> Any:
+def _job_case(stage: int, dtype: str, model: dict[str, Any]) -> Any:
+    """The run's Case: TinyLM, or with `model` {"model_name": "llama", "lora": True} peft's LoRA on a tiny Llama."""
     from harness import Case
 
-    return Case(stage=stage, optimizer="adamw", dtype=dtype, steps=STEPS, accumulation=2)
+    return Case(stage=stage, optimizer="adamw", dtype=dtype, steps=STEPS, accumulation=2, **model)
+
+
+def _merged(config: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`config` with `extra`'s sections laid over it key by key (`optimizer.state_dtype` keeps the Case's lr)."""
+    return config | {k: config[k] | v if isinstance(v, dict) and isinstance(config.get(k), dict) else v for k, v in extra.items()}
+
+
+def _second_block(module: Any) -> Any:
+    """Block 1 of TinyLM, or decoder layer 1 of the Llama under peft's wrappers."""
+    return module.blocks[1] if hasattr(module, "blocks") else module.get_submodule("base_model.model.model.layers.1")
 
 
 def _kill_if(point: str, *, rank: int, now: int) -> None:
@@ -61,7 +73,7 @@ def _install_kill_hooks(engine: Any, rank: int) -> None:
     import tierzero.checkpoint.save_load as ckpt
     from tierzero.checkpoint.format import SafetensorsStream
 
-    engine.module.blocks[1].register_forward_pre_hook(
+    _second_block(engine.module).register_forward_pre_hook(
         lambda *_: _kill_if("forward", rank=rank, now=engine.global_step)
     )
     engine.stage.optimizer = _DyingOptimizer(engine.stage.optimizer, die=lambda: _kill_if("optimizer", rank=rank, now=engine.global_step))
@@ -95,8 +107,8 @@ def _main(env: dict[str, str]) -> None:
     torch.set_num_threads(1)
     root, out = Path(os.environ["TZ_ROOT"]), os.environ.get("TZ_OUT")
     extra = json.loads(os.environ.get("TZ_CONFIG", "{}"))
-    case = _job_case(extra.pop("stage"), extra.pop("dtype"))
-    engine = tierzero.initialize(case.model(), case.config() | extra)
+    case = _job_case(extra.pop("stage"), extra.pop("dtype"), extra.pop("case", {}))
+    engine = tierzero.initialize(case.model(), _merged(case.config(), extra))
     rank, world = engine.comm.rank, engine.comm.world_size
     _install_kill_hooks(engine, rank)
     if os.environ.get("TZ_RESUME"):
@@ -173,10 +185,19 @@ CHAIN = [
 ]
 
 
+QLORA = {
+    "dtype": "bf16",
+    "case": {"model_name": "llama", "lora": True},
+    "model": {"lora": {"r": 4, "alpha": 8, "base_dtype": "nf4"}},
+    "optimizer": {"state_dtype": "int8"},
+}
 RUNS = {
     "world1-stage3-bf16-nvme": (1, {"stage": 3, "dtype": "bf16", "offload": {"optimizer": "nvme", "params": "nvme"}}),
     "world2-stage3-bf16": (2, {"stage": 3, "dtype": "bf16"}),
     "world2-stage1-fp32-optimizer_cpu": (2, {"stage": 1, "dtype": "fp32", "offload": {"optimizer": "cpu"}}),
+    # QLoRA with 8-bit moments (issue 43): an NF4 base and int8 exp_avg / exp_avg_sq, kept and resumed as bytes
+    "world1-stage3-nf4-int8-nvme": (1, QLORA | {"stage": 3, "offload": {"optimizer": "nvme", "params": "nvme"}}),
+    "world2-stage2-nf4-int8-optimizer_cpu": (2, QLORA | {"stage": 2, "offload": {"optimizer": "cpu"}}),
 }
 
 
@@ -184,6 +205,9 @@ RUNS = {
 def test_killed_and_resumed_runs_end_bitwise_equal(tmp_path: Path, world: int, config: dict[str, Any]) -> None:
     from safetensors.torch import load_file
 
+    if "case" in config:
+        pytest.importorskip("peft")
+        _job_case(3, "fp32", config["case"]).model()  # imports transformers and peft here, not in each forked rank
     swap = tmp_path / "swap"
     swap.mkdir()
     base = {"TZ_CONFIG": json.dumps(config | {"tiers": {"nvme": {"path": str(swap)}}}), "TZ_LOG": str(tmp_path / "log")}
@@ -198,6 +222,9 @@ def test_killed_and_resumed_runs_end_bitwise_equal(tmp_path: Path, world: int, c
         if resumed_from is not None:
             assert (tmp_path / "log").read_text() == f"resumed from {resumed_from}\n"
         assert (root / "latest").read_text() == f"{latest}\n"
+    if "case" in config:  # what was written and resumed: the base's NF4 codes, the adapters' int8 moments
+        kinds = {k: v for unit in json.loads((root / "8" / "manifest.json").read_text())["units"] for k, v in unit["kinds"].items()}
+        assert kinds["param.nf4"] == kinds["exp_avg"] == kinds["exp_avg_sq"] == "uint8", kinds
     expected, actual = load_file(tmp_path / "unbroken.safetensors"), load_file(tmp_path / "broken.safetensors")
     assert expected.keys() == actual.keys()
     assert all(expected[k].equal(actual[k]) for k in expected)

@@ -371,3 +371,24 @@ def test_hostile_int8_checkpoints_load_or_are_refused_in_one_line(tmp_path: Path
             refused += _outcome(lambda d=step_dir: load_checkpoint(engine, d), where=step_dir, case=case) != "ok"
             shutil.rmtree(step_dir.parent)
     assert refused >= 60, refused
+
+
+# ---- `tierzero bench moments`: the loss beside fp32 moments' -------------------------------------
+
+
+def test_bench_moments_trains_each_state_dtype_from_the_same_weights_and_batches() -> None:
+    from tierzero.cli.bench.moments import bench_moments
+
+    result = bench_moments(preset="tiny", steps=6, every=3, batch=2, seq_len=32, dtypes=("int8", "bf16"))
+    fp32, int8 = result.losses["fp32"], result.losses["int8"]
+    assert list(result.losses) == ["fp32", "int8", "bf16"] and len(fp32) == 6
+    # step 1's loss is before any update; step 2's follows an update from fresh fp32 moments, the same in all
+    assert all(losses[:2] == fp32[:2] for losses in result.losses.values())
+    assert all(a != b for a, b in zip(int8[2:], fp32[2:], strict=True))  # from step 3 the int8 codes are read back
+    assert result.rel_diff("int8") == pytest.approx(sum(int8) / sum(fp32) - 1, rel=1e-9)  # the mean of all 6 (< 20)
+    assert 0 < abs(result.rel_diff("int8")) < 1e-3 and result.met()
+    lines = result.format().splitlines()
+    assert [line.split()[0] for line in lines[2:4]] == ["3", "6"] and lines[4].split()[:2] == ["last", "6"]
+    assert lines[-1] == "target: the mean of the last 6 steps within 1% of fp32 moments': True"
+    with pytest.raises(ValueError, match="bench moments needs steps >= 1 and a multiple of every >= 1; got 5, 2"):
+        bench_moments(steps=5, every=2)

@@ -4,7 +4,7 @@ or `--device cuda`), the ZeRO stages against plain PyTorch and DistributedDataPa
 (`zero`), and a pretrained checkpoint streamed into the engine (`load`), activation
 checkpointing with and without offload (`activations`), the CUDA tests and bench in one
 report (`gpu-check`), and `offload: auto` beside the oversized preset's own placement, each
-run a `tierzero train` of its own (`oversized`).
+run a `tierzero train` of its own (`oversized`). `moments`: a GPT's loss with 8-bit Adam moments beside fp32's.
 
 matplotlib is imported only when a plot is written.
 """
@@ -18,6 +18,7 @@ from tierzero.cli.bench import (
     adam,
     gpu_check,
     load,
+    moments,
     nvme,
     oversized,
     placement,
@@ -29,7 +30,7 @@ from tierzero.cli.bench import (
 )
 from tierzero.cli.commands import COMMANDS
 
-BENCH_COMMANDS = (nvme, swap, adam, train, step_host, activations, load, zero, placement, gpu_check, zeropp, oversized)
+BENCH_COMMANDS = (nvme, swap, adam, train, step_host, activations, load, zero, placement, gpu_check, zeropp, oversized, moments)
 """The modules of the `bench` subcommands, in the order `tierzero bench --help` lists them; each adds its own."""
 
 
