@@ -22,7 +22,7 @@ from tierzero.checkpoint import (
     save_checkpoint,
 )
 from tierzero.checkpoint.consolidate import consolidate_hf
-from tierzero.checkpoint.export import export_engine
+from tierzero.checkpoint.engine_export import export_engine
 from tierzero.checkpoint.protocol import Exportable, GatheringStage
 from tierzero.models.builtin import build_model
 from tierzero.pretrained import build_meta_model

@@ -1,6 +1,7 @@
 """`consolidate --hf` of a LoRA run's checkpoint: the base (dequantized where it was kept as nf4) with the
 adapters merged, for `AutoModelForCausalLM.from_pretrained`, or with `--adapters-only` the adapters alone in
-peft's format; an output on the run's inputs, or a flag that does not fit, is refused in one line.
+peft's format; an output on the run's inputs, or a flag that does not fit, is refused in one line. The live
+engine's merged export (`train --export DIR --export-merged`) writes the very bytes `consolidate --hf` does.
 
 The merged reference is peft's own `merge_and_unload()` in fp32, on a plain Llama whose weights are the
 pretrained ones as the engine stored them (rounded to bf16, or an nf4 round trip: every weight of the test
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 import tierzero
-from tierzero.checkpoint import save_checkpoint
+from tierzero.checkpoint import TransformersDirectory, save_checkpoint
 from tierzero.checkpoint.find import find_checkpoint
 from tierzero.cli.main import main
 from tierzero.pretrained import build_meta_model
@@ -75,6 +76,8 @@ class Run:
                 self.logits = engine(input_ids=x).logits.float()
             self.state = engine.full_state_dict()
             save_checkpoint(engine, self.root)
+            self.live = root / "live-merged"
+            TransformersDirectory(merged=True).write(engine, self.live)
         self.adapters = {n: t for n, t in self.state.items() if "lora_" in n}
 
     def stored_base(self) -> Any:
@@ -217,3 +220,37 @@ def test_flags_that_do_not_fit_are_refused_in_one_line(
         "a LoRA run's adapters; drop it to write the whole model\n"
     ))  # fmt: skip
     assert not out.exists() and step.is_dir()
+
+
+@pytest.mark.parametrize("base_dtype", ["bf16", "nf4"])
+def test_the_live_merged_export_is_consolidate_hf_byte_for_byte(
+    runs: Callable[[str], Run], capsys: pytest.CaptureFixture[str], tmp_path: Path, base_dtype: str
+) -> None:
+    from safetensors.torch import load_file
+
+    run = runs(base_dtype)
+    out = tmp_path / "merged"
+    assert _consolidate(capsys, str(run.root), str(out), "--hf") == (0, "")
+    live, offline = load_file(run.live / "model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(live) == sorted(offline) and not any("lora_" in name for name in live)
+    assert all(torch.equal(live[name], offline[name]) for name in live)
+    assert (run.live / "config.json").read_text() == (out / "config.json").read_text()
+
+
+def test_export_merged_without_a_lora_export_is_refused_in_one_line(
+    runs: Callable[[str], Run], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import yaml
+
+    run, data = runs("bf16"), tmp_path / "corpus.txt"
+    data.write_text("the cat sat on the mat\n" * 20)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**_config(run.base, base_dtype="bf16", lora=False), "data": {"path": str(data)}}))
+    for extra in ([], ["--export", str(tmp_path / "out")]):
+        capsys.readouterr()
+        assert main(["train", "--config", str(config), "--export-merged", *extra]) == 2
+        assert capsys.readouterr().err == (
+            "tierzero: error: --export-merged merges a LoRA run's adapters into the --export directory: give --export DIR and "
+            "model.lora.r, or drop --export-merged\n"
+        )
+    assert not (tmp_path / "out").exists()

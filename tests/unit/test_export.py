@@ -18,7 +18,8 @@ import tierzero
 import tierzero.cli.train as T
 from tierzero.checkpoint import save_checkpoint
 from tierzero.checkpoint.consolidate import consolidate_hf
-from tierzero.checkpoint.export import check_export, export_engine
+from tierzero.checkpoint.engine_export import export_engine
+from tierzero.checkpoint.export import check_export
 from tierzero.checkpoint.stand_in import make_checkpoint
 from tierzero.cli.consolidate import add_consolidate_command
 from tierzero.config import load_config

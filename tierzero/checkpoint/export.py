@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierzero.checkpoint.agree import RankFailure, on_every_rank
 from tierzero.checkpoint.format import (
     SafetensorsStream,
     TempFile,
@@ -45,7 +44,6 @@ from tierzero.checkpoint.format import (
     fsync_dir,
     write_bytes_atomic,
 )
-from tierzero.checkpoint.protocol import Exportable
 from tierzero.common.output_paths import check_writable, refuse_overlap
 from tierzero.common.sizes import format_size, parse_size
 from tierzero.offload.disk.files import forget, on_signals
@@ -324,87 +322,6 @@ def check_export(
     return tokenizer
 
 
-# ---- from the live engine ---------------------------------------------------------------
-
-
-def export_engine(
-    engine: Exportable,
-    out: str | Path,
-    *,
-    dtype: torch.dtype | None = None,
-    tokenizer: str | Path | None = None,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-) -> Exported | None:
-    """Write the engine's model as a transformers directory `out`, unit by unit; the record on rank 0.
-
-    Collective: every rank gathers each unit in turn (`stage.gather_fp32`), rank 0 alone writes,
-    and a failure on rank 0 is raised on every rank once all gathers are done, so none waits on
-    a collective that never comes. `dtype` defaults to the training dtype; the tokenizer to the
-    one `check_export` finds in the run's config. Memory on rank 0: one unit's fp32 buffer on
-    the device, plus one tensor cast to `dtype` on its way to the file.
-    """
-    out, comm, model = Path(out), engine.comm, engine.module
-    dtype = dtype or engine.stage.param_dtype
-    fail = _failure(out)
-    wanted = None if tokenizer is None else Path(tokenizer)
-    source = on_every_rank(comm, lambda: _prepare(engine, out, wanted) if comm.rank == 0 else None, fail=fail)
-    targets = tied_targets(model)
-    # Each unit with its slots and the name each is stored under.
-    plan = [(unit, [(slot, saved_name([b.name for b in slot.bindings], targets)) for slot in unit.slots]) for unit in engine.units]
-    module_state = model.state_dict()
-    entries = [TensorEntry(name, slot.numel, dtype, tuple(slot.shape)) for _, slots in plan for slot, name in slots]
-    entries += [TensorEntry(n, t.numel(), written_dtype(t, dtype), tuple(t.shape)) for n, t in module_state.items()]
-    writer = on_every_rank(
-        comm, lambda: PretrainedWriter(out, entries, max_shard_size=max_shard_size) if comm.rank == 0 else None, fail=fail
-    )
-    error = _stream_units(engine, plan, writer)
-
-    def finish() -> Exported | None:
-        if error is not None:
-            raise error
-        if writer is None:
-            return None
-        with writer:
-            for name, tensor in module_state.items():
-                writer.write(name, tensor)
-            done = writer.finish()
-        write_model_files(out, model, dtype=dtype)
-        if source is not None:
-            copy_tokenizer(source, out)
-        return done
-
-    return on_every_rank(comm, finish, fail=fail)
-
-
-def _stream_units(engine: Any, plan: list[tuple[Any, list[tuple[Any, str]]]], writer: PretrainedWriter | None) -> Exception | None:
-    """Every rank gathers every unit; rank 0 (with the writer) writes each slot. Its first error, kept
-    so that the other ranks' gathers still find a partner; anything else (Ctrl-C) ends it here."""
-    engine.stage.finish()  # collectives still in flight write the slices about to be read
-    error: Exception | None = None
-    try:
-        for unit, slots in plan:
-            full = engine.stage.gather_fp32(unit)
-            if writer is not None and error is None:
-                try:
-                    for slot, name in slots:
-                        writer.write(name, slot.view(full))
-                except Exception as exc:  # noqa: BLE001 - raised on every rank after the last gather
-                    writer.abort()
-                    error = exc
-            del full
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
-    return error
-
-
-def _prepare(engine: Any, out: Path, tokenizer: Path | None) -> Path | None:
-    source = check_export(engine.cfg.to_dict(), out, what="--export", tokenizer=tokenizer, module=engine.module)
-    out.mkdir(parents=True, exist_ok=True)
-    return source
-
-
 def _is_transformers(module: nn.Module) -> bool:
     """A transformers model itself (a peft wrapper is not: its names are not the model's)."""
     try:
@@ -417,11 +334,3 @@ def _is_transformers(module: nn.Module) -> bool:
 def written_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     """Floating buffers and frozen parameters follow the written dtype, as `model.to(dtype)` casts them."""
     return dtype if tensor.is_floating_point() else tensor.dtype
-
-
-def _failure(out: Path) -> Any:
-    def make(failure: RankFailure) -> Exception:
-        kind = OSError if failure.errno is not None else ValueError
-        return kind(f"export to {out} failed on {failure}")
-
-    return make

@@ -48,7 +48,8 @@ from typing import ClassVar, Generic, TypeVar
 import torch
 
 from tierzero.checkpoint.consolidate import Consolidated, consolidate_hf
-from tierzero.checkpoint.export import DEFAULT_MAX_SHARD_SIZE, Exported, export_engine
+from tierzero.checkpoint.engine_export import export_engine
+from tierzero.checkpoint.export import DEFAULT_MAX_SHARD_SIZE, Exported
 from tierzero.checkpoint.protocol import Checkpointable, Exportable
 from tierzero.checkpoint.save_load import load_checkpoint, save_checkpoint
 from tierzero.pretrained.lora import save_adapters
@@ -125,10 +126,15 @@ class TransformersDirectory(CheckpointWriter[Exported | None]):
     """The tokenizer directory copied beside the weights (None: the run's own; see `check_export`)."""
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
     """The largest weight file, e.g. 5GB; checked when the first file is planned."""
+    merged: bool = False
+    """`write` of a LoRA run's engine: its base with the adapters merged into it, bf16 unless `dtype`
+    says ([Note: merged LoRA export]); `convert` always merges a LoRA run's checkpoint."""
 
     def write(self, engine: Exportable, path: Path) -> Exported | None:
         """The engine's model at `path`, gathered unit by unit; the record on rank 0, None elsewhere."""
-        return export_engine(engine, path, dtype=self.dtype, tokenizer=self.tokenizer, max_shard_size=self.max_shard_size)
+        return export_engine(
+            engine, path, dtype=self.dtype, tokenizer=self.tokenizer, max_shard_size=self.max_shard_size, merged=self.merged
+        )
 
     def convert(self, checkpoint: str | Path, path: Path, *, note: Callable[[str], None] | None = None) -> Consolidated:
         """The model of the sharded `checkpoint` (or the newest under that root) at `path`, read on

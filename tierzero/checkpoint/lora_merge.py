@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierzero.pretrained.lora import ADAPTER, adapter_parameter_names
+from tierzero.pretrained.lora import ADAPTER
 
 __all__ = ["MERGED_DTYPE", "AdaptedWeight", "LoraMerge"]
 
@@ -63,7 +63,8 @@ class LoraMerge:
     weights: Mapping[str, AdaptedWeight]
     """By the adapted base weight's name in the peft model (`...q_proj.base_layer.weight`)."""
     adapters: frozenset[str]
-    """The adapters' parameter names: read for the merge, left out of the merged model."""
+    """The adapters' parameter names (every A and B of `weights`): read for the merge, left out of the
+    merged model. From the layers, not the parameters: a live engine's module has none."""
     prefix: str
     """What peft puts before the base model's names (`base_model.model.`)."""
 
@@ -83,7 +84,8 @@ class LoraMerge:
             for name, module in model.named_modules()
             if isinstance(module, LoraLayer)
         }
-        return cls(weights=weights, adapters=adapter_parameter_names(model), prefix=f"{prefix}." if prefix else "")
+        adapters = frozenset(name for w in weights.values() for name in (w.lora_a, w.lora_b))
+        return cls(weights=weights, adapters=adapters, prefix=f"{prefix}." if prefix else "")
 
     def plain_name(self, name: str) -> str:
         """The name `merge_and_unload()` gives the peft model's tensor `name`: the base model's own."""

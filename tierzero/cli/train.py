@@ -88,6 +88,10 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar; log lines only")
     parser.add_argument("--export", default=None, metavar="DIR", help="after the last step, write DIR for transformers' from_pretrained")
     parser.add_argument(
+        "--export-merged", action="store_true",
+        help="with --export, a LoRA run writes its base with the adapters merged (bf16) rather than the adapters alone",
+    )  # fmt: skip
+    parser.add_argument(
         "--summary-json", default=None, metavar="PATH",
         help="also write the summary as JSON (losses, each step's seconds, the plan's prediction, peak RSS)",
     )  # fmt: skip
@@ -113,7 +117,7 @@ def run_train(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     step = None if isinstance(args.resume, bool) else args.resume
     summary = train(
         cfg, resume=args.resume is not False, resume_step=step, progress=not args.no_progress, out=out or sys.stdout, export=args.export,
-        process_ends=args.process_ends, autos=loaded.autos,
+        export_merged=args.export_merged, process_ends=args.process_ends, autos=loaded.autos,
     )
     # rank 0's, named by the launcher: the engine's close may have ended the process group; none
     # when the run was complete already (the file of the run that completed it stays)
@@ -155,7 +159,7 @@ def _demo_config() -> Path:
 
 def train(
     cfg: Any, *, resume: bool = False, resume_step: int | None = None, progress: bool = True, out: TextIO | None = None,
-    export: str | os.PathLike[str] | None = None, process_ends: bool = False, autos: tuple[str, ...] = (),
+    export: str | os.PathLike[str] | None = None, export_merged: bool = False, process_ends: bool = False, autos: tuple[str, ...] = (),
 ) -> RunSummary:  # fmt: skip
     """Train `cfg.model` on `cfg.data` for `cfg.train.steps` optimizer steps; rank 0 reports to `out`.
 
@@ -163,7 +167,8 @@ def train(
     a checkpoint at train.steps or past them trains nothing, says so in one line and prints no summary
     (`RunSummary.complete_at`). A checkpoint.dir that does not exist is refused before it is created.
     `export`: after the last step, write that directory for transformers' `from_pretrained`
-    (tierzero/checkpoint/export.py); refused before training when the run cannot make it.
+    (tierzero/checkpoint/export.py); refused before training when the run cannot make it. A LoRA run
+    writes its adapters in peft's format there, or with `export_merged` its base with them merged.
     `process_ends`: the process exits after this call (the command line), so Ctrl-C pressed
     once the run was interrupted stays ignored rather than handed back to the caller.
     `autos`: what the config's "auto" values became (`LoadedConfig.autos`), for the header.
@@ -176,6 +181,9 @@ def train(
         raise FileNotFoundError(no_checkpoint_under(root))
     if root is not None:
         probe_root(root)  # before the engine is built: a directory that cannot be written costs seconds, not the run
+    if export_merged and (export is None or not cfg.model.lora.r):
+        raise ValueError("--export-merged merges a LoRA run's adapters into the --export directory: give --export DIR and "
+                         "model.lora.r, or drop --export-merged")
     tokenizer = check_export(cfg.to_dict(), Path(export), what="--export") if export is not None else None
     if cfg.model.pretrained is not None:  # its positions, before minutes of building and reading
         check_positions(Path(cfg.model.pretrained), seq_len=cfg.train.seq_len)
@@ -220,7 +228,7 @@ def train(
                     "nothing to train; raise train.steps (or --steps) to train further\n"
                 )
             if export is not None and not summary.interrupted:
-                _export(engine, Path(export), tokenizer=tokenizer, out=out)
+                _export(engine, Path(export), tokenizer=tokenizer, merged=export_merged, out=out)
         except BaseException as exc:
             # Asked before the close, which may take down the store the roll call needs (rank 0's).
             lost = lost_rank(exc, rank=rank, world=world, step=engine.global_step + 1, timeout_s=cfg.dist.timeout)
@@ -245,14 +253,15 @@ def train(
     return summary
 
 
-def _export(engine: Any, directory: Path, *, tokenizer: Path | None, out: TextIO) -> None:
-    """A LoRA run's adapters in peft's format; any other run's model for transformers' from_pretrained."""
-    if is_peft_model(engine.module):
+def _export(engine: Any, directory: Path, *, tokenizer: Path | None, merged: bool, out: TextIO) -> None:
+    """A LoRA run's adapters in peft's format (`merged`: its base with them merged); any other run's model
+    for transformers' from_pretrained."""
+    if is_peft_model(engine.module) and not merged:
         written = PeftAdapters().write(engine, directory)
         if written is not None:
             out.write(f"exported the LoRA adapters to {written} (peft's format)\n")
         return
-    exported = TransformersDirectory(tokenizer=tokenizer).write(engine, directory)
+    exported = TransformersDirectory(tokenizer=tokenizer, merged=merged).write(engine, directory)
     if exported is not None:
         out.write(f"exported {exported.describe()}\n")
 
