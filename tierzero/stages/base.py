@@ -27,7 +27,7 @@ from tierzero.stages.options import StageOptions, StageParts
 from tierzero.stages.plan import Homes, SlicePlan, SliceSpec, plan_slices
 from tierzero.stages.step import BackwardStep, StepScalars, run_step
 from tierzero.stages.step_pipeline import PendingWrite, PipelineReport, Prepared
-from tierzero.units.quantized_base import BaseCodec
+from tierzero.units.quantized_base import BaseCodec, CodesInFlight
 from tierzero.units.unit import Unit, UnitState
 
 
@@ -61,7 +61,7 @@ class Stage(GradLanding, ABC):
         """The step run during this backward, when the engine asked for one."""
         self.grad_norm = GradNorm()
         """The squares of this step's gradients, added as each lands (stages/grad_norm.py)."""
-        self._codes_gathering: dict[str, torch.Tensor] = {}
+        self._codes_gathering: dict[str, CodesInFlight] = {}
         """A quantized frozen unit's gathered codes, by unit, until `decode_gathered` dequantizes them."""
 
     # ---- slices -------------------------------------------------------------------
@@ -191,20 +191,27 @@ class Stage(GradLanding, ABC):
         return self.plan.spec(unit.name, Kind.PARAM).codec
 
     def gather_codes(self, unit: Unit, shard: torch.Tensor, comm: C.CommGroup) -> C.Pending:
-        """Start the all-gather of a quantized unit's codes (its shards' bytes) into scratch, which
-        `decode_gathered` dequantizes into `unit.gathered` once the gather is done."""
+        """Start the all-gather of a quantized unit's codes (its shards' bytes), which `decode_gathered`
+        dequantizes into `unit.gathered` once the gather is done. With one rank the shard is all the
+        codes: read where it was fetched, not copied (keep it until `decode_gathered`)."""
+        if comm.world_size == 1:
+            self._codes_gathering[unit.name] = CodesInFlight(codes=shard, owned=False)
+            return C.Pending()
         codes = self.scratch(unit, shard.numel() * comm.world_size, torch.uint8)
-        self._codes_gathering[unit.name] = codes
+        self._codes_gathering[unit.name] = CodesInFlight(codes=codes, owned=True)
         return C.all_gather(codes, shard, comm=comm, async_op=self.overlap)
 
     def decode_gathered(self, unit: Unit) -> None:
         """Dequantize the codes `gather_codes` gathered into `unit.gathered`, then free them (no-op for others)."""
-        codes = self._codes_gathering.pop(unit.name, None)
-        if codes is None:
+        gathering = self._codes_gathering.pop(unit.name, None)
+        if gathering is None:
             return
         assert unit.gathered is not None
-        self.decode(unit, codes, out=unit.gathered)
-        self.store.free(codes)
+        try:
+            self.decode(unit, gathering.codes, out=unit.gathered)
+        finally:
+            if gathering.owned:
+                self.store.free(gathering.codes)
 
     def decode(self, unit: Unit, codes: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
         """A quantized unit's full codes (all its pieces) dequantized into `out`."""

@@ -103,6 +103,10 @@ class Stage3(StepInTime, Stage):
         """The first reads of a step that waits for the end of backward (`begin_step_ahead`)."""
         if self.param_prefetch is not None:
             self.param_prefetch.blocked = self._awaits_step
+        self._decoded_across = self._across_the_turn()
+        """Quantized frozen units that stay gathered from their forward to their backward (`_across_the_turn`)."""
+        self._kept: set[str] = set()
+        """Those of them gathered now, kept since their forward: they count in no gather-ahead bound."""
 
     # ---- gather and free ----------------------------------------------------------
 
@@ -191,6 +195,7 @@ class Stage3(StepInTime, Stage):
         if written is not None:
             written.wait()  # it reads the buffer freed below
         del self._by_storage[storage_id(unit.gathered)]
+        self._kept.discard(unit.name)
         bind(unit, [self._empty] * len(unit.slots))
         if unit.name in self._lent:
             kept = self._lent.pop(unit.name)
@@ -241,7 +246,7 @@ class Stage3(StepInTime, Stage):
 
     def _counts_ahead(self, unit: Unit) -> bool:
         """Whether a gathered unit counts against the gather-ahead bounds (not the root, not a persistent one)."""
-        return not is_root(unit) and not self._persists(unit)
+        return not is_root(unit) and not self._persists(unit) and unit.name not in self._kept
 
     # ---- hooks --------------------------------------------------------------------
 
@@ -276,11 +281,27 @@ class Stage3(StepInTime, Stage):
         outputs = [t for t in tensors_in(output) if t.requires_grad]
         if outputs and torch.is_grad_enabled():
             torch.autograd.graph.register_multi_grad_hook(outputs, lambda _: self.pre_backward(unit), mode="any")
-        if not (torch.is_grad_enabled() and self._persists(unit)):
+        if torch.is_grad_enabled() and unit.name in self._decoded_across:
+            self._kept.add(unit.name)
+        elif not (torch.is_grad_enabled() and self._persists(unit)):
             self.reshard(unit)  # a persistent unit stays gathered for its backward (after_backward frees it)
 
     def _persists(self, unit: Unit) -> bool:
         return unit.numel < self.persistence_threshold
+
+    def _across_the_turn(self) -> frozenset[str]:
+        """The last quantized frozen units in the model's order whose gathered bytes fit in `gather_budget`
+        together: kept from forward to backward, they are read and dequantized once a step, not twice. In a
+        stack of blocks they run last in forward and first in backward, so they are held the shortest."""
+        kept, room = set(), self.gather_budget
+        for unit in reversed(self.units):
+            if unit.trainable or self.codec(unit) is None or is_root(unit) or self._persists(unit):
+                continue
+            room -= unit.padded_numel * self.dtype_of(unit).itemsize
+            if room < 0:
+                break
+            kept.add(unit.name)
+        return frozenset(kept)
 
     def pre_backward(self, unit: Unit) -> None:
         self._phase = Phase.BACKWARD

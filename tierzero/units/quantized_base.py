@@ -17,11 +17,22 @@ same at every stage for a given N. Without double quantization they do not depen
 blocks never straddle a shard. The values are quantized once, from fp32, when the unit's slices
 are registered (from the model's weights or streamed from `model.pretrained`, unit by unit), and
 dequantized to the compute dtype after each gather, into the unit's gathered buffer.
+
+[Note: decoding a chunk on one core]
+On the host a unit is dequantized `CHUNK` elements at a time so that the temporaries stay in a
+core's cache, on the calling thread with one intra-op thread (`_one_thread`): split over the cores,
+each op of a chunk costs more in its fork and join than in its work. On the 2-core dev VM, busy with
+other processes, 8M elements decoded in 221 ms per 100M at one thread against 1223 at two (medians
+of 5, /tmp/nf4/deq3.py). A decode on a thread of its own, overlapping the matmuls of the unit before,
+was slower still there (2B model, one LoRA step: 28-37 s against 20-25 s on the compute thread): the
+compute's OpenMP threads keep both cores busy between their ops.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +53,7 @@ from tierzero.units.blockwise import (
 )
 from tierzero.units.code_tables import CHUNK
 
-__all__ = ["BaseCodec", "BaseDtype"]
+__all__ = ["BaseCodec", "BaseDtype", "CodesInFlight"]
 
 _F32 = 4
 _BYTES = torch.arange(256)
@@ -129,8 +140,9 @@ class BaseCodec:
             raise ValueError(f"{what}: {stored.numel()} bytes stored, {self.name} needs {size * pieces} for {out.numel()} elements")
         if stored.device.type == "meta":
             return out
-        for i in range(pieces):
-            self._decode_piece(stored.narrow(0, i * size, size), out=out.narrow(0, i * n, n), what=what)
+        with _one_thread(out):
+            for i in range(pieces):
+                self._decode_piece(stored.narrow(0, i * size, size), out=out.narrow(0, i * n, n), what=what)
         return out
 
     # ---- one piece ----------------------------------------------------------------
@@ -172,6 +184,21 @@ def _chunk(out: torch.Tensor) -> int:
     return min(CHUNK if out.device.type == "cpu" else _DEVICE_CHUNK, out.numel())
 
 
+@contextmanager
+def _one_thread(out: torch.Tensor) -> Iterator[None]:
+    """On the host, torch computes with one intra-op thread meanwhile ([Note: decoding a chunk on one core]):
+    the setting is the calling thread's own (OpenMP's), and given back after."""
+    threads = torch.get_num_threads()
+    if out.device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _nf4_into(codes: torch.Tensor, absmax: torch.Tensor, *, out: torch.Tensor) -> None:
     """`dequantize_nf4`'s values, bit for bit, written into `out` (the compute dtype) a chunk at a time.
 
@@ -185,17 +212,17 @@ def _nf4_into(codes: torch.Tensor, absmax: torch.Tensor, *, out: torch.Tensor) -
         shape = torch.Size([n])
         out.copy_(dequantize_nf4(NF4Tensor(codes=codes, absmax=absmax, shape=shape, dtype=out.dtype)))
         return
-    step = _chunk(out)
+    step = max(NF4_BLOCK, _chunk(out))
     table = _PAIR_WORDS.to(codes.device)
     index = codes.new_empty(step // 2, dtype=torch.int32)
     words = codes.new_empty(step // 2, dtype=torch.int64)
-    for lo in range(0, n, step):
-        hi = min(lo + step, n)
-        i, w = index[: (hi - lo) // 2], words[: (hi - lo) // 2]
-        i.copy_(codes[lo // 2 : hi // 2])
+    # The chunks' views made in three calls, not six slicings a chunk: Python's share of a chunk's time.
+    blocks = step // NF4_BLOCK
+    for piece, scales, into in zip(codes.split(step // 2), absmax[:, None].split(blocks), out.view(-1, NF4_BLOCK).split(blocks)):
+        i, w = index[: piece.numel()], words[: piece.numel()]
+        i.copy_(piece)
         torch.index_select(table, 0, i, out=w)
-        pairs = w.view(torch.float32).view(-1, NF4_BLOCK)
-        torch.mul(pairs, absmax[lo // NF4_BLOCK : hi // NF4_BLOCK, None], out=out[lo:hi].view(-1, NF4_BLOCK))
+        torch.mul(w.view(torch.float32).view(-1, NF4_BLOCK), scales, out=into)
 
 
 def _int8_into(codes: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor) -> None:
@@ -206,11 +233,19 @@ def _int8_into(codes: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor) 
         shape = torch.Size([n])
         out.copy_(dequantize_int8(Int8Tensor(codes=codes, scales=scales, shape=shape, dtype=out.dtype)))
         return
-    step = _chunk(out)
-    for lo in range(0, n, step):
-        hi = min(lo + step, n)
-        block = codes[lo:hi].view(-1, INT8_BLOCK)
-        torch.mul(block, scales[lo // INT8_BLOCK : hi // INT8_BLOCK, None], out=out[lo:hi].view(-1, INT8_BLOCK))
+    blocks = max(1, _chunk(out) // INT8_BLOCK)
+    chunks = zip(codes.view(-1, INT8_BLOCK).split(blocks), scales[:, None].split(blocks), out.view(-1, INT8_BLOCK).split(blocks))
+    for block, scale, into in chunks:
+        torch.mul(block, scale, out=into)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CodesInFlight:
+    """A quantized unit's gathered codes, until they are dequantized into its gathered buffer."""
+
+    codes: torch.Tensor
+    owned: bool
+    """Scratch gathered into, freed once decoded; False: the fetched shard itself (one rank), released by its owner."""
 
 
 def _check_scales(scales: torch.Tensor, *, what: str, name: str) -> None:
