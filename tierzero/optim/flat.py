@@ -42,7 +42,9 @@ class FlatAdam(FlatOptimizer):
     AdamW at 100M bf16 (docs/benchmarks-journal.md, session 28). The kernel is elementwise, each tensor of its list stepped
     on its own, so cutting a run of whole vectors at a multiple of the vector width from its
     start leaves every element in the lane or the scalar tail it had ([Note: vector lanes and
-    scalar tails]): the same bits as the whole slice in one call.
+    scalar tails]): the same bits as the whole slice in one call. The `cast` each chunk is
+    written into is the PARAM slice's home itself where it is host memory the units compute in
+    (`Stage3.cast_slice`): no slice-sized buffer to fault in, no copy of it home after.
     """
 
     __slots__ = ()

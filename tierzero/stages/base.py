@@ -367,6 +367,15 @@ class Stage(GradLanding, ABC):
                 master = fetched[start:end]
             yield master, fetched
 
+    def cast_slice(self, unit: Unit, master: torch.Tensor) -> torch.Tensor | None:
+        """Where a mixed unit's converting step casts its new parameters as it goes, `publish`'s `cast`
+        (None for an fp32 unit): a slice of their own, pinned when they go up to a GPU, so that their
+        copy does not block."""
+        if not self.mixed(unit):
+            return None
+        pinned = self.device.type == "cuda" and master.device.type == "cpu"
+        return torch.empty(master.numel(), dtype=self.dtype_of(unit), device=master.device, pin_memory=pinned)
+
     @abstractmethod
     def publish(self, unit: Unit, master: torch.Tensor, *, cast: torch.Tensor | None = None) -> list[PendingWrite]:
         """Bring the compute-dtype parameters up to date with the stepped fp32 slice (`cast`: that slice

@@ -50,7 +50,7 @@ from tierzero.stages.base import Stage, mark_state
 from tierzero.stages.binding import SavedView, bind, tensors_in
 from tierzero.stages.options import StageOptions, StageParts
 from tierzero.stages.param_prefetch import ParamPrefetch
-from tierzero.stages.step import ForwardStep
+from tierzero.stages.step import ForwardStep, computes_on_host
 from tierzero.stages.step_in_time import StepAhead, StepInTime
 from tierzero.stages.step_pipeline import PendingWrite
 from tierzero.units.unit import Unit, UnitState, is_root
@@ -421,9 +421,19 @@ class Stage3(StepInTime, Stage):
     def grad_slice(self, grads: torch.Tensor, unit: Unit) -> torch.Tensor:
         return grads
 
+    def cast_slice(self, unit: Unit, master: torch.Tensor) -> torch.Tensor | None:
+        """The PARAM home itself where it is host memory and the units compute on the host: its fetches are
+        the home, so no copy of it is left stale, and `publish` has none to make ([Note: the converting step])."""
+        if self._casts_home(unit):
+            return self.store.home_tensor(SliceKey(unit.name, Kind.PARAM))
+        return super().cast_slice(unit, master)
+
+    def _casts_home(self, unit: Unit) -> bool:
+        return self.mixed(unit) and not self.plan.staged(unit.name, Kind.PARAM) and computes_on_host(self.device)
+
     def publish(self, unit: Unit, master: torch.Tensor, *, cast: torch.Tensor | None = None) -> list[PendingWrite]:
-        if not self.mixed(unit):
-            return []  # the PARAM slice is its own master: the step pipeline writes it home
+        if not self.mixed(unit) or (cast is not None and self._casts_home(unit)):
+            return []  # its own master, which the step pipeline writes home; or cast into the home (`cast_slice`)
         # Straight to the home tier in the compute dtype, without reading the old slice first.
         key = SliceKey(unit.name, Kind.PARAM)
         if cast is not None:

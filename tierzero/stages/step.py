@@ -75,6 +75,8 @@ class Steppable(Protocol):
 
     def publish(self, unit: Unit, master: torch.Tensor, *, cast: torch.Tensor | None = None) -> list[PendingWrite]: ...
 
+    def cast_slice(self, unit: Unit, master: torch.Tensor) -> torch.Tensor | None: ...
+
     def unshard(self, unit: Unit) -> None: ...
 
     def leaves_grads_stale(self, unit: str) -> bool: ...
@@ -380,7 +382,7 @@ def _step_unit(
             offset=unit.shard_range(stage.comm.rank)[0],
             groups=[slot.group for slot in unit.slots],
         )
-        cast = _cast_slice(stage, unit, master) if converting else None
+        cast = stage.cast_slice(unit, master) if converting else None
         if converting:
             stage.optimizer.step_converting(
                 param=master, grad=source, scale=scale, states=states, step=scalars.step, lr=lrs, layout=layout,
@@ -406,15 +408,6 @@ def _step_unit(
         if scratch_master:
             store.free(master)
     return writes
-
-
-def _cast_slice(stage: Steppable, unit: Unit, master: torch.Tensor) -> torch.Tensor | None:
-    """Where a mixed unit's converting step casts its new parameters as it goes (None for an fp32 unit):
-    pinned when they go up to a GPU, so that their copy does not block."""
-    if not stage.mixed(unit):
-        return None
-    pinned = stage.device.type == "cuda" and master.device.type == "cpu"
-    return torch.empty(master.numel(), dtype=stage.dtype_of(unit), device=master.device, pin_memory=pinned)
 
 
 def computes_on_host(device: torch.device) -> bool:

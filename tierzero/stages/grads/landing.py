@@ -25,6 +25,7 @@ import torch
 
 from tierzero.comm import collectives as C
 from tierzero.common.slices import Kind, SliceKey, Tier
+from tierzero.stages.grads.norm import GradNorm, SquareSum, norm_chunks
 from tierzero.stages.grads.pieces import GradPieces
 from tierzero.stages.step import BackwardStep, computes_on_host
 from tierzero.units.unit import Unit
@@ -32,19 +33,35 @@ from tierzero.units.unit import Unit
 __all__ = ["GradLanding", "add_into"]
 
 
-def add_into(shard: torch.Tensor, pieces: Sequence[tuple[int, torch.Tensor]], *, fresh: bool) -> None:
+def add_into(shard: torch.Tensor, pieces: Sequence[tuple[int, torch.Tensor]], *, fresh: bool, squares: SquareSum | None = None) -> None:
     """Add each flat gradient of `pieces` (offset, tensor) into `shard` at its offset; a `fresh`
-    shard holds garbage and gets zeros plus each, in one pass (see the module note)."""
+    shard holds garbage and gets zeros plus each, in one pass (see the module note). `squares`:
+    a fresh host shard's squares are summed into it too, each chunk just after it is written
+    ([Note: the norm in chunks] in grads/norm.py)."""
     if not fresh:
+        assert squares is None, "a sum is counted once it is complete: only a fresh shard's landing counts it"
         for offset, grad in pieces:
             shard.narrow(0, offset, grad.numel()).add_(grad)
         return
-    end = 0
-    for offset, grad in sorted(pieces, key=lambda piece: piece[0]):
-        shard[end:offset].zero_()
-        torch.add(grad, 0.0, out=shard.narrow(0, offset, grad.numel()))
-        end = offset + grad.numel()
-    shard[end:].zero_()
+    ordered = sorted(pieces, key=lambda piece: piece[0])
+    if squares is None:
+        _fill(shard, ordered, 0, shard.numel())
+        return
+    for lo, hi in norm_chunks(shard.numel()):
+        _fill(shard, ordered, lo, hi)
+        squares.add(shard[lo:hi])
+
+
+def _fill(shard: torch.Tensor, pieces: Sequence[tuple[int, torch.Tensor]], lo: int, hi: int) -> None:
+    """Write elements `lo` to `hi` of a fresh shard: zeros plus the `pieces` (sorted) there, zeros elsewhere."""
+    end = lo
+    for offset, grad in pieces:
+        a, b = max(offset, lo), min(offset + grad.numel(), hi)
+        if a < b:
+            shard[end:a].zero_()
+            torch.add(grad[a - offset : b - offset], 0.0, out=shard[a:b])
+            end = b
+    shard[end:hi].zero_()
 
 
 class GradLanding:
@@ -61,6 +78,8 @@ class GradLanding:
     slice: Callable[..., Any]
     scratch: Callable[..., torch.Tensor]
     note_grad: Callable[[Unit, torch.Tensor], None]
+    grad_norm: GradNorm
+    grad_slice: Callable[[torch.Tensor, Unit], torch.Tensor]
 
     def reduce_grads(self, unit: Unit, grads: list[torch.Tensor]) -> None:
         """Flatten `grads` and queue their reduce-scatter into the owned GRAD slice (stages 2, 3).
@@ -75,9 +94,9 @@ class GradLanding:
                 self._backward_step.ready(unit, pieces=pieces)
                 return
             # The reduce-scatter of one rank is the identity: add each gradient into its place.
-            with self._landing(unit, final=unit.pending_uses == 0) as (shard, fresh):
+            with self._landing(unit, final=unit.pending_uses == 0) as (shard, fresh, squares):
                 pieces = [(slot.offset, grad.reshape(-1)) for slot, grad in zip(unit.slots, grads, strict=True)]
-                add_into(shard, pieces, fresh=fresh)
+                add_into(shard, pieces, fresh=fresh, squares=squares)
             return
         self._buckets.add(unit, grads, final=unit.pending_uses == 0)
 
@@ -122,23 +141,25 @@ class GradLanding:
 
     def land_grad(self, unit: Unit, part: torch.Tensor, *, final: bool) -> None:
         """Add a reduced gradient `part` into the unit's owned GRAD slice."""
-        with self._landing(unit, final=final) as (shard, fresh):
-            add_into(shard, [(0, part)], fresh=fresh)
+        with self._landing(unit, final=final) as (shard, fresh, squares):
+            add_into(shard, [(0, part)], fresh=fresh, squares=squares)
 
     @contextmanager
-    def _landing(self, unit: Unit, *, final: bool) -> Iterator[tuple[torch.Tensor, bool]]:
-        """(the unit's GRAD slice to add a gradient into, whether it is fresh scratch: `add_into`);
-        then home, or to the unit's step in this backward when it hands over (`_hands_over_grad`).
-        `final`: the unit's gradient is complete."""
+    def _landing(self, unit: Unit, *, final: bool) -> Iterator[tuple[torch.Tensor, bool, SquareSum | None]]:
+        """(the unit's GRAD slice to add a gradient into, whether it is fresh scratch, the norm's sum
+        for the landing to take as it writes or None: `add_into`'s arguments); then home, or to the
+        unit's step in this backward when it hands over (`_hands_over_grad`). `final`: the unit's
+        gradient is complete."""
         key = SliceKey(unit.name, Kind.GRAD)
         hands_over = final and self._hands_over_grad(unit)
         if unit.grads_stale and not self._lands_in_place(unit):
             spec = self.plan.spec(unit.name, Kind.GRAD)
             grads = self.scratch(unit, spec.numel, spec.dtype, kind=Kind.GRAD)
+            squares = self._squares(unit, grads, final=final, fresh=True)
             try:
-                yield grads, True
+                yield grads, True, squares
                 if final:
-                    self.note_grad(unit, grads)
+                    self._count(unit, grads, squares)
                 if not hands_over:
                     self.store.write_back(key, grads).wait()
                     unit.grads_stale = False
@@ -156,9 +177,10 @@ class GradLanding:
             # gradient, in one pass (`add_into`), the same bits as adding it to the zeros.
             zeros = self._counts_as_zeros(unit)
             with self.slice(unit, Kind.GRAD, write=True, unread=zeros) as shard:
-                yield shard, zeros
+                squares = self._squares(unit, shard, final=final, fresh=zeros)
+                yield shard, zeros, squares
                 if final:
-                    self.note_grad(unit, shard)
+                    self._count(unit, shard, squares)
             unit.grads_stale = False
             self._grad_complete(unit, final=final)
             return
@@ -167,7 +189,7 @@ class GradLanding:
             assert self._backward_step is not None
             grads = self.store.fetch(key, to=Tier.DEVICE).wait()
             try:
-                yield grads, False
+                yield grads, False, None
                 self.note_grad(unit, grads)
             except BaseException:
                 self.store.release(key)
@@ -175,6 +197,22 @@ class GradLanding:
             handed = self.store.adopt(key, to=self._backward_step.grad_tier(unit))
             unit.grads_stale = True  # the home keeps the earlier micro-steps' sum only
         self._backward_step.ready(unit, grad=handed)
+
+    def _squares(self, unit: Unit, shard: torch.Tensor, *, final: bool, fresh: bool) -> SquareSum | None:
+        """The norm's sum for a fresh host shard's landing to take as it writes, where the step needs the
+        norm and the shard is the unit's whole gradient slice ([Note: the norm in chunks]); None: counted after."""
+        counts = final and fresh and self.grad_norm.enabled and self.last_micro_step
+        if not counts or shard.device.type != "cpu" or self.grad_slice(shard, unit) is not shard:
+            return None
+        return SquareSum(shard.dtype, device=shard.device)
+
+    def _count(self, unit: Unit, shard: torch.Tensor, squares: SquareSum | None) -> None:
+        """The unit's complete gradient is in `shard`: count its squares for the norm (summed already where
+        the landing took them)."""
+        if squares is None:
+            self.note_grad(unit, shard)
+        else:
+            self.grad_norm.add_sum(unit.name, squares.total)
 
     def _hands_over_grad(self, unit: Unit) -> bool:
         """Whether the unit's complete gradient goes to its step in this backward from memory, as
