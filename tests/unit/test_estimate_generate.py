@@ -100,3 +100,23 @@ def test_generate_table_and_refusals(tmp_path: Path) -> None:
         _cli(["--config", str(path), "--generate", "--batch-size", "0"])
     with pytest.raises(ValueError, match=r"^generate.batch_size auto: the device budget"):
         _cli(["--config", str(path), "--generate", "--set", "tiers.device.capacity=64KiB", "--prompt-len", "60"])
+
+
+def test_generate_with_offload_auto_predicts_the_planned_placement(tmp_path: Path) -> None:
+    """The plan puts the parameters in host memory (the device budget holds only the optimizer states):
+    the decoding step reads them from there, the bytes the plan's estimate homes on the cpu tier."""
+    path = _config(tmp_path, params="nvme")
+    raw = yaml.safe_load(path.read_text())
+    raw["offload"] = "auto"
+    raw["tiers"]["device"]["capacity"], raw["tiers"]["cpu"] = 1 << 20, {"capacity": 8 << 20}
+    path.write_text(yaml.safe_dump(raw))
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"best": {"read_GBps": 2.0, "write_GBps": 1.0}}))
+    code, text = _cli(["--config", str(path), "--flops", "100", "--nvme-bench", str(bench), "--json", "--generate",
+                       "--batch-size", "2", "--prompt-len", "16", "--new-tokens", "8"])  # fmt: skip
+    assert code == 0, text
+    got = json.loads(text)
+    assert got["placement"]["homes"]["params"] == {"cpu": LAYERS + 1}
+    cpu_params = got["tiers"]["cpu"]["homes"]["param"]
+    assert cpu_params > 0 and got["generate"]["read_per_step"] == {"nvme": 0, "cpu": cpu_params}
+    assert got["generate"]["batch_size"] == 2

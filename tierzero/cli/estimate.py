@@ -27,6 +27,7 @@ from tierzero.placement.planner import PlacementError, plan_placement
 from tierzero.placement.prediction import measure_copy_rate
 from tierzero.placement.progress import said_to
 from tierzero.pretrained.files import check_positions
+from tierzero.stages.plan import Homes
 
 __all__ = ["DEFAULT_BENCH_PATHS", "add_estimate_command", "format_estimate", "load_bench", "run_estimate", "to_json"]
 
@@ -257,8 +258,6 @@ def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
         target = Target(gpu_memory=machine.gpu_memory or 0, disk_free=machine.disk_free or 0)
         out.write("" if args.json else machine.describe() + "\n")
     if cfg.offload.planned:
-        if getattr(args, "generate", False):
-            raise ValueError("--generate predicts a placed run: with offload: auto, set offload.* to the plan's homes first")
         return _plan(cfg, args, out=out, budgets=budgets, disk=disk, flops=flops, machine=machine, local=local)
     result = estimate(cfg, world_size=args.world_size, local_world_size=local, disk=disk, flops=flops, target=target)
     saving = compare_unquantized(cfg, result, world_size=args.world_size, local_world_size=local, target=target)
@@ -272,8 +271,11 @@ def run_estimate(args: Any, *, out: TextIO | None = None) -> int:
     return 0 if result.fits else 1
 
 
-def _generation(cfg: Any, args: Any, result: Estimate, *, budgets: MachineBudgets, machine: Machine | None) -> GeneratePrediction:
-    """--generate: the decoding step of the estimated placement, its batch auto's unless given."""
+def _generation(
+    cfg: Any, args: Any, result: Estimate, *, budgets: MachineBudgets, machine: Machine | None, homes: Homes | None = None
+) -> GeneratePrediction:
+    """--generate: the decoding step of the estimated placement (`homes`: the plan's, for offload: auto), its
+    batch auto's unless given."""
     wanted = cfg.generate.batch_size if args.batch_size is None else args.batch_size
     parsed = parse_batch_size(str(wanted))
     batch = None if parsed == AUTO else int(parsed)
@@ -283,7 +285,7 @@ def _generation(cfg: Any, args: Any, result: Estimate, *, budgets: MachineBudget
         rate = measure_copy_rate()
         copy = Bandwidth(read=rate, write=rate, source=f"measured {rate / 1e9:.1f} GB/s")
     # the estimate's own dry run, kept by its arguments: the model and units it built
-    run = dry_run(cfg, world_size=result.world_size, local_world_size=result.local_world_size, cuda=result.cuda)
+    run = dry_run(cfg, world_size=result.world_size, local_world_size=result.local_world_size, cuda=result.cuda, homes=homes)
     return predict_generate(
         cfg, result, model=run.model, units=run.units, prompt=args.prompt_len, new=args.new_tokens, batch=batch,
         room=device_room(result, device=budgets.device, cpu=budgets.cpu), copy=copy, most=MAX_GENERATE_BATCH,
@@ -333,11 +335,16 @@ def _plan(
     saving = compare_unquantized(
         cfg, result, world_size=args.world_size, local_world_size=local, target=target, homes=plan.homes, extra=free
     )
+    generation = None
+    if getattr(args, "generate", False):  # the planned placement's decoding step
+        generation = _generation(cfg, args, result, budgets=budgets, machine=machine, homes=plan.homes)
     if args.json:
-        data = {**to_json(result, budgets=budgets), "placement": plan.summary(), **_saving_json(saving)}
+        extra = {} if generation is None else {"generate": generation.to_json()}
+        data = {**to_json(result, budgets=budgets), "placement": plan.summary(), **_saving_json(saving), **extra}
         out.write(json.dumps(data, indent=2) + "\n")
     else:
-        out.write(format_estimate(result, budgets=budgets) + "\n" + "\n".join(plan.lines()) + "\n" + _saving_text(saving))
+        text = "" if generation is None else "\n" + "\n".join(generation.lines()) + "\n"
+        out.write(format_estimate(result, budgets=budgets) + "\n" + "\n".join(plan.lines()) + "\n" + _saving_text(saving) + text)
     return 0
 
 
