@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from tierzero.api import initialize
+from tierzero.cli.bench.report import finish
 from tierzero.config import load_config
 from tierzero.data import batches_from_config
 from tierzero.engine.micro_step import micro_step
@@ -120,11 +121,7 @@ def _command(args: argparse.Namespace) -> int:
         preset=args.preset, steps=args.steps, every=args.every, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
         dtypes=tuple(args.dtypes.split(",")),
     )  # fmt: skip
-    print(result.format())
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(result.to_json() + "\n")
-    return 0 if result.met() else 1
+    return finish(result, args.json)
 
 
 def add_command(commands: argparse._SubParsersAction) -> None:

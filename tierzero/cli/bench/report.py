@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 import torch
@@ -126,3 +126,21 @@ def write_plot(bars: Sequence[PlotBar], path: Path, *, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=100)
     plt.close(fig)
+
+
+class Judged(Protocol):
+    """A benchmark's result that says whether it met its target (bench moments, zeropp)."""
+
+    def format(self) -> str: ...
+
+    def to_json(self) -> str: ...
+
+    def met(self) -> bool: ...
+
+
+def finish(result: Judged, json_path: str | None) -> int:
+    """A judged benchmark's end: its table printed, its JSON written where asked; exit 0 when it met its target, else 1."""
+    print(result.format())
+    if json_path:
+        Path(json_path).write_text(result.to_json() + "\n")
+    return 0 if result.met() else 1

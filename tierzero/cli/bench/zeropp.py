@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from tierzero.api import initialize
 from tierzero.cli.bench.forked import forked_ranks
+from tierzero.cli.bench.report import finish
 from tierzero.comm.topology import Topology
 from tierzero.config import load_config
 from tierzero.data import batches_from_config
@@ -138,11 +139,7 @@ def bench_zeropp(*, steps: int = 100, every: int = 10, threads: int = 1, block_s
 
 def _command(args: argparse.Namespace) -> int:
     result = bench_zeropp(steps=args.steps, every=args.every, threads=args.threads, block_size=args.block_size)
-    print(result.format())
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(result.to_json() + "\n")
-    return 0 if result.met() else 1
+    return finish(result, args.json)
 
 
 def add_command(commands: argparse._SubParsersAction) -> None:
