@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 import tierzero
-from tierzero.common.slices import Kind, Tier
+from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.inference import Sampling, generate
+from tierzero.inference.decoders import contiguous_head
 from tierzero.models.builtin import GPT, Llama, ModelSpec
 from tierzero.models.kv_cache import KVCache
 
@@ -113,6 +114,48 @@ def test_each_step_reads_every_nvme_weight_once_for_the_batch(hf: Any, tmp_path:
     assert torch.equal(got, expected)
     # the prompts' forward, then one per new token but the last: each reads every unit's slice once
     assert read == NEW_TOKENS * weights > 0
+
+
+def test_the_head_takes_the_prompts_last_position_contiguous(hf: Any) -> None:
+    # [Note: the head's input] in tierzero/inference/decoders.py: transformers slices the prompts' last
+    # position out of the hidden states, a view a plain tensor weight would multiply row by row.
+    model, _ = hf["llama"]
+    model = copy.deepcopy(model)
+    ids, mask = prompts()
+    head = model.get_output_embeddings()
+    forward, seen = head.forward, []
+    head.forward = lambda hidden: (seen.append(hidden.is_contiguous()), forward(hidden))[1]
+    with torch.no_grad():
+        alone = model(ids, attention_mask=mask, logits_to_keep=1).logits
+        with contiguous_head(model):
+            hooked = model(ids, attention_mask=mask, logits_to_keep=1).logits
+        model(ids, attention_mask=mask, logits_to_keep=1)
+    assert seen == [False, True, False]  # the hook lives as long as the block
+    assert torch.equal(hooked, alone) and not head._forward_pre_hooks
+    with contiguous_head(_builtin(GPT)):  # the built-ins' head takes every position: nothing to do
+        pass
+
+
+def test_weights_homed_in_host_memory_decode_from_their_homes_with_nothing_in_the_device_tier(hf: Any, tmp_path: Path) -> None:
+    # Without a GPU the device tier is host memory: a cpu-homed slice fetched to it is its home, no copy.
+    model, expected = hf["llama"]
+    ids, mask = prompts()
+    with tierzero.initialize(copy.deepcopy(model), engine_config(3, "cpu", tmp_path)) as engine:
+        homes = [engine.store.home_tensor(SliceKey(unit.name, Kind.PARAM)) for unit in engine.units]
+        head = engine.module.get_output_embeddings()
+        forward, seen = head.forward, []
+
+        def spied(hidden: torch.Tensor) -> torch.Tensor:
+            tiers, at = engine.store.report().tiers, head.weight.data_ptr()
+            in_home = any(h.data_ptr() <= at < h.data_ptr() + h.nbytes for h in homes)
+            seen.append((in_home, tiers[Tier.DEVICE].current_by_kind[Kind.PARAM], tiers[Tier.DEVICE].current_by_kind[Kind.GATHERED]))
+            return forward(hidden)
+
+        head.forward = spied
+        got = engine.generate(ids, mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD)
+        cpu = engine.store.report().tiers[Tier.CPU].current_by_kind[Kind.PARAM]
+    assert torch.equal(got, expected) and seen == [(True, 0, 0)] * NEW_TOKENS
+    assert cpu == sum(h.nbytes for h in homes) > 0
 
 
 # ---- the built-in models' KV cache ---------------------------------------------------

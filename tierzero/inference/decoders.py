@@ -12,11 +12,23 @@ Two kinds of model, one call each: `(tokens, attention mask so far) -> last posi
 - A transformers causal LM keeps its own cache object, which its forward returns and takes
   back (`cache=` from transformers 5, `past_key_values=` before), with the attention mask
   and the position ids transformers' own `generate` gives it, so that its tokens are the same.
+
+[Note: the head's input]
+transformers computes the prompts' logits at the last position only (`logits_to_keep=1`),
+the hidden states sliced to (batch, 1, hidden): a view whose rows lie a prompt apart, not
+contiguous. torch's matmul folds such an input into one matrix product only where the
+weight requires grad (as a plain model's parameters do); the engine binds its weights as
+plain tensors in a no-grad forward, so the product goes batched instead, over the head's
+weight expanded and copied once per row. For the 2.23B Llama at batch 32 that was 5.2 GB
+of copies and 55 of the prompts' 71 s (docs/benchmarks-journal.md, issue 44). So the head
+takes its input contiguous while the decoder runs (`contiguous_head`): one (batch, hidden) copy.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,7 +39,7 @@ from tierzero.models.builtin import GPT, Llama
 from tierzero.models.kv_cache import KVCache
 from tierzero.pretrained.lora import is_peft_model
 
-__all__ = ["BuiltinDecoder", "Decoder", "TransformersDecoder", "base_model", "decoder_for"]
+__all__ = ["BuiltinDecoder", "Decoder", "TransformersDecoder", "base_model", "contiguous_head", "decoder_for"]
 
 
 class Decoder(Protocol):
@@ -94,6 +106,25 @@ def decoder_for(engine: Any, *, batch: int, prompt: int, new: int) -> Decoder:
     if isinstance(limit, int):
         _check_room(prompt, new, limit=limit, name=f"{type(config).__name__}.max_position_embeddings")
     return TransformersDecoder.of(engine, base)
+
+
+@contextmanager
+def contiguous_head(model: nn.Module) -> Iterator[None]:
+    """Within the block, the output head of a transformers `model` takes its input contiguous ([Note: the head's input])."""
+    base = base_model(model)
+    head = base.get_output_embeddings() if isinstance(base, nn.Module) and hasattr(base, "get_output_embeddings") else None
+    if not isinstance(head, nn.Module):
+        yield  # the built-ins compute every position's logits, from contiguous hidden states
+        return
+    handle = head.register_forward_pre_hook(_contiguous_inputs)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _contiguous_inputs(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def base_model(model: nn.Module) -> nn.Module:

@@ -44,7 +44,7 @@ from tierzero.comm import collectives as C
 from tierzero.common.slices import Kind, Tier
 from tierzero.engine.engine import Engine
 from tierzero.inference.batch import batch_cost
-from tierzero.inference.decoders import decoder_for
+from tierzero.inference.decoders import contiguous_head, decoder_for
 from tierzero.inference.sampling import Sampling
 
 __all__ = ["GeneratingEngine", "Stops", "generate"]
@@ -83,7 +83,7 @@ def generate(
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     kv_bytes = ids.shape[0] * batch_cost(engine, prompt=ids.shape[1], new=max_new_tokens).kv_row
     new: list[torch.Tensor] = []
-    with torch.no_grad(), _evaluating(engine.module), _booked(engine.store, kv_bytes):
+    with torch.no_grad(), _evaluating(engine.module), _booked(engine.store, kv_bytes), contiguous_head(engine.module):
         logits = decoder(ids, mask)
         for step in range(max_new_tokens):
             new.append(stops.apply(sampling.pick(logits, generator=generator)))
