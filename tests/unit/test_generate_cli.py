@@ -14,7 +14,9 @@ import yaml
 from test_data_tokens import tiny_tokenizer
 
 import tierzero
+import tierzero.cli.generate as G
 from tierzero.cli.main import main
+from tierzero.common.slices import Kind
 from tierzero.config import load_config
 from tierzero.data import load_tokenizer
 from tierzero.models.builtin import GPT, build_model, spec_from_config
@@ -107,8 +109,14 @@ def test_prompts_file_with_a_tokenizer_writes_jsonl(tmp_path: Path, capsys: pyte
     assert any(row["tokens"] < NEW for row in rows)  # a row stopped at its EOS
 
 
-def test_a_pretrained_llama_completes_as_transformers_generate_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_pretrained_llama_completes_as_transformers_generate_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no checkpoint to load, nothing will train: the engine keeps the parameters alone (no fp32 master,
+    gradient or optimizer state written to NVMe before the first token)."""
     transformers = pytest.importorskip("transformers")
+    made: list[Any] = []
+    monkeypatch.setattr(G, "initialize", lambda model, cfg: made.append(tierzero.initialize(model, cfg)) or made[-1])
     tok = tiny_tokenizer(tmp_path / "tok")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -129,6 +137,7 @@ def test_a_pretrained_llama_completes_as_transformers_generate_does(tmp_path: Pa
     argv = ["--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", str(NEW), "--out", str(tmp_path / "o.jsonl")]
     assert main(["generate", "--config", str(tmp_path / "gen.yaml"), *argv]) == 0
     capsys.readouterr()
+    assert len(made) == 1 and {spec.kind for spec in made[0].plan.all()} == {Kind.PARAM}
     # transformers on the same left-padded batch (padded with the EOS id, as the command pads)
     codec = load_tokenizer(tok)
     encoded = codec.encode_batch(prompts)
