@@ -1,8 +1,11 @@
-"""`tierzero bench gpu-check` (`make gpu-check`): the CUDA tests and the CUDA training bench, one JSON of results.
+"""`tierzero bench gpu-check` (`make gpu-check`): the CUDA tests, the CUDA training bench and tierzero against DeepSpeed, one JSON.
 
 It runs `pytest tests/gpu` in a child process (its junit XML beside the JSON, summarised
-into it), then `bench train --device cuda` in this process, and writes one JSON: each
-test's outcome, the bench's figures, the torch and CUDA versions, the device, and `ok`.
+into it), then `bench train --device cuda` in this process, then, where DeepSpeed can be
+imported, `bench train --against deepspeed`'s comparison at a short shape (`AGAINST_SHAPES`:
+each contender alone in a child process, a few minutes at most even while DeepSpeed compiles
+its CPU Adam), and writes one JSON: each test's outcome, the bench's figures, the
+DeepSpeed ratio (or why it was skipped), the torch and CUDA versions, the device, and `ok`.
 Without CUDA it writes `ok: false` with the reason and exits 2, unless `--dry-run`:
 then CUDA is hidden (CUDA_VISIBLE_DEVICES=) from the tests and the bench, which run on
 the CPU (the CUDA tests skip), so the report's plumbing is checked on any machine.
@@ -25,9 +28,10 @@ from typing import Any
 import torch
 
 from tierzero import __version__
+from tierzero.cli.bench.train.against import compare_with_deepspeed, deepspeed_missing
 from tierzero.cli.bench.train.gpu import bench_train_device
 
-__all__ = ["add_command", "build_report", "command", "environment", "junit_summary", "run_bench", "run_tests"]
+__all__ = ["add_command", "build_report", "command", "environment", "junit_summary", "run_against", "run_bench", "run_tests"]
 
 SCHEMA = 1
 BENCH_SHAPES = {
@@ -35,6 +39,13 @@ BENCH_SHAPES = {
     "dry-run": {"preset": "tiny", "seq": 32, "batch": 2, "steps": 2, "warmup": 1, "peak_bytes": 4 << 20},
 }
 """The bench's model and batch in each mode: the dry run only has to exercise the code."""
+AGAINST_SHAPES = {
+    "cuda": {"preset": "30m", "seq": 512, "batch": 8, "steps": 3, "warmup": 1, "dtype": "bf16", "clip": 1.0},
+    "dry-run": {"preset": "tiny", "seq": 32, "batch": 2, "steps": 2, "warmup": 1, "dtype": "fp32", "clip": 1.0},
+}
+"""tierzero against DeepSpeed, all in host memory (`--placement cpu`): issue 42's config at the bench's model, few steps."""
+AGAINST_TIMEOUT_S = 150.0
+"""Seconds each contender may take alone: DeepSpeed's first start on a machine compiles its CPU Adam (about a minute)."""
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed")
 _JUNIT_OUTCOMES = {"failure": "failed", "error": "error", "skipped": "skipped"}
 
@@ -117,10 +128,30 @@ def run_bench(*, mode: str, nvme_path: Path) -> dict[str, Any]:
     return {"ok": True, "seconds": time.perf_counter() - started, "text": result.format(), **result.to_dict()}
 
 
+def run_against(*, mode: str, nvme_path: Path) -> dict[str, Any]:
+    """tierzero against DeepSpeed where DeepSpeed can be imported, else skipped with the line that says how to
+    install it; a failure is reported, not raised."""
+    if (missing := deepspeed_missing()) is not None:
+        return {"ok": True, "skipped": missing}
+    started = time.perf_counter()
+    try:
+        result = compare_with_deepspeed(nvme_path=nvme_path, timeout_s=AGAINST_TIMEOUT_S, **AGAINST_SHAPES[mode])
+    except Exception as exc:  # noqa: BLE001 - the report says what broke; the tests' and the bench's results still count
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+    return {"ok": True, "seconds": time.perf_counter() - started, "text": result.format(), **result.to_dict()}
+
+
 def build_report(
-    *, mode: str, env: dict[str, Any], tests: dict[str, Any] | None, bench: dict[str, Any] | None, error: str | None = None
+    *,
+    mode: str,
+    env: dict[str, Any],
+    tests: dict[str, Any] | None,
+    bench: dict[str, Any] | None,
+    error: str | None = None,
+    against: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The JSON's content; `ok` is whether everything ran and passed (in a dry run: ran, the CUDA tests skipped)."""
+    """The JSON's content; `ok` is whether everything ran and passed (in a dry run: ran, the CUDA tests skipped).
+    DeepSpeed's failure counts on CUDA only: the dry run checks the report, not DeepSpeed's own CPU path."""
     problems = [error] if error else []
     if tests is not None:
         if tests["returncode"] is None:
@@ -133,6 +164,8 @@ def build_report(
             problems.append(f"{tests['skipped']} CUDA tests skipped on a machine with CUDA")
     if bench is not None and not bench["ok"]:
         problems.append(f"bench: {bench['error']}")
+    if mode == "cuda" and against is not None and not against["ok"]:
+        problems.append(f"against deepspeed: {against['error']}")
     return {
         "schema": SCHEMA,
         "mode": mode,
@@ -142,6 +175,7 @@ def build_report(
         "environment": env,
         "tests": tests,
         "bench": bench,
+        "against": against,
     }
 
 
@@ -157,7 +191,8 @@ def add_command(commands: argparse._SubParsersAction) -> None:
     """`tierzero bench gpu-check`, added to the `bench` sub-parsers."""
     parser = commands.add_parser(
         "gpu-check", help="tests/gpu and bench train --device cuda in one run, one JSON of results (make gpu-check)",
-        description="Run the CUDA tests and the CUDA training bench, and write what they found, with the torch and "
+        description="Run the CUDA tests and the CUDA training bench, and where DeepSpeed is installed tierzero against "
+        "DeepSpeed (bench train --against deepspeed, a few steps), and write what they found, with the torch and "
         "CUDA versions and the device, to one JSON file. Fails without CUDA unless --dry-run.",
     )
     parser.add_argument("--out", default="gpu-check.json", help="the JSON report (default gpu-check.json)")
@@ -191,12 +226,19 @@ def command(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     test_results = run_tests(tests, junit=out.with_suffix(".junit.xml"), timeout_s=args.test_timeout, env=env)
     bench = run_bench(mode=mode, nvme_path=Path(args.nvme_path))
-    report = build_report(mode=mode, env=environment(), tests=test_results, bench=bench)
+    against = run_against(mode=mode, nvme_path=Path(args.nvme_path) / "against")
+    report = build_report(mode=mode, env=environment(), tests=test_results, bench=bench, against=against)
     report["seconds"] = time.perf_counter() - started
     write_report(report, out)
     print(_summary_line(report, out))
     if bench.get("text"):
         print(bench["text"])
+    if against.get("text"):
+        print(against["text"])
+    elif "skipped" in against:
+        print(f"gpu-check: tierzero against DeepSpeed skipped: {against['skipped']}")
+    elif mode == "dry-run":  # on CUDA the failure is among the problems below
+        print(f"gpu-check: tierzero against DeepSpeed failed (not counted in a dry run): {against['error']}", file=sys.stderr)
     for problem in report["problems"]:
         print(f"gpu-check: {problem}", file=sys.stderr)
     return 0 if report["ok"] else 1

@@ -2,17 +2,21 @@
 
 One command over two benches: `cpu` (step ratio and peak RSS on the CPU) and `gpu`
 (TFLOPS and host<->device bandwidth on CUDA). They measure different things at different
-shapes, so the shape flags default per device rather than in argparse.
+shapes, so the shape flags default per device rather than in argparse. `--against deepspeed`
+(on CUDA) adds DeepSpeed's ZeRO-3 beside tierzero, each alone in a child process (`against`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from pathlib import Path
 
 from tierzero.cli.bench.contenders import PLACEMENTS
+from tierzero.cli.bench.train.against import AGAINST, TARGET_RATIO, AgainstResult, check_against, compare_with_deepspeed
 from tierzero.cli.bench.train.cpu import bench_train_step
-from tierzero.cli.bench.train.gpu import bench_train_device
+from tierzero.cli.bench.train.gpu import bench_train_device, check_device
 
 __all__ = ["add_command"]
 
@@ -23,6 +27,7 @@ _SHAPE_DEFAULTS = {"cpu": {"seq": 128, "batch": 4, "steps": 20}, "cuda": {"seq":
 def _command(args: argparse.Namespace) -> int:
     given = {name: getattr(args, name) for name in ("seq", "batch", "steps")}
     shape = {name: value if given[name] is None else given[name] for name, value in _SHAPE_DEFAULTS[args.device].items()}
+    against = _against(args, shape) if args.against is not None else None
     if args.device == "cpu":
         result = bench_train_step(
             nvme_path=args.nvme_path, preset=args.preset, warmup=args.warmup, measure_rss=not args.no_rss,
@@ -35,9 +40,30 @@ def _command(args: argparse.Namespace) -> int:
         warmup=args.warmup, clip=args.clip, dtype=args.dtype, **shape,
     )
     print(device_result.format())
+    report = device_result.to_dict()
+    if against is not None:
+        print(against.format())
+        report["against"] = against.to_dict()
+        report["summary"]["tierzero_over_deepspeed"] = against.ratio
     if args.json:
-        Path(args.json).write_text(device_result.to_json() + "\n")
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def _against(args: argparse.Namespace, shape: dict[str, int]) -> AgainstResult:
+    """`--against deepspeed`: refused in one line where it cannot run, else both contenders alone, before
+    this process's own bench puts anything on the device."""
+    check_against(device=args.device, placement=args.placement)
+    check_device(args.device)
+    print(
+        f"bench train: tierzero, then DeepSpeed, each alone in a child process ({args.preset}, "
+        f"{args.warmup} + {shape['steps']} steps); then plain PyTorch beside tierzero here",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
+    return compare_with_deepspeed(
+        nvme_path=args.nvme_path, preset=args.preset, warmup=args.warmup, dtype=args.dtype, clip=args.clip,
+        placement=args.placement, **shape,
+    )  # fmt: skip
 
 
 def add_command(commands: argparse._SubParsersAction) -> None:
@@ -70,6 +96,12 @@ def add_command(commands: argparse._SubParsersAction) -> None:
         "step by step, where one's trailing writes may land while the other computes)",
     )
     parser.add_argument("--json", help="--device cuda: also write the result here")
+    parser.add_argument(
+        "--against", choices=AGAINST,
+        help="--device cuda: also train tierzero and DeepSpeed (ZeRO-3, offload as --placement cpu or device) each alone "
+        f"in a child process on the same model and batches: the ratio of their median steps, target <= {TARGET_RATIO:g} "
+        "(needs `pip install deepspeed`)",
+    )  # fmt: skip
     parser.add_argument(
         "--dtype", choices=("fp32", "bf16"), default="fp32",
         help="bf16: tierzero's precision.autocast beside plain autocast",

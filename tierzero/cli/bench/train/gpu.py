@@ -40,7 +40,7 @@ from tierzero.cli.bench.contenders import (
 from tierzero.cli.bench.train.copies import GB, CopyPeak, Traffic, copy_peak, profiled_traffic
 from tierzero.models.builtin import count_parameters
 
-__all__ = ["DeviceTrainResult", "bench_train_device"]
+__all__ = ["DeviceTrainResult", "bench_train_device", "check_device"]
 
 FLOPS_CONVENTION = "6 x parameters x tokens per step / median step time (embeddings counted, attention scores not)"
 
@@ -145,6 +145,20 @@ def _timed(step: Callable[[], torch.Tensor], sync: Callable[[], None]) -> float:
     return time.perf_counter() - started
 
 
+def check_device(device: str) -> None:
+    """The device bench's refusals, each one line: `device` is cpu or cuda, and the one this machine has."""
+    has_cuda = torch.cuda.is_available()
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"the device bench runs on cpu or cuda, got {device!r}")
+    if device == "cuda" and not has_cuda:
+        raise ValueError(
+            f"--device cuda needs a CUDA GPU and torch {torch.__version__} sees none: run it on a GPU machine, "
+            "or `tierzero bench gpu-check --dry-run` to check the bench on the CPU"
+        )
+    if device == "cpu" and has_cuda:
+        raise ValueError("tierzero computes on the GPU wherever one is visible: hide it (CUDA_VISIBLE_DEVICES=) for a cpu run")
+
+
 def bench_train_device(
     *,
     device: str,
@@ -165,16 +179,8 @@ def bench_train_device(
         raise ValueError(f"the device bench needs steps >= 1 and warmup >= 1, got steps={steps}, warmup={warmup}")
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown placement {placement!r}: pick one of {', '.join(PLACEMENTS)}")
+    check_device(device)
     has_cuda = torch.cuda.is_available()
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"the device bench runs on cpu or cuda, got {device!r}")
-    if device == "cuda" and not has_cuda:
-        raise ValueError(
-            f"--device cuda needs a CUDA GPU and torch {torch.__version__} sees none: run it on a GPU machine, "
-            "or `tierzero bench gpu-check --dry-run` to check the bench on the CPU"
-        )
-    if device == "cpu" and has_cuda:
-        raise ValueError("tierzero computes on the GPU wherever one is visible: hide it (CUDA_VISIBLE_DEVICES=) for a cpu run")
     dev = torch.device("cuda", torch.cuda.current_device()) if has_cuda else torch.device("cpu")
     sync = (lambda: torch.cuda.synchronize(dev)) if has_cuda else (lambda: None)
     Path(nvme_path).mkdir(parents=True, exist_ok=True)
