@@ -143,7 +143,8 @@ BAD_CONFIGS = [
     ({"offload": {"paramz": "cpu"}}, "unknown key offload.paramz; did you mean offload.params?"),
     ({"stage": 2}, "unknown key stage; did you mean zero.stage?"),
     ({"zero": {"xyzzy": 1}}, "unknown key zero.xyzzy; valid keys under zero: zero.stage, zero.unit_classes, "
-     "zero.reduce_bucket_size, zero.overlap_comm, zero.overlap_step, zero.step_in_forward, zero.gather_ahead, "
+     "zero.reduce_bucket_size, zero.overlap_comm, zero.overlap_step, zero.step_in_forward, zero.step_schedule, "
+     "zero.gather_ahead, "
      "zero.param_persistence_threshold, zero.shard_group_size, zero.hpz_partition_size, zero.quantized_weights, "
      "zero.quantized_gradients, zero.quantization_block_size"),
     ({"zero": 3}, "zero: expected a mapping of keys, got 3"),

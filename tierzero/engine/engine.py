@@ -278,8 +278,8 @@ class Engine:
         return StepScalars(grad_scale=grad_scale, step=self.global_step + 1, lr_factor=factor)
 
     def _steps_in_backward(self) -> bool:
-        """Stage 3 without clipping or fp16 overflow checks: no step-wide decision needs every gradient."""
-        no_global = float(self.cfg.gradient_clipping) <= 0 and not self._skips_overflow
+        """Stage 3 without clipping (or with it, speculated: stages/speculative.py) or fp16 overflow checks."""
+        no_global = not self._skips_overflow and (float(self.cfg.gradient_clipping) <= 0 or self.cfg.zero.step_schedule == "speculative")
         return isinstance(self.stage, Stage3) and self.cfg.zero.overlap_step and no_global
 
     def _settle_step(self) -> None:  # stage 3 may owe the last step to units no forward reached yet

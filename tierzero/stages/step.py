@@ -34,13 +34,15 @@ from tierzero.store.protocol import SliceStore
 from tierzero.units.unit import Unit
 
 __all__ = [
-    "BackwardStep", "ForwardStep", "HandOff", "StepScalars", "Steppable", "run_step", "slice_group",
+    "BackwardStep", "ForwardStep", "HandOff", "Keep", "StepScalars", "Steppable", "run_step", "slice_group",
     "unit_step_tier",
 ]
 
 
 #: Offered each stepped slice: the move of the fetched copy it took over, or None (`StepPipeline`'s `hand_off`).
 HandOff = Callable[[SliceKey], Transfer[torch.Tensor] | None]
+#: Shown a unit's fetched slices before its step overwrites them (`tierzero.stages.speculative`).
+Keep = Callable[[Unit, dict[Kind, torch.Tensor]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +168,8 @@ class BackwardStep:
     """
 
     def __init__(self, stage: Steppable, scalars: StepScalars, *, written: Callable[[str], None] | None = None,
-                 hand_off: HandOff | None = None) -> None:  # fmt: skip
+                 hand_off: HandOff | None = None, keep: Keep | None = None) -> None:  # fmt: skip
+        """`keep(unit, fetched)`: shown each unit's fetched slices just before its step overwrites them."""
         self._stage = stage
         self._pieces: dict[str, GradPieces] = {}
         """Gradients handed over as pieces (`ready`), booked in the store's ledger until stepped."""
@@ -176,7 +179,7 @@ class BackwardStep:
             if written is not None:
                 written(unit)
 
-        self._pipeline = _pipeline(stage, scalars, clip_coef=1.0, written=stepped, hand_off=hand_off)
+        self._pipeline = _pipeline(stage, scalars, clip_coef=1.0, written=stepped, hand_off=hand_off, keep=keep)
 
     def expect(self, unit: Unit, *, given: dict[Kind, Transfer[torch.Tensor]] | None = None) -> None:
         """`unit`'s backward has started: read its states now, ahead of its gradient (`given`: those
@@ -328,10 +331,13 @@ def _pipeline(
     prepared: Sequence[Prepared] = (),
     hand_off: HandOff | None = None,
     max_resident: int = MAX_RESIDENT_GROUPS,
+    keep: Keep | None = None,
 ) -> StepPipeline:
     by_name = {unit.name: unit for unit in stage.units}
 
     def compute(group: SliceGroup, fetched: dict[Kind, torch.Tensor]) -> list[PendingWrite]:
+        if keep is not None:
+            keep(by_name[group.unit], fetched)
         return _step_unit(stage, by_name[group.unit], fetched, scalars, clip_coef=clip_coef)
 
     told = None if written is None else (lambda group: written(group.unit))

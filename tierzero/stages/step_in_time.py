@@ -20,6 +20,7 @@ import torch
 from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.common.transfer import Transfer
 from tierzero.stages.param_prefetch import ParamPrefetch
+from tierzero.stages.speculative import Speculating
 from tierzero.stages.step import ForwardStep, Steppable, StepScalars, group_sizes, slice_group, unit_step_tier
 from tierzero.stages.step_pipeline import MAX_RESIDENT_GROUPS, PendingWrite, Prepared, SliceGroup, StepPipeline
 from tierzero.units.unit import Unit, is_root
@@ -61,8 +62,9 @@ class StepAhead:
         self._pipeline.abort()
 
 
-class StepInTime:
-    """The step-timing half of `Stage3` (a mixin: it uses the stage's units, order, store and prefetcher)."""
+class StepInTime(Speculating):
+    """The step-timing half of `Stage3` (a mixin: it uses the stage's units, order, store and prefetcher;
+    with `zero.step_schedule: speculative`, `Speculating`'s step during backward)."""
 
     units: list[Unit]
     trained: list[Unit]
@@ -138,6 +140,7 @@ class StepInTime:
 
     def defer_step(self, scalars: StepScalars, *, clip_coef: float) -> None:
         """Step each unit in the next forward, just before its gather (stages/step.py `ForwardStep`)."""
+        self.settle_speculation(clip_coef)
         self._land_last_step()
         if not any(unit.has_grads for unit in self.units):
             self.step(scalars, clip_coef=clip_coef)  # nothing to step (it ran in backward): start the next fetches
@@ -168,6 +171,7 @@ class StepInTime:
         """Forget a deferred step (the engine closes: its slices are about to go)."""
         job, self._forward_step = self._forward_step, None
         self._stepping_in_forward = False
+        self.drop_speculation()
         if job is not None:
             job.abort()
 
@@ -206,8 +210,8 @@ class StepInTime:
         """Whether the next forward takes `unit`'s new parameters soon, within the prefetcher's
         budgets: a unit the forward's plan fetches now, or one of its first units between steps."""
         prefetch = self.param_prefetch
-        if prefetch is None or not self.plan.staged(unit, Kind.PARAM):
-            return False
+        if prefetch is None or not self.plan.staged(unit, Kind.PARAM) or self._speculation is not None:
+            return False  # none, or a speculative step's, which may be redone (stages/speculative.py)
         if self._stepping_in_forward:
             return prefetch.wants(unit)
         return unit in prefetch.policy.first_units() and prefetch.can_warm(unit)
