@@ -1,10 +1,12 @@
 """The table lookup of tierzero/units/code_tables.py gives torch.bucketize's codes, exactly, and far faster.
 
-[Note: code tables] replaces a binary search per element with two lookups on the ratio's
-high 16 bits. The reference here is the search itself: `torch.bucketize` of each ratio
-against the midpoints of neighbouring codes rounded down to fp32, computed in this file from
-the public code books. Ratios are fed with a 1.0 in their block, so the absmax is 1 and each
-ratio is the element itself.
+[Note: code tables] replaces a binary search per element with one lookup on the high 16 bits
+of the ratio's bits (flipped when negative). The reference here is the search itself:
+`torch.bucketize` of each ratio against the midpoints of neighbouring codes rounded down to
+fp32, computed in this file from the public code books. Ratios are fed with a 1.0 in their
+block, so the absmax is 1 and each ratio is the element itself. Then the int8 moments' host
+step, window by window ([Note: stepping in the cache]): its buffers are the slice's, never
+a window's, and each window gathers once per moment and direction.
 """
 
 from __future__ import annotations
@@ -14,8 +16,13 @@ import time
 import numpy as np
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from tierzero.units.blockwise import NF4_CODE, dynamic_code, quantize_dynamic, quantize_nf4
+import tierzero.optim.windows as windows
+from tierzero.optim.flat import FlatAdam, OptimizerSpec, OptimizerType
+from tierzero.optim.moments import StateDtype
+from tierzero.units.blockwise import NF4_CODE, dequantize_dynamic, dynamic_code, quantize_dynamic, quantize_nf4
 
 CODES = {"signed": dynamic_code(signed=True), "unsigned": dynamic_code(signed=False), "nf4": NF4_CODE}
 
@@ -104,3 +111,117 @@ def test_lookup_is_far_cheaper_than_the_search() -> None:
 
     lookup = _cpu_seconds(lambda: quantize_dynamic(x, signed=True, block=2048))
     assert lookup * 4 < _cpu_seconds(search), (lookup, _cpu_seconds(search))
+
+
+def _special_blocks(signed: bool) -> torch.Tensor:
+    """Blocks of 2048 that corner the ratio: zeros, negative zeros, subnormals only, one subnormal absmax
+    among zeros, huge values, and mixed magnitudes; exp_avg_sq's are the magnitudes."""
+    gen = torch.Generator().manual_seed(11)
+    noise = torch.randn(2048, generator=gen)
+    blocks = [
+        torch.zeros(2048),
+        -torch.zeros(2048),
+        noise * 1e-41,
+        torch.cat([torch.full((1,), 1e-45), torch.zeros(2047)]),
+        noise / noise.abs().max() * 3e38,
+        noise * torch.exp(torch.randn(2048, generator=gen) * 6),
+    ]
+    x = torch.cat(blocks)
+    return x if signed else x.abs()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_corner_blocks_equal_bucketize(signed: bool) -> None:
+    x = _special_blocks(signed)
+    codes, absmax = quantize_dynamic(x, signed=signed, block=2048)
+    blocks = x.view(-1, 2048)
+    assert torch.equal(absmax, blocks.abs().amax(dim=1))
+    ratios = torch.where(absmax[:, None] > 0, blocks / absmax[:, None], torch.zeros_like(blocks)).reshape(-1)
+    name = "signed" if signed else "unsigned"
+    assert torch.equal(codes.long(), torch.bucketize(ratios, _midpoints(CODES[name])))
+    zero = CODES[name].index(0.0)
+    assert codes[: 2 * 2048].eq(zero).all() and codes[3 * 2048 + 1 : 4 * 2048].eq(zero).all()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("bad", [float("nan"), -float("nan"), float("inf"), -float("inf")])
+def test_non_finite_ratios_stay_in_the_table_and_are_refused(signed: bool, bad: float) -> None:
+    """inf / inf makes a NaN of either sign: refused by its absmax, before any lookup (not an IndexError)."""
+    x = torch.ones(5000)
+    x[4097] = bad
+    with pytest.raises(ValueError, match="1 inf/NaN of 5000"):
+        quantize_dynamic(x, signed=signed, block=2048)
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("numel", [4096, 4095, 1])
+def test_dequantize_two_codes_a_lookup_or_one(offset: int, numel: int) -> None:
+    """Pairs where the codes and the output start even, single codes elsewhere: the values either way."""
+    x = torch.randn(numel + offset, generator=torch.Generator().manual_seed(numel))
+    codes, absmax = quantize_dynamic(x[offset:], signed=True, block=256)
+    shifted = torch.cat([torch.zeros(offset, dtype=torch.uint8), codes])[offset:]
+    assert shifted.storage_offset() == offset
+    expected = torch.tensor(CODES["signed"])[codes.long()] * absmax.repeat_interleave(256)[:numel]
+    out = torch.empty(numel + offset)[offset:]
+    assert torch.equal(dequantize_dynamic(shifted, absmax, signed=True, block=256, out=out), expected)
+    assert torch.equal(dequantize_dynamic(codes, absmax, signed=True, block=256), expected)
+
+
+class _Calls(TorchDispatchMode):
+    """Each aten op's name, and the numel of each tensor it returned in storage none of its arguments holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.allocated: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        held = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+        self.ops.append(func.overloadpacket.__name__)
+        fresh = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held]
+        self.allocated += [t.numel() for t in fresh]
+        return out
+
+
+def _int8_step_calls(windows_per_slice: int) -> _Calls:
+    window = windows.WINDOW
+    opt = FlatAdam(OptimizerSpec(type=OptimizerType.ADAMW, lr=1e-3, weight_decay=0.1, state_dtype=StateDtype.INT8))
+    param = torch.randn(windows_per_slice * window)
+    states = opt.new_states(param.numel())
+    grad = torch.randn(param.numel()).bfloat16()
+    with _Calls() as calls:
+        opt.step_converting(param=param, grad=grad, scale=0.5, states=states, step=1, lr=1e-3)
+    return calls
+
+
+def test_the_int8_window_step_allocates_once_a_slice_and_gathers_once_a_moment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(windows, "WINDOW", 8 * 2048)
+    two, five = _int8_step_calls(2), _int8_step_calls(5)
+    for calls, n in ((two, 2), (five, 5)):
+        assert calls.ops.count("index_select") == 4 * n  # per window: two dequantizes, two quantizes
+        assert calls.ops.count("_fused_adamw_") == n
+    big = [[numel for numel in calls.allocated if numel >= 2048] for calls in (two, five)]
+    assert big[0] == big[1] and len(big[0]) >= 6  # two moments, the grad and three scratch buffers
+
+
+def test_the_host_windows_run_on_one_thread_and_give_the_setting_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short ops wait on a busy second core more than they gain from it ([Note: stepping in the cache])."""
+    seen: list[int] = []
+    pieces = windows.window_pieces
+    monkeypatch.setattr(windows, "window_pieces", lambda *args: seen.append(torch.get_num_threads()) or pieces(*args))
+    monkeypatch.setattr(windows, "WINDOW", 2048)
+    opt = FlatAdam(OptimizerSpec(type=OptimizerType.ADAMW, lr=1e-3, state_dtype=StateDtype.INT8))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        opt.step(param=torch.randn(5000), grad=torch.randn(5000), states=opt.new_states(5000), step=1, lr=1e-3)
+        assert seen == [1, 1, 1] and torch.get_num_threads() == 2
+        grad = torch.randn(5000)
+        grad[4500] = float("nan")
+        with pytest.raises(ValueError, match="1 of the exp_avg values of elements 4096-5000"):
+            opt.step(param=torch.randn(5000), grad=grad, states=opt.new_states(5000), step=1, lr=1e-3)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -29,14 +29,16 @@ updated, and rounded back to nearest-even bf16.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from tierzero.common.slices import Kind
-from tierzero.units.blockwise import SCALE_DTYPE, dequantize_dynamic, dynamic_code, dynamic_nbytes, quantize_dynamic
+from tierzero.units.blockwise import SCALE_DTYPE, dynamic_code, dynamic_nbytes, dynamic_table
+from tierzero.units.code_tables import Scratch, dequantize_into, quantize_into
 
-__all__ = ["MOMENT_BLOCK", "SIGNED", "ZERO_CODE", "MomentFormat", "StateDtype"]
+__all__ = ["MOMENT_BLOCK", "SIGNED", "ZERO_CODE", "MomentFormat", "MomentWindows", "StateDtype"]
 
 MOMENT_BLOCK = 2048
 """Elements per absmax of an int8 moment: the paper's block, and the units' alignment step."""
@@ -125,23 +127,54 @@ class MomentFormat:
         head = SCALE_DTYPE.itemsize * self.blocks(numel)
         return stored[:head].view(SCALE_DTYPE), stored[head : head + numel]
 
-    def decode(
-        self, stored: torch.Tensor, *, numel: int, lo: int, hi: int, signed: bool, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Elements [lo, hi) of a moment of `numel` parameters in fp32, in `out` (fp32, hi - lo elements)
-        or a new tensor; `lo` a multiple of `align`."""
-        if self.dtype is not StateDtype.INT8:
-            return stored[lo:hi].float() if out is None else out.copy_(stored[lo:hi])
-        absmax, codes = self.split(stored, numel)
-        blocks = absmax[lo // self.block : -(-hi // self.block)]
-        return dequantize_dynamic(codes[lo:hi], blocks, signed=signed, block=self.block, out=out)
+    def windows(self, states: Mapping[Kind, torch.Tensor], *, numel: int, window: int, device: torch.device) -> MomentWindows:
+        """The moments `states` of a slice of `numel` parameters, read and written `window` elements at a time."""
+        return MomentWindows(self, states, numel=numel, window=window, device=device)
 
-    def encode(self, values: torch.Tensor, stored: torch.Tensor, *, numel: int, lo: int, signed: bool) -> None:
-        """Store fp32 `values` as elements [lo, lo + len) of the moment: rounded to bf16, or re-quantized
-        (each block's new absmax and nearest codes, written in place; the window holds whole blocks)."""
+
+class MomentWindows:
+    """One slice's stored moments, decoded to fp32 a window at a time and encoded back, in buffers
+    allocated once for the slice ([Note: stepping in the cache] in windows.py)."""
+
+    __slots__ = ("_blocks", "_codes", "_fmt", "_scratch", "_stored", "_tables", "buffers")
+
+    def __init__(
+        self, fmt: MomentFormat, states: Mapping[Kind, torch.Tensor], *, numel: int, window: int, device: torch.device
+    ) -> None:
+        self._fmt, self._stored = fmt, states
+        size = min(window, numel)
+        self.buffers = {kind: torch.empty(size, dtype=torch.float32, device=device) for kind in SIGNED}
+        """fp32 per moment: the window being stepped."""
+        int8 = fmt.dtype is StateDtype.INT8
+        split = {kind: fmt.split(states[kind], numel) for kind in SIGNED} if int8 else {}
+        self._blocks = {kind: absmax for kind, (absmax, _) in split.items()}
+        self._codes = {kind: codes for kind, (_, codes) in split.items()}
+        self._tables = {kind: dynamic_table(signed=SIGNED[kind], device=device) for kind in split}
+        self._scratch = Scratch.of(size, device=device) if int8 else None
+
+    def decode(self, kind: Kind, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of moment `kind` in fp32, in its buffer; `lo` a multiple of `align`."""
+        out = self.buffers[kind]
+        out = out if out.numel() == hi - lo else out[: hi - lo]
+        if self._scratch is None:
+            return out.copy_(self._stored[kind][lo:hi])
+        block = self._fmt.block
+        absmax = self._blocks[kind][lo // block : -(-hi // block)]
+        dequantize_into(self._codes[kind][lo:hi], absmax, block=block, table=self._tables[kind], out=out, scratch=self._scratch)
+        return out
+
+    def encode(self, kind: Kind, values: torch.Tensor, lo: int) -> None:
+        """Store fp32 `values` as elements [lo, lo + len) of moment `kind`: rounded to bf16, or re-quantized
+        (each block's new absmax and nearest codes, written in place; the window holds whole blocks).
+        exp_avg_sq is quantized unchecked for sign: Adam's never is negative. Non-finite values are refused
+        with a ValueError saying "finite"."""
         hi = lo + values.numel()
-        if self.dtype is not StateDtype.INT8:
-            stored[lo:hi].copy_(values)
+        if self._scratch is None:
+            self._stored[kind][lo:hi].copy_(values)
             return
-        absmax, codes = self.split(stored, numel)
-        quantize_dynamic(values, signed=signed, block=self.block, out=(codes[lo:hi], absmax[lo // self.block : -(-hi // self.block)]))
+        block = self._fmt.block
+        absmax = self._blocks[kind][lo // block : -(-hi // block)]
+        codes = self._codes[kind][lo:hi]
+        table, signed = self._tables[kind], SIGNED[kind]
+        if not quantize_into(values, block=block, table=table, signed=signed, codes=codes, absmax=absmax, scratch=self._scratch):
+            raise ValueError(f"int8 moments need finite values, got inf or NaN in elements {lo}-{hi}")

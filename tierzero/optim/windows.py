@@ -4,6 +4,26 @@ Each window of the slice has its moments decoded to fp32, is stepped by the same
 kernel on the same fp32 values as fp32 moments would be, and is encoded back before the
 next window is read: the temporaries are a few windows of fp32, never the slice's.
 
+[Note: stepping in the cache]
+An int8 window costs about twenty passes over its elements (two dequantizes, the fused
+kernel, two quantizes: tierzero/units/code_tables.py) against the one pass of fp32 moments.
+On the host a window is `WINDOW` elements, 512 KiB of fp32 a buffer, so the passes after the
+first read of the codes and the grad work on data a core's L2 (2 MiB on the dev VM) or the
+nearest cache still holds, and every buffer (`MomentWindows`) is allocated once a slice and
+reused window after window, never faulted in again. The window is the fastest of 2^14 to
+2^22 on the dev VM, 4M elements (/tmp/q8b/windows_sweep.py): 2^17 26.6 ms at one thread,
+2^16 29.9, 2^14 41.8 (smaller windows pay torch's ~1.5 us a call, about 60 calls a window,
+more often), 2^20 32.6, 2^22 48.9 (larger ones spill the cache).
+
+The windows run with one intra-op thread (`_one_thread`), as a unit's base is decoded
+([Note: decoding a chunk on one core] in units/quantized_base.py): each of a window's ops is
+too short to gain from a second core (4M elements: 25.0 ms at two threads, 27.5 at one, on an
+idle dev VM), and when that core is busy (the swapper's threads, other processes) every op
+waits for it to join: 4M int8 moments took 178-594 ms at two threads against 31-35 at one
+while a busy loop held the other core, bf16 moments 109 against 10 (/tmp/q8b/threads_under_load.py).
+A 2B all-NVMe step with int8 moments (configs/oversized.yaml, the swapper's 8 threads beside it)
+took 35-50 s at two threads, 22.6-26.5 at one (/tmp/q8b/pair2b.py).
+
 A window's edges are the moments' block boundaries, not the slice's vector boundaries, so
 the pieces `adam_pieces` cut the slice into are cut again at each edge, keeping every
 element on the path it had ([Note: vector lanes and scalar tails]): the whole vectors of
@@ -14,18 +34,23 @@ a tensor's scalar tail stays a view shorter than a vector (the scalar path).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 
 from tierzero.common.slices import Kind
-from tierzero.optim.moments import SIGNED, MomentFormat
+from tierzero.optim.moments import MomentFormat, MomentWindows
 from tierzero.units.slice_layout import Piece
 
-__all__ = ["WINDOW", "WindowStep", "step_windows", "window_pieces"]
+__all__ = ["DEVICE_WINDOW", "WINDOW", "WindowStep", "step_windows", "window_pieces"]
 
-WINDOW = 1 << 22
-"""Elements stepped per window: `STEP_CHUNK`'s, and a multiple of every block and vector width."""
+WINDOW = 1 << 17
+"""Elements stepped per window on the host: 64 blocks of int8 moments, whose passes (decode, the
+kernel, encode) then stay in a core's cache ([Note: stepping in the cache]); a multiple of every
+block and vector width."""
+DEVICE_WINDOW = 1 << 22
+"""Elements stepped per window elsewhere: `STEP_CHUNK`'s, few kernel launches a slice."""
 
 #: Steps one window: (param, fp32 grad, exp_avg, exp_avg_sq) views of it, its in-place and scratch pieces.
 WindowStep = Callable[[tuple[torch.Tensor, ...], list[Piece], list[Piece]], None]
@@ -78,31 +103,66 @@ def step_windows(
     """Step `param` window by window (`WINDOW` elements): `grad` (any float dtype) copied to fp32 and
     scaled, the moments decoded, `step_window` run, the moments encoded; `cast` receives each window's
     new parameters."""
-    numel, window = param.numel(), WINDOW
-    direct, scratch, lanes = pieces
+    window = WINDOW if param.device.type == "cpu" else DEVICE_WINDOW
+    with _one_thread(param.device):
+        _step(fmt, window, param=param, grad=grad, scale=scale, states=states, pieces=pieces, step_window=step_window, cast=cast)
+
+
+def _step(
+    fmt: MomentFormat,
+    window: int,
+    *,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    scale: float,
+    states: Mapping[Kind, torch.Tensor],
+    pieces: tuple[list[Piece], list[Piece], int],
+    step_window: WindowStep,
+    cast: torch.Tensor | None,
+) -> None:
+    """`step_windows`' loop, `window` elements at a time."""
+    numel = param.numel()
+    direct, apart, lanes = pieces
     assert window % fmt.align == 0 and window % lanes == 0, (window, fmt.align, lanes)
-    # One fp32 buffer per moment for every window: a fresh one a window would cost its page faults again.
-    buffers = {kind: torch.empty(min(window, numel), dtype=torch.float32, device=param.device) for kind in SIGNED}
+    # Every buffer once a slice, reused window after window ([Note: stepping in the cache]).
+    moments = fmt.windows(states, numel=numel, window=window, device=param.device)
+    converts = grad.dtype != torch.float32 or scale != 1.0
+    converted = torch.empty(min(window, numel) if converts else 0, dtype=torch.float32, device=param.device)
     for lo in range(0, numel, window):
         hi = min(lo + window, numel)
-        g = grad[lo:hi]
-        if g.dtype != torch.float32 or scale != 1.0:
-            g = g.float() if scale == 1.0 else g.to(torch.float32, copy=True).mul_(scale)
-        moments = {
-            kind: fmt.decode(states[kind], numel=numel, lo=lo, hi=hi, signed=SIGNED[kind], out=buffers[kind][: hi - lo])
-            for kind in SIGNED
-        }
-        inside, apart = window_pieces(direct, scratch, lanes, lo, hi)
-        step_window((param[lo:hi], g, moments[Kind.EXP_AVG], moments[Kind.EXP_AVG_SQ]), inside, apart)
-        for kind, values in moments.items():
-            _encode(fmt, values, states[kind], numel=numel, lo=lo, kind=kind)
+        g = _converted(grad[lo:hi], converted[: hi - lo], scale) if converts else grad[lo:hi]
+        m, v = moments.decode(Kind.EXP_AVG, lo, hi), moments.decode(Kind.EXP_AVG_SQ, lo, hi)
+        step_window((param[lo:hi], g, m, v), *window_pieces(direct, apart, lanes, lo, hi))
+        for kind, values in ((Kind.EXP_AVG, m), (Kind.EXP_AVG_SQ, v)):
+            _encode(moments, kind, values, lo=lo, fmt=fmt)
         if cast is not None:
             cast[lo:hi].copy_(param[lo:hi])
 
 
-def _encode(fmt: MomentFormat, values: torch.Tensor, stored: torch.Tensor, *, numel: int, lo: int, kind: Kind) -> None:
+@contextmanager
+def _one_thread(device: torch.device) -> Iterator[None]:
+    """On the host, torch computes with one intra-op thread meanwhile ([Note: stepping in the cache]),
+    given back after; elsewhere nothing changes."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
     try:
-        fmt.encode(values, stored, numel=numel, lo=lo, signed=SIGNED[kind])
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _converted(grad: torch.Tensor, out: torch.Tensor, scale: float) -> torch.Tensor:
+    """`grad` in fp32 times `scale`, in `out`: the bits of `grad.float() * scale`, rounded once each."""
+    out.copy_(grad)
+    return out.mul_(scale) if scale != 1.0 else out
+
+
+def _encode(moments: MomentWindows, kind: Kind, values: torch.Tensor, *, lo: int, fmt: MomentFormat) -> None:
+    try:
+        moments.encode(kind, values, lo)
     except ValueError as exc:
         if "finite" not in str(exc):
             raise

@@ -12,7 +12,7 @@ to r = fl32(x / a) (a correctly rounded fp32 division, so |r| <= 1), ties to the
 (`x > midpoint` takes the upper code). The comparison is exact: r > (c_i + c_{i+1}) / 2
 holds exactly when r > m_i, where m_i is that midpoint rounded *down* to fp32, because no
 fp32 value lies strictly between m_i and the exact midpoint; so the code index is the number
-of m_i below r (`torch.bucketize` against the m_i), found by two table lookups ([Note: code
+of m_i below r (`torch.bucketize` against the m_i), found by one table lookup ([Note: code
 tables] in code_tables.py). An all-zero block has absmax 0,
 its r are taken as 0 and it comes back as zeros. The code value times the fp32 absmax,
 rounded once to fp32, is the reconstruction; its error is at most the largest distance from
@@ -54,7 +54,7 @@ from fractions import Fraction
 import torch
 
 from tierzero.comm.quant import quantize as quantize_flat
-from tierzero.units.code_tables import CHUNK, CodeTable, absmax_of, code_table, nearest_into, scale_by_block
+from tierzero.units.code_tables import CHUNK, CodeTable, Scratch, code_table, dequantize_into, quantize_into
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_DTYPE = torch.float32
@@ -136,20 +136,32 @@ def _nearest(
     codes = torch.empty(flat.numel(), dtype=torch.uint8, device=x.device) if out is None else out
     if not flat.numel():
         return flat.new_zeros(0), codes
-    absmax = absmax_of(flat, block=block)
-    if not bool(torch.isfinite(absmax).all()):
+    absmax = flat.new_empty(_blocks(flat.numel(), block))
+    step = max(block, CHUNK // block * block)
+    scratch, table = Scratch.of(min(step, flat.numel()), device=x.device), table.to(x.device)
+    finite = True
+    for lo in range(0, flat.numel(), step):
+        hi = min(lo + step, flat.numel())
+        blocks = absmax[lo // block : _blocks(hi, block)]
+        finite &= quantize_into(flat[lo:hi], block=block, table=table, signed=signed, codes=codes[lo:hi], absmax=blocks, scratch=scratch)
+    if not finite:
         _check_finite(x, what=what)
     if not signed and bool(flat.amin() < 0):
         raise ValueError(
             f"quantize_dynamic(signed=False) takes non-negative values (exp_avg_sq), got a minimum of "
             f"{float(x.min())}: pass signed=True for a signed state"
         )
-    nearest_into(flat, absmax, block=block, table=table, out=codes)
     return absmax, codes
 
 
-_TABLES = {"nf4": code_table(_midpoints_below(_NF4)), **{s: code_table(_midpoints_below(c)) for s, c in _DYNAMIC.items()}}
-"""The nearest-code tables of NF4 and of the signed (True) and unsigned (False) dynamic codes."""
+_TABLES = {name: code_table(c, _midpoints_below(c)) for name, c in (("nf4", _NF4), *_DYNAMIC.items())}
+"""The tables of NF4 and of the signed (True) and unsigned (False) dynamic codes."""
+
+
+def dynamic_table(*, signed: bool, device: torch.device) -> CodeTable:
+    """The signed or unsigned dynamic code's tables on ``device``, for `quantize_into` and `dequantize_into`
+    (code_tables.py) a chunk at a time."""
+    return _TABLES[signed].to(device)
 
 
 def _reconstruct(values: torch.Tensor, absmax: torch.Tensor, *, block: int) -> torch.Tensor:
@@ -211,14 +223,12 @@ def dequantize_dynamic(
     else:
         _expect("out", out, torch.float32, (flat.numel(),))
         values = out
-    table = _DYNAMIC[signed].to(codes.device)
     step = max(block, CHUNK // block * block)
-    index = flat.new_empty(min(step, flat.numel()), dtype=torch.int32)
+    scratch, table = Scratch.of(min(step, flat.numel()), device=codes.device), dynamic_table(signed=signed, device=codes.device)
     for lo in range(0, flat.numel(), step):
         hi = min(lo + step, flat.numel())
-        v, i = values[lo:hi], index[: hi - lo]
-        torch.index_select(table, 0, i.copy_(flat[lo:hi]), out=v)
-        scale_by_block(v, absmax[lo // block :], block=block)
+        blocks = absmax[lo // block : _blocks(hi, block)]
+        dequantize_into(flat[lo:hi], blocks, block=block, table=table, out=values[lo:hi], scratch=scratch)
     return values if out is not None else values.view(codes.shape).to(dtype)
 
 
