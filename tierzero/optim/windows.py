@@ -15,8 +15,8 @@ reused window after window, never faulted in again. The window is the fastest of
 2^16 29.9, 2^14 41.8 (smaller windows pay torch's ~1.5 us a call, about 60 calls a window,
 more often), 2^20 32.6, 2^22 48.9 (larger ones spill the cache).
 
-The windows run with one intra-op thread (`_one_thread`), as a unit's base is decoded
-([Note: decoding a chunk on one core] in units/quantized_base.py): each of a window's ops is
+The windows run with one intra-op thread (`one_thread`, [Note: one core for a loop of short ops]
+in common/threads.py), as a unit's base is decoded: each of a window's ops is
 too short to gain from a second core (4M elements: 25.0 ms at two threads, 27.5 at one, on an
 idle dev VM), and when that core is busy (the swapper's threads, other processes) every op
 waits for it to join: 4M int8 moments took 178-594 ms at two threads against 31-35 at one
@@ -34,12 +34,12 @@ a tensor's scalar tail stays a view shorter than a vector (the scalar path).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from tierzero.common.slices import Kind
+from tierzero.common.threads import one_thread
 from tierzero.optim.moments import MomentFormat, MomentWindows
 from tierzero.units.slice_layout import Piece
 
@@ -104,7 +104,7 @@ def step_windows(
     scaled, the moments decoded, `step_window` run, the moments encoded; `cast` receives each window's
     new parameters."""
     window = WINDOW if param.device.type == "cpu" else DEVICE_WINDOW
-    with _one_thread(param.device):
+    with one_thread(param.device):
         _step(fmt, window, param=param, grad=grad, scale=scale, states=states, pieces=pieces, step_window=step_window, cast=cast)
 
 
@@ -137,21 +137,6 @@ def _step(
             _encode(moments, kind, values, lo=lo, fmt=fmt)
         if cast is not None:
             cast[lo:hi].copy_(param[lo:hi])
-
-
-@contextmanager
-def _one_thread(device: torch.device) -> Iterator[None]:
-    """On the host, torch computes with one intra-op thread meanwhile ([Note: stepping in the cache]),
-    given back after; elsewhere nothing changes."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _converted(grad: torch.Tensor, out: torch.Tensor, scale: float) -> torch.Tensor:

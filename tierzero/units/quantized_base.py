@@ -20,7 +20,7 @@ dequantized to the compute dtype after each gather, into the unit's gathered buf
 
 [Note: decoding a chunk on one core]
 On the host a unit is dequantized `CHUNK` elements at a time so that the temporaries stay in a
-core's cache, on the calling thread with one intra-op thread (`_one_thread`): split over the cores,
+core's cache, on the calling thread with one intra-op thread (`one_thread`, common/threads.py): split over the cores,
 each op of a chunk costs more in its fork and join than in its work. On the 2-core dev VM, busy with
 other processes, 8M elements decoded in 221 ms per 100M at one thread against 1223 at two (medians
 of 5, /tmp/nf4/deq3.py). A decode on a thread of its own, overlapping the matmuls of the unit before,
@@ -31,12 +31,11 @@ compute's OpenMP threads keep both cores busy between their ops.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from tierzero.common.threads import one_thread
 from tierzero.units.blockwise import (
     ABSMAX_BLOCK,
     INT8_BLOCK,
@@ -140,7 +139,7 @@ class BaseCodec:
             raise ValueError(f"{what}: {stored.numel()} bytes stored, {self.name} needs {size * pieces} for {out.numel()} elements")
         if stored.device.type == "meta":
             return out
-        with _one_thread(out):
+        with one_thread(out.device):
             for i in range(pieces):
                 self._decode_piece(stored.narrow(0, i * size, size), out=out.narrow(0, i * n, n), what=what)
         return out
@@ -182,21 +181,6 @@ class BaseCodec:
 def _chunk(out: torch.Tensor) -> int:
     """Elements decoded at a time: `CHUNK` on the host, where a chunk's temporaries stay in a core's cache."""
     return min(CHUNK if out.device.type == "cpu" else _DEVICE_CHUNK, out.numel())
-
-
-@contextmanager
-def _one_thread(out: torch.Tensor) -> Iterator[None]:
-    """On the host, torch computes with one intra-op thread meanwhile ([Note: decoding a chunk on one core]):
-    the setting is the calling thread's own (OpenMP's), and given back after."""
-    threads = torch.get_num_threads()
-    if out.device.type != "cpu" or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _nf4_into(codes: torch.Tensor, absmax: torch.Tensor, *, out: torch.Tensor) -> None:
