@@ -105,38 +105,22 @@ def step_windows(
     new parameters."""
     window = WINDOW if param.device.type == "cpu" else DEVICE_WINDOW
     with one_thread(param.device):
-        _step(fmt, window, param=param, grad=grad, scale=scale, states=states, pieces=pieces, step_window=step_window, cast=cast)
-
-
-def _step(
-    fmt: MomentFormat,
-    window: int,
-    *,
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    scale: float,
-    states: Mapping[Kind, torch.Tensor],
-    pieces: tuple[list[Piece], list[Piece], int],
-    step_window: WindowStep,
-    cast: torch.Tensor | None,
-) -> None:
-    """`step_windows`' loop, `window` elements at a time."""
-    numel = param.numel()
-    direct, apart, lanes = pieces
-    assert window % fmt.align == 0 and window % lanes == 0, (window, fmt.align, lanes)
-    # Every buffer once a slice, reused window after window ([Note: stepping in the cache]).
-    moments = fmt.windows(states, numel=numel, window=window, device=param.device)
-    converts = grad.dtype != torch.float32 or scale != 1.0
-    converted = torch.empty(min(window, numel) if converts else 0, dtype=torch.float32, device=param.device)
-    for lo in range(0, numel, window):
-        hi = min(lo + window, numel)
-        g = _converted(grad[lo:hi], converted[: hi - lo], scale) if converts else grad[lo:hi]
-        m, v = moments.decode(Kind.EXP_AVG, lo, hi), moments.decode(Kind.EXP_AVG_SQ, lo, hi)
-        step_window((param[lo:hi], g, m, v), *window_pieces(direct, apart, lanes, lo, hi))
-        for kind, values in ((Kind.EXP_AVG, m), (Kind.EXP_AVG_SQ, v)):
-            _encode(moments, kind, values, lo=lo, fmt=fmt)
-        if cast is not None:
-            cast[lo:hi].copy_(param[lo:hi])
+        numel = param.numel()
+        direct, apart, lanes = pieces
+        assert window % fmt.align == 0 and window % lanes == 0, (window, fmt.align, lanes)
+        # Every buffer once a slice, reused window after window ([Note: stepping in the cache]).
+        moments = fmt.windows(states, numel=numel, window=window, device=param.device)
+        converts = grad.dtype != torch.float32 or scale != 1.0
+        converted = torch.empty(min(window, numel) if converts else 0, dtype=torch.float32, device=param.device)
+        for lo in range(0, numel, window):
+            hi = min(lo + window, numel)
+            g = _converted(grad[lo:hi], converted[: hi - lo], scale) if converts else grad[lo:hi]
+            m, v = moments.decode(Kind.EXP_AVG, lo, hi), moments.decode(Kind.EXP_AVG_SQ, lo, hi)
+            step_window((param[lo:hi], g, m, v), *window_pieces(direct, apart, lanes, lo, hi))
+            for kind, values in ((Kind.EXP_AVG, m), (Kind.EXP_AVG_SQ, v)):
+                _encode(moments, kind, values, lo=lo, fmt=fmt)
+            if cast is not None:
+                cast[lo:hi].copy_(param[lo:hi])
 
 
 def _converted(grad: torch.Tensor, out: torch.Tensor, scale: float) -> torch.Tensor:

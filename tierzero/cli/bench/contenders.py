@@ -21,6 +21,7 @@ from tierzero.models.builtin import GPT, PRESETS
 __all__ = [
     "MATRIX",
     "PLACEMENTS",
+    "EngineSteps",
     "EngineTraining",
     "ParityResult",
     "Placement",
@@ -162,11 +163,11 @@ class PlainTraining:
         pass
 
 
-class EngineTraining:
-    """tierzero on the same model: `engine(x, y)`, `backward`, `step`."""
+class EngineSteps:
+    """A contender whose `engine` trains by three calls a step, `engine(x, y)`, `backward`, `step`:
+    tierzero's, and DeepSpeed's (bench train --against deepspeed)."""
 
-    def __init__(self, preset: str, config: dict[str, Any]) -> None:
-        self.engine = initialize(gpt(preset), config)
+    engine: Any
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One training step; the loss stays a tensor on the device (reading it would synchronise)."""
@@ -174,6 +175,13 @@ class EngineTraining:
         self.engine.backward(loss)
         self.engine.step()
         return loss.detach()
+
+
+class EngineTraining(EngineSteps):
+    """tierzero on the same model."""
+
+    def __init__(self, preset: str, config: dict[str, Any]) -> None:
+        self.engine = initialize(gpt(preset), config)
 
     def close(self) -> None:
         self.engine.close()

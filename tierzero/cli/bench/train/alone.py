@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from tierzero import __version__
-from tierzero.cli.bench.contenders import LR, PLACEMENTS, EngineTraining, engine_config, gpt, token_batch
+from tierzero.cli.bench.contenders import LR, PLACEMENTS, EngineSteps, EngineTraining, engine_config, gpt, token_batch
 from tierzero.models.builtin import PRESETS
 
 __all__ = ["CONTENDERS", "OFFLOAD_DEVICES", "AloneSpec", "ContenderRun", "DeepSpeedTraining", "deepspeed_config", "run_alone"]
@@ -113,9 +113,9 @@ def deepspeed_config(*, batch: int, clip: float, dtype: str, placement: str, hid
     }
 
 
-class DeepSpeedTraining:
+class DeepSpeedTraining(EngineSteps):
     """DeepSpeed as one rank of one, as EngineTraining is tierzero: its process group on a free local
-    port, its engine over the same seeded GPT; `step` as EngineTraining's."""
+    port, its engine over the same seeded GPT."""
 
     def __init__(self, spec: AloneSpec, device: torch.device) -> None:
         import deepspeed  # the optional extra (gpu-compare), imported in this child only
@@ -132,12 +132,6 @@ class DeepSpeedTraining:
         model = gpt(spec.preset)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=self.config)
         self.version = str(deepspeed.__version__)
-
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        _, loss = self.engine(tokens, targets)
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss.detach()
 
     def close(self) -> None:
         """The process group DeepSpeed opened, closed before the process ends (NCCL warns otherwise)."""
