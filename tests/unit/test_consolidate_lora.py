@@ -254,3 +254,12 @@ def test_export_merged_without_a_lora_export_is_refused_in_one_line(
             "model.lora.r, or drop --export-merged\n"
         )
     assert not (tmp_path / "out").exists()
+
+
+def test_a_merged_export_of_a_model_without_adapters_is_refused_in_one_line(runs: Callable[[str], Run], tmp_path: Path) -> None:
+    run = runs("bf16")
+    model = build_meta_model(run.base)
+    with tierzero.initialize(model, _config(run.base, base_dtype="bf16", lora=False), pretrained=run.base) as engine:
+        with pytest.raises(ValueError, match=r"^a merged export of .* this engine's model has none: export it unmerged$"):
+            TransformersDirectory(merged=True).write(engine, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

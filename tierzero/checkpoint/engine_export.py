@@ -29,6 +29,7 @@ from tierzero.checkpoint.export import (
 from tierzero.checkpoint.format import TensorEntry
 from tierzero.checkpoint.lora_merge import MERGED_DTYPE, LoraMerge
 from tierzero.checkpoint.protocol import Exportable
+from tierzero.pretrained.lora import is_peft_model
 
 __all__ = ["export_engine"]
 
@@ -53,6 +54,9 @@ def export_engine(
     the device, plus one tensor cast to `dtype` on its way to the file.
     """
     out, comm, model = Path(out), engine.comm, engine.module
+    if merged and not is_peft_model(model):
+        raise ValueError(f"a merged export of {out} folds LoRA adapters into their base, and this engine's model has none: "
+                         "export it unmerged")
     merge = LoraMerge.of(model) if merged else None
     peft_model: Any = model  # with `merged`, a peft PeftModel: its base is the model the directory describes
     plain, written_model = (merge.plain_name, peft_model.get_base_model()) if merge else (str, model)
