@@ -29,6 +29,7 @@ from tierzero.align.dpo import sequence_logps
 from tierzero.align.step import logits_of
 from tierzero.align.table import REFERENCE_FILE, ReferenceTable
 from tierzero.checkpoint.format import CheckpointError
+from tierzero.comm import collectives as C
 from tierzero.data.preference import PreferenceBatches
 
 __all__ = ["forwards_per_rank", "precompute_reference", "reference_for_run"]
@@ -53,7 +54,7 @@ def precompute_reference(engine: Any, data: PreferenceBatches, *, is_hf: bool, d
             logps = sequence_logps(logits_of(engine, batch.tokens.to(device), is_hf=is_hf), batch.targets.to(device))
         if k < forwards:
             share[turn, : len(records)] = logps.view(2, -1).T
-    return ReferenceTable(logps=_gathered(share, world).transpose(0, 1).reshape(-1, 2)[:count].cpu(), fingerprint=data.fingerprint())
+    return ReferenceTable(logps=_gathered(share, world, engine.comm).transpose(0, 1).reshape(-1, 2)[:count].cpu(), fingerprint=data.fingerprint())
 
 
 def forwards_per_rank(data: PreferenceBatches) -> int:
@@ -62,13 +63,13 @@ def forwards_per_rank(data: PreferenceBatches) -> int:
     return -(-forwards // data.world_size)
 
 
-def _gathered(share: torch.Tensor, world: int) -> torch.Tensor:
-    """(world, *share.shape): every rank's share, in rank order."""
+def _gathered(share: torch.Tensor, world: int, comm: C.CommGroup) -> torch.Tensor:
+    """(world, *share.shape): every rank's share, in rank order, over the engine's own group."""
     if world == 1:
         return share[None]
-    parts = [torch.empty_like(share) for _ in range(world)]
-    torch.distributed.all_gather(parts, share)
-    return torch.stack(parts)
+    gathered = torch.empty((world, *share.shape), dtype=share.dtype, device=share.device)
+    C.all_gather(gathered.view(-1), share.contiguous().view(-1), comm=comm).wait()
+    return gathered
 
 
 def reference_for_run(
