@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from test_data_tokens import tiny_tokenizer
+from test_dpo import RECORDS  # 8 pairs: 4 micro-batches of 2 an epoch, so that 3 steps at GA 2 cross into the second epoch
 
 import tierzero
 from tierzero.align import completion_logps, dpo_micro_step
@@ -39,17 +40,6 @@ CONFIG = {
 """Stage 3 with clipping (the engine measures the norm) and a schedule (each step's rate differs): each unit's
 step is deferred to the next forward; the weights must not care whether the Trainer or a hand drives it."""
 STAGE_1 = {**CONFIG, "zero": {"stage": 1}}
-RECORDS = [
-    {"prompt": "the cat sat", "chosen": " on the mat", "rejected": " far"},
-    {"prompt": "a dog", "chosen": " ran far", "rejected": " sat on a cat end"},
-    {"prompt": "the end of", "chosen": " the story", "rejected": " a dog"},
-    {"prompt": "cat dog cat", "chosen": " sat on a mat", "rejected": " ran"},
-    {"prompt": "the story of a", "chosen": " cat", "rejected": " dog ran far far"},
-    {"prompt": "a mat", "chosen": " of the cat", "rejected": " the end"},
-    {"prompt": "dog", "chosen": " sat", "rejected": " ran on the mat"},
-    {"prompt": "the dog ran on the", "chosen": " mat", "rejected": " story of the end"},
-]
-"""8 pairs: 4 micro-batches of 2 an epoch, so that 3 steps at GA 2 cross into the second epoch."""
 LOGGED = ("loss", "learning_rate", "grad_norm", "rewards/margins", "rewards/accuracies")
 FIRST_STEP = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
 

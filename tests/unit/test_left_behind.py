@@ -40,7 +40,12 @@ sys.exit(main(sys.argv[2:]))
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint root of a tiny transformers model (a made pretrained directory) after no steps."""
     pytest.importorskip("transformers")
-    base = tmp_path_factory.mktemp("run")
+    return made_run(tmp_path_factory.mktemp("run"))[2]
+
+
+def made_run(base: Path) -> tuple[Path, Path, Path]:
+    """Under `base`: a made pretrained directory M, byte-level data, and the checkpoint root of a run
+    fine-tuning M on it, saved after no steps (test_output_paths.py's run too)."""
     pretrained, data, root = base / "M", base / "corpus", base / "ckpt"
     make_checkpoint(pretrained, size="tiny")
     data.mkdir()
@@ -51,7 +56,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     })  # fmt: skip
     with tierzero.initialize(build_model(cfg.model), cfg) as engine:
         save_checkpoint(engine, root)
-    return root
+    return pretrained, data, root
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=["TERM", "HUP", "INT"])

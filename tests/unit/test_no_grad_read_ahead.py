@@ -21,10 +21,10 @@ SPEC = ModelSpec(vocab_size=64, n_layer=4, n_head=2, d_model=32, d_ff=64, max_se
 BLOCKS = [f"blocks.{i}" for i in range(SPEC.n_layer)]
 
 
-def _model() -> GPT:
+def wide_gpt(spec: ModelSpec = SPEC) -> GPT:
     """Wide random weights: greedy decoding wanders over many tokens, so equal tokens say something."""
     torch.manual_seed(0)
-    model = GPT(SPEC)
+    model = GPT(spec)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:
@@ -64,7 +64,7 @@ def _record(engine: Any, events: list[tuple[str, str]]) -> None:
 def test_a_no_grad_forward_reads_the_next_unit_before_the_current_one_ends(tmp_path: Path) -> None:
     first: list[tuple[str, str]] = []
     later: list[tuple[str, str]] = []
-    with tierzero.initialize(_model(), _config(tmp_path)) as engine, torch.no_grad():
+    with tierzero.initialize(wide_gpt(), _config(tmp_path)) as engine, torch.no_grad():
         _record(engine, first)
         engine(_ids(0))  # learns the order, on demand
         learned = engine.param_prefetch.last_read_report
@@ -96,7 +96,7 @@ def test_the_bits_are_those_of_reads_on_demand_and_of_weights_on_the_device(tmp_
         "on demand": _config(tmp_path, prefetch=False),
         "device": _config(tmp_path, params="device"),
     }.items():
-        with tierzero.initialize(_model(), config) as engine:
+        with tierzero.initialize(wide_gpt(), config) as engine:
             with torch.no_grad():
                 outputs[name] = [engine(ids) for _ in range(3)]
             tokens[name] = engine.generate(ids, max_new_tokens=12)
@@ -110,7 +110,7 @@ def test_the_bits_are_those_of_reads_on_demand_and_of_weights_on_the_device(tmp_
 
 
 def test_evaluation_between_training_steps_leaves_the_training_order_alone(tmp_path: Path) -> None:
-    model = _model()
+    model = wide_gpt()
     ids = _ids(3)
     losses: dict[str, list[torch.Tensor]] = {"eval": [], "plain": []}
     for name in losses:
@@ -132,7 +132,7 @@ def test_evaluation_between_training_steps_leaves_the_training_order_alone(tmp_p
 
 
 def test_a_no_grad_forward_that_raises_teaches_nothing_and_the_next_one_runs(tmp_path: Path) -> None:
-    with tierzero.initialize(_model(), _config(tmp_path)) as engine, torch.no_grad():
+    with tierzero.initialize(wide_gpt(), _config(tmp_path)) as engine, torch.no_grad():
         engine(_ids(4))
         expected = engine(_ids(5))
         try:

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+from test_no_grad_read_ahead import wide_gpt
 
 import tierzero
 from tierzero.common.slices import Kind, Tier
-from tierzero.models.builtin import GPT, ModelSpec
+from tierzero.models.builtin import ModelSpec
 from tierzero.offload.base import TierCapacityError
 from tierzero.stages.plan import KIND_HOMES
 from tierzero.store.ledger import Use
@@ -20,16 +21,6 @@ from tierzero.store.ledger import Use
 SPEC = ModelSpec(vocab_size=64, n_layer=2, n_head=2, d_model=32, d_ff=64, max_seq_len=64)
 BEFORE, AFTER = 2, 3
 """Optimizer steps before the offload and after the reload."""
-
-
-def _model() -> GPT:
-    torch.manual_seed(0)
-    model = GPT(SPEC)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.3)  # wide: greedy decoding wanders over many tokens
-    return model
 
 
 def _config(stage: int, swap: Path, **more: Any) -> dict[str, Any]:
@@ -53,7 +44,7 @@ def _train(engine: Any, steps: range) -> list[torch.Tensor]:
 
 
 def _reference(config: dict[str, Any]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    with tierzero.initialize(_model(), copy.deepcopy(config)) as engine:
+    with tierzero.initialize(wide_gpt(SPEC), copy.deepcopy(config)) as engine:
         losses = _train(engine, range(BEFORE + AFTER))
         return losses, engine.full_state_dict()
 
@@ -79,7 +70,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def test_the_device_tier_empties_and_training_goes_on_with_the_same_bits(tmp_path: Path, stage: int, dtype: str) -> None:
     config = _config(stage, tmp_path, precision={"param_dtype": dtype})
     losses, weights = _reference(config)
-    with tierzero.initialize(_model(), config) as engine:
+    with tierzero.initialize(wide_gpt(SPEC), config) as engine:
         got = _train(engine, range(BEFORE))
         on_device = _home_bytes(engine, Tier.DEVICE)
         assert on_device > 0 and _device(engine).current == on_device  # everything lives on the device tier
@@ -101,7 +92,7 @@ def test_generation_runs_with_the_optimizer_and_gradients_offloaded(tmp_path: Pa
     config = _config(2, tmp_path)
     losses, weights = _reference(config)
     ids = _batch(99)[:, :6]
-    with tierzero.initialize(_model(), config) as engine:
+    with tierzero.initialize(wide_gpt(SPEC), config) as engine:
         got = _train(engine, range(BEFORE))
         expected = engine.generate(ids, max_new_tokens=8)
         engine.offload_states(["grads", "optimizer"])
@@ -131,7 +122,7 @@ def test_generation_runs_with_the_optimizer_and_gradients_offloaded(tmp_path: Pa
 def test_offloading_params_and_optimizer_states_homed_on_nvme_moves_only_the_device_s(tmp_path: Path) -> None:
     config = _config(3, tmp_path, offload={"params": "nvme", "optimizer": "nvme"})
     losses, weights = _reference(config)
-    with tierzero.initialize(_model(), config) as engine:
+    with tierzero.initialize(wide_gpt(SPEC), config) as engine:
         got = _train(engine, range(BEFORE))
         grads = _home_bytes(engine, Tier.DEVICE)
         assert grads == _home_bytes(engine, Tier.DEVICE, ("grads",)) > 0
@@ -145,7 +136,7 @@ def test_offloading_params_and_optimizer_states_homed_on_nvme_moves_only_the_dev
 
 
 def test_offload_is_refused_inside_a_step_and_for_unknown_kinds(tmp_path: Path) -> None:
-    with tierzero.initialize(_model(), _config(1, tmp_path)) as engine:
+    with tierzero.initialize(wide_gpt(SPEC), _config(1, tmp_path)) as engine:
         ids = _batch(0)
         _, loss = engine(ids, ids)
         with pytest.raises(ValueError) as caught:
@@ -165,11 +156,11 @@ def test_offload_is_refused_inside_a_step_and_for_unknown_kinds(tmp_path: Path) 
 
 def test_a_cpu_tier_too_small_moves_nothing(tmp_path: Path) -> None:
     probe = _config(1, tmp_path)
-    with tierzero.initialize(_model(), probe) as engine:
+    with tierzero.initialize(wide_gpt(SPEC), probe) as engine:
         on_device = _home_bytes(engine, Tier.DEVICE)
     config = _config(1, tmp_path, tiers={"cpu": {"capacity": on_device // 2}, "nvme": {"path": str(tmp_path)}})
     losses, _ = _reference(config)
-    with tierzero.initialize(_model(), config) as engine:
+    with tierzero.initialize(wide_gpt(SPEC), config) as engine:
         got = _train(engine, range(BEFORE))
         with pytest.raises(TierCapacityError, match=r"cpu tier is full: .*slices moved, and moved back\), .* raise tiers.cpu.capacity"):
             engine.offload_states()

@@ -9,15 +9,11 @@ import os
 from pathlib import Path
 
 import pytest
+from test_left_behind import made_run
 
-import tierzero
 import tierzero.cli.train as T
-from tierzero.checkpoint import save_checkpoint
-from tierzero.checkpoint.stand_in import make_checkpoint
 from tierzero.cli.main import main
 from tierzero.common.output_paths import check_writable, input_root, refuse_overlap
-from tierzero.config import load_config
-from tierzero.models.builtin import build_model
 
 pytest.importorskip("transformers")
 
@@ -31,18 +27,7 @@ def _snapshot(directory: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     """A made pretrained directory M, byte-level data, and a checkpoint root of a run fine-tuning M on it."""
-    base = tmp_path_factory.mktemp("run")
-    pretrained, data, root = base / "M", base / "corpus", base / "ckpt"
-    make_checkpoint(pretrained, size="tiny")
-    data.mkdir()
-    (data / "a.txt").write_text("hello world\n" * 100)
-    cfg = load_config({
-        "zero": {"stage": 3, "unit_classes": ["LlamaDecoderLayer"]}, "model": {"pretrained": str(pretrained)},
-        "data": {"path": str(data / "*.txt")}, "checkpoint": {"dir": str(root)},
-    })  # fmt: skip
-    with tierzero.initialize(build_model(cfg.model), cfg) as engine:
-        save_checkpoint(engine, root)
-    return pretrained, data, root
+    return made_run(tmp_path_factory.mktemp("run"))
 
 
 def test_the_helper_says_is_lies_inside_and_holds_through_dots_and_symlinks(tmp_path: Path) -> None:

@@ -12,19 +12,11 @@ from typing import Any
 
 import pytest
 import yaml
+from test_train_said import TINY  # a 26,368-parameter GPT
 
 from tierzero.cli.main import main
 from tierzero.common.sizes import format_size
 from tierzero.placement.disk import PROBE_BYTES, probe
-
-TINY = {
-    "zero": {"stage": 3},
-    "optimizer": {"type": "adamw", "lr": 0.01, "weight_decay": 0.0},
-    "model": {"type": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 32},
-    "data": {"max_bytes": "256KiB"},
-    "train": {"steps": 4, "micro_batch_size": 2, "seq_len": 32, "log_every": 1},
-}
-"""A 26,368-parameter GPT (the tiny model of test_train_said.py)."""
 
 
 def _train(capsys: pytest.CaptureFixture[str], config: Path, *args: str) -> tuple[int, str, str]:
