@@ -23,7 +23,8 @@ from tierzero.common.slices import Tier
 from tierzero.store.ledger import Use
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-from test_offload_states import AFTER, BEFORE, SPEC, _config, _home_bytes, _model  # noqa: E402
+from test_no_grad_read_ahead import wide_gpt  # noqa: E402
+from test_offload_states import AFTER, BEFORE, SPEC, _config, _home_bytes  # noqa: E402
 
 pytestmark = needs_cuda
 
@@ -62,10 +63,10 @@ def test_the_gpu_gives_back_the_slices_bytes_and_training_goes_on_with_the_same_
     cuda: torch.device, tmp_path: Path, stage: int, dtype: str, offload: dict[str, str]
 ) -> None:
     config = _config(stage, tmp_path, precision={"param_dtype": dtype}, offload=offload)
-    with tierzero.initialize(_model(), copy.deepcopy(config)) as engine:
+    with tierzero.initialize(wide_gpt(SPEC), copy.deepcopy(config)) as engine:
         expected_losses = _train(engine, range(BEFORE + AFTER), cuda)
         expected = engine.full_state_dict()
-    with tierzero.initialize(_model(), config) as engine:
+    with tierzero.initialize(wide_gpt(SPEC), config) as engine:
         losses = _train(engine, range(BEFORE), cuda)
         on_device = _home_bytes(engine, Tier.DEVICE)
         assert on_device > 0
