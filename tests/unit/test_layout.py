@@ -17,7 +17,7 @@ PACKAGE = ROOT / "tierzero"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 LAYERS = (
-    "common", "config", "data", "comm", "units", "optim", "offload", "swapper", "store", "prefetch", "stages",
+    "common", "native", "config", "data", "comm", "units", "optim", "offload", "swapper", "store", "prefetch", "stages",
     "pretrained", "models", "checkpoint", "engine", "inference", "align", "estimate", "placement", "api",
     "integrations", "lora", "cli",
 )  # fmt: skip

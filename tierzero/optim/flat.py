@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tierzero.common.slices import Kind
+from tierzero.native.adam import NativeAdam, native_adam
 from tierzero.optim.base import FlatOptimizer, OptimizerSpec, OptimizerType, OptimSlice, check_slice
 from tierzero.optim.moments import MomentFormat
 from tierzero.optim.torch_opt import NAMED, TORCH_PREFIX, make_torch_optimizer
@@ -44,7 +45,9 @@ class FlatAdam(FlatOptimizer):
     start leaves every element in the lane or the scalar tail it had ([Note: vector lanes and
     scalar tails]): the same bits as the whole slice in one call. The `cast` each chunk is
     written into is the PARAM slice's home itself where it is host memory the units compute in
-    (`Stage3.cast_slice`): no slice-sized buffer to fault in, no copy of it home after.
+    (`Stage3.cast_slice`): no slice-sized buffer to fault in, no copy of it home after. Where the
+    native kernel is built (native/adam.py) each in-place run is one call that does all of it in
+    a pass, with the same bits; the chunks remain the path without it.
     """
 
     __slots__ = ()
@@ -90,6 +93,17 @@ class FlatAdam(FlatOptimizer):
             return
         full = (param, grad, states[Kind.EXP_AVG], states[Kind.EXP_AVG_SQ])
         direct, scratch, lanes = _pieces(param, layout)
+        native = _native_for([param], [grad], self.spec.betas[0], cast)
+        if native is not None:
+            # One pass a piece: the widening, the scale and the cast inside the kernel ([Note: native kernels, torch's bits]).
+            for a, b, group in direct:
+                native.step(
+                    param[a:b], grad[a:b], full[2][a:b], full[3][a:b], step=step, lr=hypers[group].lr,
+                    betas=self.spec.betas, weight_decay=hypers[group].weight_decay, eps=self.spec.eps,
+                    adamw=self.spec.type is OptimizerType.ADAMW, lanes=lanes, scale=scale,
+                    cast=None if cast is None else cast[a:b],
+                )  # fmt: skip
+            direct = []
         # The meta device of a dry run reads nothing: one call a run, no cache to keep.
         chunk = STEP_CHUNK if param.device.type != "meta" else max(param.numel(), 1)
         buffer = torch.empty(min(chunk, param.numel()), dtype=torch.float32, device=param.device)
@@ -146,6 +160,15 @@ class FlatAdam(FlatOptimizer):
         beta1, beta2 = self.spec.betas
         # One kernel per group, as torch.optim runs one per param group.
         for group, lists in sorted(by_group.items()):
+            native = _native_for(lists[0], lists[1], beta1)
+            if native is not None:
+                for p, g, m, v in zip(*lists, strict=True):
+                    native.step(
+                        p, g, m, v, step=step, lr=hypers[group].lr, betas=self.spec.betas,
+                        weight_decay=hypers[group].weight_decay, eps=self.spec.eps,
+                        adamw=self.spec.type is OptimizerType.ADAMW, lanes=cpu_vector_width(),
+                    )  # fmt: skip
+                continue
             kernel(
                 *lists, [], [count] * len(lists[0]), lr=hypers[group].lr, beta1=beta1, beta2=beta2,
                 weight_decay=hypers[group].weight_decay, eps=self.spec.eps, amsgrad=False, maximize=False,
@@ -158,6 +181,17 @@ STEP_CHUNK = 1 << 22
 """Elements `step_converting` converts at a time (16 MiB of fp32): the fastest of 2^18 to 2^23 on
 the session-28 host; smaller chunks pay the kernel's cost per call (its threads' start-up) more
 often than they gain from the cache."""
+
+
+def _native_for(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], beta1: float, cast: torch.Tensor | None = None
+) -> NativeAdam | None:
+    """The native kernel where it is built and checked and takes every (param, grad) pair ([Note: native
+    kernels, torch's bits] in native/adam.py); None: torch's kernel steps them."""
+    takes = (NativeAdam.supports(p, g, beta1=beta1, cast=cast) for p, g in zip(params, grads, strict=True))
+    if not params or not all(takes):
+        return None
+    return native_adam(cpu_vector_width())
 
 
 def _converted(grad: torch.Tensor, out: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,0 +1,88 @@
+// Adam and AdamW in one pass over host memory, with the gradient's widening, the clip's scale and the cast fused.
+//
+// Built by tierzero/native/build.py with `-O3 -march=native -ffp-contract=off`: the compiler
+// vectorizes the loops and contracts nothing on its own, so every fused multiply-add below is
+// one written as std::fma, placed where torch's CPU fused Adam rounds once (tierzero/native/adam.py
+// checks the bits against torch's kernel before the engine uses these).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "adam_math.h"
+#include "common.h"
+
+namespace {
+
+using tz::float_to_bf16;
+using tz::AdamHypers;
+using tz::adam_scalar;
+using tz::adam_vector;
+using tz::parallel;
+using tz::widen;
+
+template <typename Grad, bool kScale, bool kVector>
+void adam_run(float* __restrict p, const Grad* __restrict grad, float scale, float* __restrict m,
+              float* __restrict v, int64_t lo, int64_t hi, const AdamHypers& hypers) {
+  const AdamHypers h = hypers;
+#pragma omp simd
+  for (int64_t i = lo; i < hi; ++i) {
+    float g = widen(grad[i]);
+    if (kScale) g = g * scale;
+    float mi = m[i], vi = v[i];
+    p[i] = kVector ? adam_vector(p[i], g, mi, vi, h) : adam_scalar(p[i], g, mi, vi, h);
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+void cast_run(const float* __restrict p, uint16_t* __restrict cast, int64_t lo, int64_t hi) {
+#pragma omp simd
+  for (int64_t i = lo; i < hi; ++i) cast[i] = float_to_bf16(p[i]);
+}
+
+// Elements a block: the cast reads back what the step just wrote while a core's L1 still holds it.
+constexpr int64_t kCastBlock = 2048;
+
+template <typename Grad, bool kScale, bool kCast>
+void adam_range(float* p, const void* grad, float scale, float* m, float* v, uint16_t* cast, int64_t lo, int64_t hi,
+                int64_t vector_end, const AdamHypers& h) {
+  const Grad* g = static_cast<const Grad*>(grad);
+  for (int64_t a = lo; a < hi; a += kCastBlock) {
+    int64_t b = std::min(hi, a + kCastBlock), mid = std::max(a, std::min(b, vector_end));
+    adam_run<Grad, kScale, true>(p, g, scale, m, v, a, mid, h);
+    adam_run<Grad, kScale, false>(p, g, scale, m, v, mid, b, h);
+    if (kCast) cast_run(p, cast, a, b);
+  }
+}
+
+using AdamRange = void (*)(float*, const void*, float, float*, float*, uint16_t*, int64_t, int64_t, int64_t,
+                           const AdamHypers&);
+
+template <typename Grad, bool kScale>
+AdamRange pick_cast(bool cast) {
+  return cast ? adam_range<Grad, kScale, true> : adam_range<Grad, kScale, false>;
+}
+
+}  // namespace
+
+extern "C" {
+
+int tz_abi_version() { return 1; }
+
+// Adam or AdamW over n fp32 parameters in place, in torch's fused CPU kernel's arithmetic: elements
+// before `vector_end` as its SIMD lanes compute them, the rest as its scalar tail does. The gradient
+// is fp32 or bf16 (`grad_bf16`), read only, multiplied by `scale` first when it is not 1 (as a
+// separate `mul_` would). `cast`, when not null, receives the new parameters in bf16.
+void tz_adam(float* param, const void* grad, int grad_bf16, float scale, float* exp_avg, float* exp_avg_sq,
+             uint16_t* cast, int64_t n, int64_t vector_end, int adamw, double lr, double beta1, double beta2,
+             double weight_decay, double eps, double step, int threads) {
+  AdamHypers h = tz::adam_hypers(adamw != 0, lr, beta1, beta2, weight_decay, eps, step);
+  bool scaled = scale != 1.0f;
+  AdamRange run = grad_bf16 ? (scaled ? pick_cast<uint16_t, true>(cast) : pick_cast<uint16_t, false>(cast))
+                            : (scaled ? pick_cast<float, true>(cast) : pick_cast<float, false>(cast));
+  parallel(n, threads, 64, [&](int64_t lo, int64_t hi) {
+    run(param, grad, scale, exp_avg, exp_avg_sq, cast, lo, hi, vector_end, h);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,133 @@
+"""The native host kernels' shared library: compiled from this folder's *.cpp (and their *.h) once per machine, then loaded.
+
+The library is built with the C++ compiler at hand (`$CXX`, else `g++`, else `c++`) for this
+CPU (`-march=native`) and kept in `$TIERZERO_CACHE_DIR/native/` (default `~/.cache/tierzero`)
+under a name drawn from everything that shapes its code: the sources, the flags, the compiler's
+version and the CPU's features. A second process finds it there (about a second to compile,
+nothing to load); processes that start together each compile to a private name and rename it
+into place, so none ever loads a half-written file. A library there that this user does not
+own, or that others may write, is never loaded: it is built again in a private directory.
+
+Nothing here is required. Without a compiler, with `TIERZERO_NATIVE=0`, or when the build
+fails, `library()` is None, the reason is logged once, and the engine steps with torch's own
+kernels, which give the same bits ([Note: native kernels, torch's bits] in native/adam.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+from tierzero.common.cache_files import cache_path
+from tierzero.common.safe_files import say_once, scratch_path
+
+__all__ = ["ABI_VERSION", "FLAGS", "library"]
+
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC", "-pthread")
+"""`-ffp-contract=off`: the compiler fuses no multiply-add on its own, so the kernels round where
+their source says; `-fno-math-errno`: `sqrt` vectorizes (no errno to set)."""
+ABI_VERSION = 1
+"""`tz_abi_version()` of the source this module's callers are written against."""
+_BUILD_SECONDS = 120
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None where native kernels are off or cannot be built (said once)."""
+    if os.environ.get("TIERZERO_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        lib = ctypes.CDLL(str(_built()))
+    except (OSError, subprocess.SubprocessError, _BuildError) as exc:
+        say_once(log, f"tierzero: native host kernels unavailable ({exc}); the step runs torch's kernels")
+        return None
+    if lib.tz_abi_version() != ABI_VERSION:
+        say_once(log, "tierzero: the native host kernels' library is of another version; the step runs torch's kernels")
+        return None
+    return lib
+
+
+class _BuildError(RuntimeError):
+    pass
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and (found := shutil.which(name)):
+            return found
+    raise _BuildError("no C++ compiler found: set CXX or install g++")
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _built() -> Path:
+    """The library's path, compiled first when no trusted copy is cached."""
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        "\0".join((*(s.read_text() for s in SOURCES + HEADERS), " ".join(FLAGS), version, platform.machine(), _cpu_features())).encode()
+    ).hexdigest()[:20]
+    name = f"tierzero_native-{key}.so"
+    target = cache_path("native") / name
+    if _trusted(target):
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if _trusted_dir(target.parent):
+            _compile(cxx, scratch_path(target), target)
+            if _trusted(target):
+                return target
+    except OSError:
+        pass
+    private = Path(tempfile.mkdtemp(prefix="tierzero-native-")) / name
+    _compile(cxx, scratch_path(private), private)
+    return private
+
+
+def _compile(cxx: str, scratch: Path, target: Path) -> None:
+    try:
+        done = subprocess.run(
+            [cxx, *FLAGS, *map(str, SOURCES), "-o", str(scratch)], capture_output=True, text=True, timeout=_BUILD_SECONDS
+        )
+        if done.returncode != 0:
+            raise _BuildError(f"{Path(cxx).name} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
+        os.chmod(scratch, 0o700)
+        os.replace(scratch, target)
+    finally:
+        scratch.unlink(missing_ok=True)
+
+
+def _trusted_dir(path: Path) -> bool:
+    st = path.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _trusted(path: Path) -> bool:
+    """A regular file of this user's that only this user may write, in such a directory."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return (
+        stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        and _trusted_dir(path.parent)
+    )  # fmt: skip
