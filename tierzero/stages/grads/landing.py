@@ -25,6 +25,7 @@ import torch
 
 from tierzero.comm import collectives as C
 from tierzero.common.slices import Kind, SliceKey, Tier
+from tierzero.native.convert import plus_zero_into
 from tierzero.stages.grads.norm import GradNorm, SquareSum, norm_chunks
 from tierzero.stages.grads.pieces import GradPieces
 from tierzero.stages.step import BackwardStep, computes_on_host
@@ -59,7 +60,8 @@ def _fill(shard: torch.Tensor, pieces: Sequence[tuple[int, torch.Tensor]], lo: i
         a, b = max(offset, lo), min(offset + grad.numel(), hi)
         if a < b:
             shard[end:a].zero_()
-            torch.add(grad[a - offset : b - offset], 0.0, out=shard[a:b])
+            if not plus_zero_into(grad[a - offset : b - offset], shard[a:b]):
+                torch.add(grad[a - offset : b - offset], 0.0, out=shard[a:b])
             end = b
     shard[end:hi].zero_()
 

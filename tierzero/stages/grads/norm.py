@@ -13,7 +13,8 @@ buffer while it is in cache, where `grads.float()` made a whole fp32 copy of eve
 gradient (an allocation and a pass of 4 bytes an element: 22 ms of a 100M step on the
 session-28 host). The landing of a fresh slice (`add_into` in grads/landing.py) sums each
 chunk just after it writes it, the same chunks in the same order: the same bits as summing
-the landed slice afterwards, one read of the gradient fewer. A device's slice is summed in
+the landed slice afterwards, one read of the gradient fewer. The widening and the landing's
+`g + 0.0` run natively where the library is built (native/convert.py), with torch's bits. A device's slice is summed in
 one dot, as before: its kernels pay per launch, not per cache miss.
 """
 
@@ -23,6 +24,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+
+from tierzero.native.convert import widen_into
 
 __all__ = ["NORM_CHUNK", "GradNorm", "SquareSum", "clip_coefficient", "norm_chunks", "square_sum"]
 
@@ -79,7 +82,9 @@ class SquareSum:
 
     def add(self, chunk: torch.Tensor) -> None:
         """Add the squares of the slice's next chunk (at most `NORM_CHUNK` elements)."""
-        wide = chunk if self._buffer is None else self._buffer[: chunk.numel()].copy_(chunk)
+        wide = chunk if self._buffer is None else self._buffer[: chunk.numel()]
+        if wide is not chunk and not widen_into(chunk, wide):
+            wide.copy_(chunk)
         self.total = self.total + wide.dot(wide)
 
 
