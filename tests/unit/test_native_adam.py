@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_no_grad_read_ahead import SPEC, wide_gpt
 
 import tierzero
 import tierzero.optim.flat as flat
-from tierzero.native import adam as native_adam_module
 from tierzero.native import build
 from tierzero.native.adam import NativeAdam, native_adam
 from tierzero.units.slice_layout import cpu_vector_width
@@ -97,8 +97,6 @@ def _train(steps: int = 3) -> tuple[dict[str, torch.Tensor], int]:
         nonlocal calls
         calls += 1
         step(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    from tests.unit.test_no_grad_read_ahead import SPEC, wide_gpt
 
     cfg = {
         "zero": {"stage": 3}, "optimizer": {"type": "adamw", "lr": 1e-3, "weight_decay": 0.1}, "gradient_clipping": 0.5,
