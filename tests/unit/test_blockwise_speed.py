@@ -164,6 +164,12 @@ class _Calls(TorchDispatchMode):
         return out
 
 
+def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The windows in torch ops, as they run without the native kernels (tests/unit/test_native_moments.py checks those)."""
+    monkeypatch.setattr(flat, "_native_for", lambda *args, **kwargs: None)
+    monkeypatch.setattr(flat, "native_moments_checked", lambda: None)
+
+
 def _int8_step_calls(windows_per_slice: int) -> _Calls:
     window = windows.WINDOW
     opt = FlatAdam(OptimizerSpec(type=OptimizerType.ADAMW, lr=1e-3, weight_decay=0.1, state_dtype=StateDtype.INT8))
@@ -177,7 +183,7 @@ def _int8_step_calls(windows_per_slice: int) -> _Calls:
 
 def test_the_int8_window_step_allocates_once_a_slice_and_gathers_once_a_moment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(windows, "WINDOW", 8 * 2048)
-    monkeypatch.setattr(flat, "native_adam", lambda lanes: None)  # torch's kernel, whose calls are counted here
+    _torch_path(monkeypatch)  # whose calls are counted here
     two, five = _int8_step_calls(2), _int8_step_calls(5)
     for calls, n in ((two, 2), (five, 5)):
         assert calls.ops.count("index_select") == 4 * n  # per window: two dequantizes, two quantizes
@@ -192,6 +198,7 @@ def test_the_host_windows_run_on_one_thread_and_give_the_setting_back(monkeypatc
     pieces = windows.window_pieces
     monkeypatch.setattr(windows, "window_pieces", lambda *args: seen.append(torch.get_num_threads()) or pieces(*args))
     monkeypatch.setattr(windows, "WINDOW", 2048)
+    _torch_path(monkeypatch)
     opt = FlatAdam(OptimizerSpec(type=OptimizerType.ADAMW, lr=1e-3, state_dtype=StateDtype.INT8))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -15,20 +15,30 @@ slice, wherever they live. The update rules here are torch.optim's, bit for bit:
 
 from __future__ import annotations
 
+import functools
+import itertools
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from tierzero.common.safe_files import say_once
 from tierzero.common.slices import Kind
 from tierzero.native.adam import NativeAdam, native_adam
+from tierzero.native.moments import NativeMoments, native_moments
 from tierzero.optim.base import FlatOptimizer, OptimizerSpec, OptimizerType, OptimSlice, check_slice
-from tierzero.optim.moments import MomentFormat
+from tierzero.optim.moments import MomentFormat, StateDtype
 from tierzero.optim.torch_opt import NAMED, TORCH_PREFIX, make_torch_optimizer
-from tierzero.optim.windows import step_windows
+from tierzero.optim.windows import native_ranges, step_native, step_windows
 from tierzero.units.slice_layout import ParamGroup, Piece, SliceLayout, adam_pieces, cpu_vector_width
 
-__all__ = ["FlatAdam", "FlatOptimizer", "FlatSGD", "OptimSlice", "OptimizerSpec", "OptimizerType", "SliceLayout", "make_optimizer"]
+__all__ = [
+    "FlatAdam", "FlatOptimizer", "FlatSGD", "OptimSlice", "OptimizerSpec", "OptimizerType", "SliceLayout", "make_optimizer",
+    "native_moments_checked",
+]  # fmt: skip
+
+log = logging.getLogger(__name__)
 
 
 class FlatAdam(FlatOptimizer):
@@ -96,11 +106,12 @@ class FlatAdam(FlatOptimizer):
         native = _native_for([param], [grad], self.spec.betas[0], cast)
         if native is not None:
             # One pass a piece: the widening, the scale and the cast inside the kernel ([Note: native kernels, torch's bits]).
+            # The kernel's own width even without a layout (`lanes` 1): torch's kernel has it on each chunk, tail and all.
             for a, b, group in direct:
                 native.step(
                     param[a:b], grad[a:b], full[2][a:b], full[3][a:b], step=step, lr=hypers[group].lr,
                     betas=self.spec.betas, weight_decay=hypers[group].weight_decay, eps=self.spec.eps,
-                    adamw=self.spec.type is OptimizerType.ADAMW, lanes=lanes, scale=scale,
+                    adamw=self.spec.type is OptimizerType.ADAMW, lanes=cpu_vector_width(), scale=scale,
                     cast=None if cast is None else cast[a:b],
                 )  # fmt: skip
             direct = []
@@ -127,10 +138,26 @@ class FlatAdam(FlatOptimizer):
         self, s: OptimSlice, *, grad: torch.Tensor, scale: float, step: int, hypers: Sequence[ParamGroup],
         cast: torch.Tensor | None = None,
     ) -> None:
-        """Step over bf16 or int8 moments a window at a time (optim/windows.py): the same kernel on the
-        fp32 values the stored moments decode to."""
+        """Step over bf16 or int8 moments: one native pass where its kernel is built and checked, else a
+        window at a time (optim/windows.py), the same kernel on the fp32 values the stored moments decode to."""
         if s.param.device.type == "meta":
             return  # the estimate's dry run: shapes only, nothing to quantize
+        takes = NativeMoments.supports(s.param, grad, beta1=self.spec.betas[0], cast=cast)
+        kernel = native_moments_checked() if takes else None
+        self._step_moments(s, grad=grad, scale=scale, step=step, hypers=hypers, cast=cast, kernel=kernel)
+
+    def _step_moments(
+        self, s: OptimSlice, *, grad: torch.Tensor, scale: float, step: int, hypers: Sequence[ParamGroup],
+        cast: torch.Tensor | None, kernel: NativeMoments | None,
+    ) -> None:
+        if kernel is not None:
+            direct, scratch, _ = _pieces(s.param, s.layout)
+            step_native(
+                kernel, self.moments, param=s.param, grad=grad, scale=scale, states=s.states, hypers=hypers, step=step,
+                ranges=native_ranges(direct, scratch, cpu_vector_width()), betas=self.spec.betas, eps=self.spec.eps,
+                adamw=self.spec.type is OptimizerType.ADAMW, cast=cast,
+            )  # fmt: skip
+            return
 
         def step_window(full: tuple[torch.Tensor, ...], direct: list[Piece], scratch: list[Piece]) -> None:
             by_group: dict[int, _AdamLists] = {}
@@ -192,6 +219,51 @@ def _native_for(
     if not params or not all(takes):
         return None
     return native_adam(cpu_vector_width())
+
+
+@functools.cache
+def native_moments_checked() -> NativeMoments | None:
+    """The native kernel for compact moments where it is built and gives the window path's bits on a
+    probe of every variant ([Note: one pass over compact moments] in native/moments.py); else None."""
+    kernel = native_moments()
+    if kernel is None:
+        return None
+    for dtype, adamw, (grad_dtype, scale, cast) in itertools.product((StateDtype.INT8, StateDtype.BF16), (True, False), _PROBES):
+        if not _same_moment_bits(kernel, dtype, adamw=adamw, grad_dtype=grad_dtype, scale=scale, cast=cast):
+            say_once(
+                log,
+                "tierzero: the native kernel for compact moments gives other bits than the torch path "
+                f"(state_dtype {dtype.value}, adamw={adamw}, {grad_dtype} gradient, scale={scale}, cast={cast}); "
+                "the step runs the torch path",
+            )
+            return None
+    return kernel
+
+
+_PROBES = ((torch.float32, 1.0, False), (torch.bfloat16, 0.37, True), (torch.float32, 2.5, True), (torch.bfloat16, 1.0, False))
+"""(gradient dtype, clip scale, cast) of the probes."""
+_PROBE_NUMELS = (37, 2100, 7, 1023, 4096, 255, 1)
+"""The probe's tensors: tails of many lengths, tensors across blocks, a slice cut inside the first's vectors."""
+
+
+def _same_moment_bits(kernel: NativeMoments, dtype: StateDtype, *, adamw: bool, grad_dtype: torch.dtype, scale: float, cast: bool) -> bool:
+    """Three steps of a probe slice, two groups, a zero block and padding, through both paths, compared bit for bit."""
+    opt = FlatAdam(OptimizerSpec(type=OptimizerType.ADAMW if adamw else OptimizerType.ADAM, lr=1e-3, state_dtype=dtype))
+    layout = SliceLayout.of(_PROBE_NUMELS, offset=3, groups=(0, 1, 0, 1, 0, 1, 0))
+    n = sum(_PROBE_NUMELS) - 3 + 21
+    hypers = (ParamGroup(lr=1e-3, weight_decay=0.1), ParamGroup(lr=3e-3, weight_decay=0.0))
+    gen = torch.Generator().manual_seed(20261206)
+    start = torch.randn(n, generator=gen)
+    runs = [(start.clone(), opt.new_states(n), torch.zeros(n, dtype=torch.bfloat16) if cast else None) for _ in range(2)]
+    for step in (1, 2, 3):
+        grad = (torch.randn(n, generator=gen) * 0.1).to(grad_dtype)
+        grad[2048:4096] = 0  # a block whose moments stay zero: absmax 0
+        for (param, states, out), use in zip(runs, (None, kernel), strict=True):
+            s = OptimSlice(param=param, grad=grad, states=states, layout=layout)
+            opt._step_moments(s, grad=grad, scale=scale, step=step, hypers=hypers, cast=out, kernel=use)
+    (p0, s0, c0), (p1, s1, c1) = runs
+    same = [torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in ((p0, p1), *((s0[k], s1[k]) for k in s0))]
+    return all(same) and (c0 is None or torch.equal(c0.view(torch.int16), c1.view(torch.int16)))
 
 
 def _converted(grad: torch.Tensor, out: torch.Tensor, scale: float) -> torch.Tensor:

@@ -30,6 +30,10 @@ element on the path it had ([Note: vector lanes and scalar tails]): the whole ve
 a piece inside the window run in place, the few elements an edge separates from the rest
 of their vector run in a vector-sized scratch (the vector path: lanes are independent), and
 a tensor's scalar tail stays a view shorter than a vector (the scalar path).
+
+Where the native kernel is built and gives these bits (`step_native`, [Note: one pass over
+compact moments] in native/moments.py), a slice is one call instead, a block at a time: the
+windows, their pieces and their passes remain the path without it.
 """
 
 from __future__ import annotations
@@ -40,10 +44,12 @@ import torch
 
 from tierzero.common.slices import Kind
 from tierzero.common.threads import one_thread
-from tierzero.optim.moments import MomentFormat, MomentWindows
-from tierzero.units.slice_layout import Piece
+from tierzero.native.moments import NativeMoments, StoredMoment
+from tierzero.optim.moments import SIGNED, MomentFormat, MomentWindows, StateDtype
+from tierzero.units.blockwise import dynamic_table
+from tierzero.units.slice_layout import ParamGroup, Piece
 
-__all__ = ["DEVICE_WINDOW", "WINDOW", "WindowStep", "step_windows", "window_pieces"]
+__all__ = ["DEVICE_WINDOW", "WINDOW", "WindowStep", "native_ranges", "step_native", "step_windows", "window_pieces"]
 
 WINDOW = 1 << 17
 """Elements stepped per window on the host: 64 blocks of int8 moments, whose passes (decode, the
@@ -129,15 +135,60 @@ def _converted(grad: torch.Tensor, out: torch.Tensor, scale: float) -> torch.Ten
     return out.mul_(scale) if scale != 1.0 else out
 
 
+def native_ranges(direct: Sequence[Piece], scratch: Sequence[Piece], lanes: int) -> torch.Tensor:
+    """The native kernel's ranges (start, end, vector_end, group), in order: a run in place is in torch's
+    lanes up to its last whole vector of `lanes` (its tail after), a scratch piece all in lanes."""
+    rows = [(a, b, a + (b - a) // lanes * lanes, g) for a, b, g in direct] + [(a, b, b, g) for a, b, g in scratch]
+    return torch.tensor(sorted(rows), dtype=torch.int64).reshape(-1, 4)
+
+
+def step_native(
+    kernel: NativeMoments,
+    fmt: MomentFormat,
+    *,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    scale: float,
+    states: Mapping[Kind, torch.Tensor],
+    ranges: torch.Tensor,
+    hypers: Sequence[ParamGroup],
+    step: int,
+    betas: tuple[float, float],
+    eps: float,
+    adamw: bool,
+    cast: torch.Tensor | None = None,
+) -> None:
+    """`step_windows`' step and bits in one native call over the slice; inf or NaN int8 moments refused in its words."""
+    numel, int8 = param.numel(), fmt.dtype is StateDtype.INT8
+    moments = [_stored(fmt, states[kind], numel=numel, signed=SIGNED[kind]) if int8 else StoredMoment(states[kind]) for kind in SIGNED]
+    bad = kernel.step(
+        param, grad, *moments, ranges=ranges, lrs=[h.lr for h in hypers], weight_decays=[h.weight_decay for h in hypers],
+        step=step, betas=betas, eps=eps, adamw=adamw, block=fmt.block, window=WINDOW, scale=scale, cast=cast,
+    )  # fmt: skip
+    if bad is not None:
+        window, column = divmod(int(bad.view(-1).nonzero()[0]), 2)  # the first the torch path would meet
+        lo = window * WINDOW
+        raise _not_finite(fmt, list(SIGNED)[column], int(bad[window, column]), lo=lo, hi=min(lo + WINDOW, numel))
+
+
+def _stored(fmt: MomentFormat, stored: torch.Tensor, *, numel: int, signed: bool) -> StoredMoment:
+    absmax, codes = fmt.split(stored, numel)
+    table = dynamic_table(signed=signed, device=stored.device)
+    return StoredMoment(codes, absmax=absmax, values=table.values, offsets=table.offsets)
+
+
 def _encode(moments: MomentWindows, kind: Kind, values: torch.Tensor, *, lo: int, fmt: MomentFormat) -> None:
     try:
         moments.encode(kind, values, lo)
     except ValueError as exc:
         if "finite" not in str(exc):
             raise
-        bad = int((~torch.isfinite(values)).sum())
-        raise ValueError(
-            f"optimizer.state_dtype {fmt.dtype.value}: {bad} of the {kind.value} values of elements {lo}-{lo + values.numel()} "
-            "are inf or NaN after the step and cannot be quantized: the gradient was not finite (set gradient_clipping, "
-            "lower optimizer.lr, or train with optimizer.state_dtype: fp32 to see where it came from)"
-        ) from None
+        raise _not_finite(fmt, kind, int((~torch.isfinite(values)).sum()), lo=lo, hi=lo + values.numel()) from None
+
+
+def _not_finite(fmt: MomentFormat, kind: Kind, bad: int, *, lo: int, hi: int) -> ValueError:
+    return ValueError(
+        f"optimizer.state_dtype {fmt.dtype.value}: {bad} of the {kind.value} values of elements {lo}-{hi} "
+        "are inf or NaN after the step and cannot be quantized: the gradient was not finite (set gradient_clipping, "
+        "lower optimizer.lr, or train with optimizer.state_dtype: fp32 to see where it came from)"
+    )
