@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from tierzero.common.slices import IO_ALIGNMENT, Tier
+from tierzero.config.loading import load_config
 from tierzero.offload.base import TierCapacityError
-from tierzero.offload.cpu import CpuTier
+from tierzero.offload.cpu import CpuTier, HostDeviceTier
 from tierzero.offload.device import DeviceTier
 from tierzero.offload.staging import StagingPool
+from tierzero.offload.tiers import tiers_from_config
 
 
 def test_cpu_buffers_are_aligned_exact_and_counted() -> None:
@@ -85,6 +87,40 @@ def test_by_default_kept_buffers_never_lift_what_the_tier_holds_past_its_live_pe
     tier.free(odd)
     tier.free(big)
     tier.close()
+
+
+def test_slack_keeps_buffers_of_other_sizes_past_the_live_peak_up_to_it_and_the_capacity() -> None:
+    """[Note: slack for buffers of many sizes]: a step whose sizes alternate reuses every buffer."""
+    tier = CpuTier(capacity=None, reuse_slack=2 << 20)
+    small = [tier.allocate(1 << 20, label=f"s{i}") for i in range(3)]
+    for region in small:
+        tier.free(region)
+    odd = tier.allocate(2 << 20, label="odd")  # without slack it dropped two kept MiB (the test above)
+    assert tier.kept_bytes == 3 << 20 and tier.held == 5 << 20
+    tier.free(odd)
+    again = [tier.allocate(1 << 20, label=f"t{i}") for i in range(3)] + [tier.allocate(2 << 20, label="odd2")]
+    assert tier.reused == 4 and tier.held == 5 << 20  # the next step's sizes, all from kept buffers
+    for region in again:
+        tier.free(region)
+    big = tier.allocate(4 << 20, label="big")  # past the peak and the slack: kept ones go first
+    assert tier.held <= (5 << 20) + (2 << 20) and tier.used == 4 << 20
+    tier.free(big)
+    capped = CpuTier(capacity=4 << 20, reuse_slack=8 << 20)
+    regions = [capped.allocate(1 << 20, label=str(i)) for i in range(3)]
+    for region in regions:
+        capped.free(region)
+    capped.allocate(2 << 20, label="big")
+    assert capped.held <= 4 << 20  # the capacity bounds what slack may keep
+    with pytest.raises(ValueError, match="reuse_slack must be >= 0 bytes, got -1"):
+        CpuTier(reuse_slack=-1)
+
+
+def test_a_run_without_a_gpu_gives_its_device_tier_the_kept_heap_as_slack() -> None:
+    cfg = load_config({"tiers": {"cpu": {"keep_freed": "256MiB"}}})
+    storages = tiers_from_config(cfg.tiers, nvme=False, device=torch.device("cpu"))
+    device = storages[Tier.DEVICE]
+    assert isinstance(device, HostDeviceTier) and device.reuse_slack == 256 << 20
+    assert storages[Tier.CPU].reuse_slack == 0
 
 
 def test_kept_buffers_make_room_before_a_refusal() -> None:

@@ -231,7 +231,7 @@ def _config(path, *, optimizer: Tier) -> SimpleNamespace:
         offload=SimpleNamespace(params=Tier.DEVICE, gradients=Tier.CPU, optimizer=optimizer),
         tiers=SimpleNamespace(
             device=SimpleNamespace(capacity=1 << 20),
-            cpu=SimpleNamespace(capacity=2 << 20, pin_memory=True),
+            cpu=SimpleNamespace(capacity=2 << 20, pin_memory=True, keep_freed=0),
             nvme=SimpleNamespace(
                 path=str(path), capacity=1 << 20, block_size=1 << 20, queue_depth=2, threads=1, verify=True,
                 backend="pread", cache=0,

@@ -15,6 +15,18 @@ would not fit, kept buffers are dropped first, and only then is the allocation
 refused. With no `reuse_limit` the tier never holds more than the high-water mark of
 its live bytes: keeping a freed buffer never grows what it holds, and a new
 allocation past that mark drops kept buffers first, so reuse costs no peak memory.
+
+[Note: slack for buffers of many sizes]
+That bound is tight where a step's buffers come in several sizes and reuse is by exact
+size: a unit-sized allocation with no kept buffer of its size drops kept buffers of other
+sizes to stay under the mark, and the next allocation of those sizes faults in fresh
+memory again. A 2B LoRA step with an NF4 base (codes 45 MB, decoded units 159 MB, the
+embedding and head 328 MB) dropped and made anew 1.4-2.1 GB of buffers a step, and the
+decode into them spent 0.6-2.5 s of its 1.7-3.7 s in the kernel faulting pages in (the dev
+VM hands freed memory back to its host, so a fresh page costs over a millisecond). The
+compute device's host tier (`HostDeviceTier`) may therefore hold `reuse_slack` bytes of kept
+buffers past the mark: `tiers.cpu.keep_freed`, the free heap the process keeps resident
+anyway (host_heap.py), here kept in buffers of the sizes the step asks for.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ class CpuTier(MemoryTier):
         reuse_limit: int | None = None,
         tier: Tier = Tier.CPU,
         registry: PinnedRegistry | None = None,
+        reuse_slack: int = 0,
     ) -> None:
         super().__init__(tier=tier, capacity=capacity)
         if reuse_limit is not None and reuse_limit < 0:
@@ -50,6 +63,10 @@ class CpuTier(MemoryTier):
         self.pinned = pin_memory and self._registry.available
         self.reuse_limit = reuse_limit
         """Most bytes of freed buffers kept; None: bounded by the high-water mark of live bytes."""
+        if reuse_slack < 0:
+            raise ValueError(f"reuse_slack must be >= 0 bytes, got {reuse_slack}")
+        self.reuse_slack = reuse_slack
+        """Bytes the tier may hold past that mark in kept buffers ([Note: slack for buffers of many sizes])."""
         self._kept: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._kept_bytes = 0
         self._live_peak = 0
@@ -105,11 +122,11 @@ class CpuTier(MemoryTier):
 
         `_reserve` already counted the new bytes in `_used`. The bound is the capacity,
         and without a `reuse_limit` also the high-water mark of live bytes before this
-        allocation (or the live bytes now, when they pass it).
+        allocation (or the live bytes now, when they pass it), plus `reuse_slack`.
         """
         bounds = [self._capacity] if self._capacity is not None else []
         if self.reuse_limit is None:
-            bounds.append(max(live_peak_before, self._used))
+            bounds.append(max(live_peak_before, self._used) + self.reuse_slack)
         if not bounds:
             return []
         bound = min(bounds)
@@ -155,6 +172,6 @@ class HostDeviceTier(CpuTier):
     pages (see the module note).
     """
 
-    def __init__(self, *, capacity: int | None = None) -> None:
-        super().__init__(capacity=capacity, pin_memory=False, tier=Tier.DEVICE)
+    def __init__(self, *, capacity: int | None = None, reuse_slack: int = 0) -> None:
+        super().__init__(capacity=capacity, pin_memory=False, tier=Tier.DEVICE, reuse_slack=reuse_slack)
         self.device = torch.device("cpu")

@@ -41,7 +41,9 @@ def tiers_from_config(
     cpu = CpuTier.from_config(tiers.cpu)
     on_host = (device.type == "cpu") if device is not None else not torch.cuda.is_available()
     device_tier = (
-        HostDeviceTier(capacity=tiers.device.capacity) if on_host else DeviceTier.from_config(tiers.device, device=device)
+        HostDeviceTier(capacity=tiers.device.capacity, reuse_slack=tiers.cpu.keep_freed)
+        if on_host
+        else DeviceTier.from_config(tiers.device, device=device)
     )
     storages: dict[Tier, TierStorage] = {Tier.DEVICE: device_tier, Tier.CPU: cpu}
     if nvme:
