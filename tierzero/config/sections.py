@@ -243,7 +243,9 @@ class CpuTierConfig(Section):
     """Freed host memory the process keeps for reuse (glibc): every block comes from the heap,
     whose freed blocks are reused instead of unmapped and faulted in fresh, and up to this many
     free bytes stay at its top; 0: the C library's defaults. Process-wide, set by the engine.
-    `offload: auto` leaves host memory room for it when it moves units' slices into memory."""
+    Without a GPU it is also how far past its live peak the device tier (host memory) keeps
+    freed buffers for reuse. `offload: auto` leaves host memory room for it when it moves
+    units' slices into memory."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
