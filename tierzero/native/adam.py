@@ -31,7 +31,7 @@ import torch
 from tierzero.common.safe_files import say_once
 from tierzero.native.build import library
 
-__all__ = ["NativeAdam", "native_adam"]
+__all__ = ["NativeAdam", "native_adam", "takes_host_step"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,17 @@ _ARGTYPES = (
     [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int] + [ctypes.c_double] * 6 + [ctypes.c_int]
 )  # fmt: skip
+
+
+def takes_host_step(param: torch.Tensor, grad: torch.Tensor, *, beta1: float, cast: torch.Tensor | None = None) -> bool:
+    """Whether the native Adam kernels take these tensors: host fp32 parameters, an fp32 or bf16 gradient,
+    a bf16 cast, all contiguous, and a lerp weight `1 - beta1` under 0.5 (torch's other lerp form is not built)."""
+    host = (param, grad) + (() if cast is None else (cast,))
+    return (
+        all(t.device.type == "cpu" and t.is_contiguous() for t in host) and param.dtype == torch.float32
+        and grad.dtype in (torch.float32, torch.bfloat16) and (cast is None or cast.dtype == torch.bfloat16)
+        and abs(1 - beta1) < 0.5
+    )  # fmt: skip
 
 
 class NativeAdam:
@@ -51,16 +62,7 @@ class NativeAdam:
         self._fn.argtypes = _ARGTYPES
         self._fn.restype = None
 
-    @staticmethod
-    def supports(param: torch.Tensor, grad: torch.Tensor, *, beta1: float, cast: torch.Tensor | None = None) -> bool:
-        """Whether `step` takes these tensors: host fp32 parameters, an fp32 or bf16 gradient, a bf16
-        cast, all contiguous, and a lerp weight `1 - beta1` under 0.5 (torch's other lerp form is not built)."""
-        return (
-            param.device.type == "cpu" and param.dtype == torch.float32 and param.is_contiguous()
-            and grad.dtype in (torch.float32, torch.bfloat16) and grad.is_contiguous() and grad.device.type == "cpu"
-            and (cast is None or (cast.dtype == torch.bfloat16 and cast.is_contiguous() and cast.device.type == "cpu"))
-            and abs(1 - beta1) < 0.5
-        )  # fmt: skip
+    supports = staticmethod(takes_host_step)
 
     def step(
         self,

@@ -9,17 +9,23 @@
 
 namespace tz {
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float float_of(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
 
+inline float bf16_to_float(uint16_t h) { return float_of(uint32_t(h) << 16); }
+
 // Round to nearest even, as torch's vectorized conversion does; every NaN becomes 0xffff, as there.
 inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+  uint32_t u = bits_of(f);
   uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? 0xffffu : rounded);
 }

@@ -22,6 +22,9 @@
 
 namespace {
 
+using tz::bits_of;
+using tz::float_of;
+
 constexpr int64_t kBlock = 64;         // elements a scale, NF4 and int8
 constexpr int64_t kAbsmaxBlock = 256;  // double-quantized absmax codes a scale
 constexpr int64_t kBlocksAChunk = 256;  // blocks whose absmax are rebuilt at a time, on the stack
@@ -33,18 +36,6 @@ inline float load_f32(const uint8_t* p) {
 }
 
 inline bool valid_scale(float s) { return std::isfinite(s) && s >= 0.0f; }
-
-inline uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-inline float float_of(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // fp32 to fp16, rounded to nearest even, as c10::Half does it (fp16_ieee_from_fp32_value).
 inline uint16_t float_to_f16(float f) {

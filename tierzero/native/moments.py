@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tierzero.native.adam import takes_host_step
 from tierzero.native.build import library
 
 __all__ = ["NativeMoments", "StoredMoment", "native_moments"]
@@ -63,16 +64,7 @@ class NativeMoments:
         self._fn.argtypes = _ARGTYPES
         self._fn.restype = _I64
 
-    @staticmethod
-    def supports(param: torch.Tensor, grad: torch.Tensor, *, beta1: float, cast: torch.Tensor | None = None) -> bool:
-        """Whether `step` takes these: host fp32 parameters, an fp32 or bf16 gradient, a bf16 cast, all
-        contiguous, and a lerp weight `1 - beta1` under 0.5 (the form of torch's lerp built here)."""
-        host = (param, grad) + (() if cast is None else (cast,))
-        return (
-            all(t.device.type == "cpu" and t.is_contiguous() for t in host) and param.dtype == torch.float32
-            and grad.dtype in (torch.float32, torch.bfloat16) and (cast is None or cast.dtype == torch.bfloat16)
-            and abs(1 - beta1) < 0.5
-        )  # fmt: skip
+    supports = staticmethod(takes_host_step)
 
     def step(
         self,
