@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,12 @@ def test_a_library_others_may_write_is_never_loaded(tmp_path: Path, monkeypatch:
     second = build._built()
     assert second != first or first.stat().st_mtime_ns != planted  # rebuilt: not the file others could write
     assert not second.stat().st_mode & 0o022
+    os.chmod(tmp_path / "native", 0o777)  # a cache others may write into: built and loaded from a private directory
+    build.library.cache_clear()
+    try:
+        before = set(Path(tempfile.gettempdir()).glob("tierzero-native-*"))
+        lib = build.library()
+        assert lib is not None and lib.tz_abi_version() == build.ABI_VERSION
+        assert set(Path(tempfile.gettempdir()).glob("tierzero-native-*")) == before  # removed once loaded
+    finally:
+        build.library.cache_clear()

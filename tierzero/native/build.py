@@ -6,7 +6,8 @@ under a name drawn from everything that shapes its code: the sources, the flags,
 version and the CPU's features. A second process finds it there (about a second to compile,
 nothing to load); processes that start together each compile to a private name and rename it
 into place, so none ever loads a half-written file. A library there that this user does not
-own, or that others may write, is never loaded: it is built again in a private directory.
+own, or that others may write, is never loaded: it is built again in a private directory,
+removed once the library is loaded.
 
 Nothing here is required. Without a compiler, with `TIERZERO_NATIVE=0`, or when the build
 fails, `library()` is None, the reason is logged once, and the engine steps with torch's own
@@ -40,6 +41,8 @@ their source says; `-fno-math-errno`: `sqrt` vectorizes (no errno to set)."""
 ABI_VERSION = 1
 """`tz_abi_version()` of the source this module's callers are written against."""
 _BUILD_SECONDS = 120
+_PRIVATE = "tierzero-native-"
+"""The prefix of a directory a library is built in when the cache holds no copy it can trust."""
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +53,13 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("TIERZERO_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     try:
-        lib = ctypes.CDLL(str(_built()))
+        path = _built()
+        lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError, _BuildError) as exc:
         say_once(log, f"tierzero: native host kernels unavailable ({exc}); the step runs torch's kernels")
         return None
+    if path.parent.name.startswith(_PRIVATE):
+        shutil.rmtree(path.parent, ignore_errors=True)  # loaded: the mapping outlives the file, nothing is left behind
     if lib.tz_abi_version() != ABI_VERSION:
         say_once(log, "tierzero: the native host kernels' library is of another version; the step runs torch's kernels")
         return None
@@ -98,8 +104,12 @@ def _built() -> Path:
                 return target
     except OSError:
         pass
-    private = Path(tempfile.mkdtemp(prefix="tierzero-native-")) / name
-    _compile(cxx, scratch_path(private), private)
+    private = Path(tempfile.mkdtemp(prefix=_PRIVATE)) / name
+    try:
+        _compile(cxx, scratch_path(private), private)
+    except BaseException:
+        shutil.rmtree(private.parent, ignore_errors=True)
+        raise
     return private
 
 
