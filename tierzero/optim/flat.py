@@ -114,18 +114,18 @@ class FlatAdam(FlatOptimizer):
                     adamw=self.spec.type is OptimizerType.ADAMW, lanes=cpu_vector_width(), scale=scale,
                     cast=None if cast is None else cast[a:b],
                 )  # fmt: skip
-            direct = []
-        # The meta device of a dry run reads nothing: one call a run, no cache to keep.
-        chunk = STEP_CHUNK if param.device.type != "meta" else max(param.numel(), 1)
-        buffer = torch.empty(min(chunk, param.numel()), dtype=torch.float32, device=param.device)
-        for a, b, group in direct:
-            for lo in range(a, b, chunk):
-                hi = min(lo + chunk, b)
-                g = _converted(grad[lo:hi], buffer[: hi - lo], scale)
-                lists = ([full[0][lo:hi]], [g], [full[2][lo:hi]], [full[3][lo:hi]])
-                self._run({group: lists}, [], step=step, hypers=hypers, device=param.device)
-                if cast is not None:
-                    cast[lo:hi].copy_(param[lo:hi])
+        elif direct:
+            # The meta device of a dry run reads nothing: one call a run, no cache to keep.
+            chunk = STEP_CHUNK if param.device.type != "meta" else max(param.numel(), 1)
+            buffer = torch.empty(min(chunk, param.numel()), dtype=torch.float32, device=param.device)
+            for a, b, group in direct:
+                for lo in range(a, b, chunk):
+                    hi = min(lo + chunk, b)
+                    g = _converted(grad[lo:hi], buffer[: hi - lo], scale)
+                    lists = ([full[0][lo:hi]], [g], [full[2][lo:hi]], [full[3][lo:hi]])
+                    self._run({group: lists}, [], step=step, hypers=hypers, device=param.device)
+                    if cast is not None:
+                        cast[lo:hi].copy_(param[lo:hi])
         if scratch:
             by_group: dict[int, _AdamLists] = {}
             copies_back: list[tuple[torch.Tensor, torch.Tensor]] = []

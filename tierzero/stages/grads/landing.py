@@ -60,8 +60,9 @@ def _fill(shard: torch.Tensor, pieces: Sequence[tuple[int, torch.Tensor]], lo: i
         a, b = max(offset, lo), min(offset + grad.numel(), hi)
         if a < b:
             shard[end:a].zero_()
-            if not plus_zero_into(grad[a - offset : b - offset], shard[a:b]):
-                torch.add(grad[a - offset : b - offset], 0.0, out=shard[a:b])
+            src, dst = grad[a - offset : b - offset], shard[a:b]
+            if not plus_zero_into(src, dst):
+                torch.add(src, 0.0, out=dst)
             end = b
     shard[end:hi].zero_()
 
