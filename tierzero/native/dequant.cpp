@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -88,23 +89,53 @@ struct Absmax {
   }
 };
 
+#if defined(__AVX512BF16__)
+// Scales at least this large give every nonzero product a normal fp32 value: NF4's smallest nonzero
+// code is 0.0796 (> 1/16), an int8 code at least 1. `_mm512_cvtneps_pbh` rounds a normal value to
+// nearest even as `tz::float_to_bf16` does, but reads a subnormal as zero, so a block with a smaller
+// scale goes the portable way. No product is NaN: the scales are checked finite first.
+constexpr float kNf4NormalScale = 0x1.0p-122f;
+constexpr float kInt8NormalScale = 0x1.0p-126f;
+
+// 32 products rounded to bf16 in registers, into one cache line: streamed past the caches where the
+// line is aligned (a unit's decoded weights are read next by a matmul, long after they would have been
+// evicted), since an ordinary store first reads the line it writes.
+inline void store_bf16_line(uint16_t* o, __m512 lo, __m512 hi) {
+  const __m512i line = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  if ((reinterpret_cast<uintptr_t>(o) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(o), line);
+  else _mm512_storeu_si512(o, line);
+}
+#endif
+
 #if defined(__AVX512F__)
 // One whole block: its 32 bytes with each byte doubled, shifted by 4 or 0 bits in turn to leave the
 // element's nibble in the low bits, which are all `_mm512_permutexvar_ps` reads of an index: a
-// 16-entry lookup a vector. The products go through L1 to the portable rounding loop.
+// 16-entry lookup a vector. Into bf16 the products are rounded in registers (`store_bf16_line`); else
+// they go through L1 to the portable rounding loop.
 template <typename Out>
 inline void nf4_block(const uint8_t* __restrict c, float s, const float* table, typename Out::T* __restrict o) {
   const __m512 values = _mm512_loadu_ps(table), scale = _mm512_set1_ps(s);
   const __m512i shifts = _mm512_set_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-  alignas(64) float prod[kBlock];
+  __m512 product[4];
   for (int h = 0; h < 2; ++h) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * h));
     const __m128i pairs[2] = {_mm_unpacklo_epi8(bytes, bytes), _mm_unpackhi_epi8(bytes, bytes)};
     for (int q = 0; q < 2; ++q) {
       const __m512i index = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(pairs[q]), shifts);
-      _mm512_store_ps(prod + 32 * h + 16 * q, _mm512_mul_ps(_mm512_permutexvar_ps(index, values), scale));
+      product[2 * h + q] = _mm512_mul_ps(_mm512_permutexvar_ps(index, values), scale);
     }
   }
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<Out, ToBF16>) {
+    if (s >= kNf4NormalScale) {
+      store_bf16_line(o, product[0], product[1]);
+      store_bf16_line(o + 32, product[2], product[3]);
+      return;
+    }
+  }
+#endif
+  alignas(64) float prod[kBlock];
+  for (int k = 0; k < 4; ++k) _mm512_store_ps(prod + 16 * k, product[k]);
 #pragma omp simd
   for (int j = 0; j < kBlock; ++j) o[j] = Out::put(prod[j]);
 }
@@ -146,9 +177,30 @@ void int8_range(const int8_t* __restrict codes, const uint8_t* scales, typename 
   for (int64_t a = lo; a < hi; a += kBlock) {
     const int64_t b = std::min(hi, a + kBlock);
     const float s = load_f32(scales + 4 * (a / kBlock));
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<Out, ToBF16>) {
+      if (b - a == kBlock && s >= kInt8NormalScale) {
+        const __m512 scale = _mm512_set1_ps(s);
+        for (int64_t i = a; i < b; i += 32) {
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i));
+          const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+          const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+          store_bf16_line(out + i, _mm512_mul_ps(lo, scale), _mm512_mul_ps(hi, scale));
+        }
+        continue;
+      }
+    }
+#endif
 #pragma omp simd
     for (int64_t i = a; i < b; ++i) out[i] = Out::put(float(codes[i]) * s);
   }
+}
+
+// Orders a thread's streamed stores before whatever reads `out` once the call returns.
+inline void streamed() {
+#if defined(__AVX512BF16__)
+  _mm_sfence();
+#endif
 }
 
 bool scales_valid(const uint8_t* scales, int64_t count) {
@@ -163,6 +215,7 @@ bool nf4_run(const uint8_t* codes, const Absmax& absmax, const float* nf4, void*
   std::atomic<bool> done{true};
   tz::parallel(n, threads, kBlock * kBlocksAChunk, [&](int64_t lo, int64_t hi) {
     if (!nf4_range<Out>(codes, absmax, nf4, o, lo, hi)) done = false;
+    streamed();
   });
   return done;
 }
@@ -171,7 +224,10 @@ template <typename Out>
 void int8_run(const uint8_t* piece, void* out, int64_t n, int threads) {
   auto* o = static_cast<typename Out::T*>(out);
   const auto* codes = reinterpret_cast<const int8_t*>(piece);
-  tz::parallel(n, threads, kBlock, [&](int64_t lo, int64_t hi) { int8_range<Out>(codes, piece + n, o, lo, hi); });
+  tz::parallel(n, threads, kBlock, [&](int64_t lo, int64_t hi) {
+    int8_range<Out>(codes, piece + n, o, lo, hi);
+    streamed();
+  });
 }
 
 }  // namespace
