@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -94,12 +95,7 @@ def _config(tmp_path: Path, *, stage: int, params: str, dtype: str = "nf4", **lo
 
 
 def _train_engine(engine: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
-    losses, x = [], _batch()
-    for _ in range(STEPS):
-        loss = engine(input_ids=x, labels=x).loss
-        losses.append(loss.item())
-        engine.backward(loss)
-        engine.step()
+    losses = _steps(engine, STEPS)
     return losses, engine.full_state_dict()
 
 
@@ -133,6 +129,39 @@ def test_lora_on_a_quantized_base_is_peft_on_the_dequantized_base_bit_for_bit(
     placement = report["placement"]
     assert placement[params]["param"] == base_bytes + adapters  # the adapters' fp32 parameters live beside it
     assert report["kinds"]["param"] == base_bytes + adapters
+
+
+@pytest.mark.parametrize("dtype", ["nf4", "int8"])
+def test_stage_3_decodes_fetched_units_ahead_on_a_thread_of_their_own(
+    tmp_path: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # [Note: decoding ahead]: the native decode of each fetched unit runs on the decoder's thread, and
+    # the run stays peft's bit for bit.
+    from tierzero.native.dequant import NativeDequant, native_dequant
+
+    if native_dequant() is None:
+        pytest.skip("the native library is not built here")
+    threads: list[str] = []
+    kernel = getattr(NativeDequant, dtype)
+
+    def recorded(self: NativeDequant, *args: Any, **kwargs: Any) -> bool:
+        threads.append(threading.current_thread().name)
+        return kernel(self, *args, **kwargs)
+
+    monkeypatch.setattr(NativeDequant, dtype, recorded)
+    model, reference = _pair(dtype)
+    ref_losses, ref_params = _train_reference(reference)
+    with tierzero.initialize(model, _config(tmp_path, stage=3, params="nvme", dtype=dtype)) as engine:
+        BaseCodec(dtype=BaseDtype(dtype)).native_decoder(torch.empty(0, dtype=torch.uint8), out=torch.empty(0))
+        threads.clear()  # the codec's first-use probe, just run, decodes on the caller's thread
+        losses = _steps(engine, STEPS)
+        in_steps = list(threads)
+        trained = engine.full_state_dict()
+    assert losses == ref_losses
+    for name, value in ref_params.items():
+        assert torch.equal(trained[name], value), name
+    assert len(in_steps) >= STEPS, in_steps  # each step gathers the base at least once
+    assert all(name.startswith("tierzero-decode") for name in in_steps), in_steps
 
 
 def test_the_base_streams_from_pretrained_files_quantized_unit_by_unit(tmp_path: Path) -> None:

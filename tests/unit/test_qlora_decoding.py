@@ -29,13 +29,17 @@ def test_stage3_decodes_the_last_units_once_a_step_as_many_as_max_live_bytes_hol
     model, reference = _pair()
     ref_losses, ref_params = _train_reference(reference)
     decoded: Counter[str] = Counter()
-    decode = BaseCodec.decode
 
-    def counting(self: BaseCodec, stored: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        decoded[kwargs["what"].removeprefix("unit ")] += 1
-        return decode(self, stored, **kwargs)
+    def counting(method: Any) -> Any:
+        def counted(self: BaseCodec, stored: torch.Tensor, **kwargs: Any) -> Any:
+            decoded[kwargs["what"].removeprefix("unit ")] += 1
+            return method(self, stored, **kwargs)
 
-    monkeypatch.setattr(BaseCodec, "decode", counting)
+        return counted
+
+    # On the decoder's thread where the native kernels are built ([Note: decoding ahead]), else on the caller's.
+    monkeypatch.setattr(BaseCodec, "decode", counting(BaseCodec.decode))
+    monkeypatch.setattr(BaseCodec, "decode_natively", counting(BaseCodec.decode_natively))
     with tierzero.initialize(_pair()[0], _config(tmp_path, stage=3, params="cpu")) as probe:
         unit_bytes = {4 * u.padded_numel for u in _block_units(probe)}  # a block's frozen unit, gathered in fp32
     assert len(unit_bytes) == 1

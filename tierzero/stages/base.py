@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, ClassVar
 
@@ -63,6 +64,8 @@ class Stage(GradLanding, ABC):
         """The squares of this step's gradients, added as each lands (stages/grad_norm.py)."""
         self._codes_gathering: dict[str, CodesInFlight] = {}
         """A quantized frozen unit's gathered codes, by unit, until `decode_gathered` dequantizes them."""
+        self._decoder: ThreadPoolExecutor | None = None
+        """The thread quantized units are decoded on ahead of their use ([Note: decoding ahead]); started on first need."""
 
     # ---- slices -------------------------------------------------------------------
 
@@ -190,16 +193,40 @@ class Stage(GradLanding, ABC):
         """How the unit's PARAM slice is quantized; None: it holds values in the compute dtype."""
         return self.plan.spec(unit.name, Kind.PARAM).codec
 
-    def gather_codes(self, unit: Unit, shard: torch.Tensor, comm: C.CommGroup) -> C.Pending:
+    def gather_codes(self, unit: Unit, shard: torch.Tensor, comm: C.CommGroup, *, into: torch.Tensor) -> C.Pending:
         """Start the all-gather of a quantized unit's codes (its shards' bytes), which `decode_gathered`
-        dequantizes into `unit.gathered` once the gather is done. With one rank the shard is all the
-        codes: read where it was fetched, not copied (keep it until `decode_gathered`)."""
+        dequantizes into `into` (the unit's gathered buffer) once the gather is done. With one rank the
+        shard is all the codes: read where it was fetched, not copied (kept until `decode_gathered`),
+        and decoded from now on the decoder's thread where the native kernels take it
+        ([Note: decoding ahead])."""
         if comm.world_size == 1:
-            self._codes_gathering[unit.name] = CodesInFlight(codes=shard, owned=False)
+            decoding = self._decode_ahead(unit, shard, into=into)
+            self._codes_gathering[unit.name] = CodesInFlight(codes=shard, owned=False, decoding=decoding)
             return C.Pending()
         codes = self.scratch(unit, shard.numel() * comm.world_size, torch.uint8)
         self._codes_gathering[unit.name] = CodesInFlight(codes=codes, owned=True)
         return C.all_gather(codes, shard, comm=comm, async_op=self.overlap)
+
+    def _decode_ahead(self, unit: Unit, codes: torch.Tensor, *, into: torch.Tensor) -> Future[bool] | None:
+        """[Note: decoding ahead]
+        On the host, with the native kernels, a fetched unit's decode starts at once on a thread of
+        its own, while the compute thread runs the unit before it: the kernels take no lock and no
+        torch thread count, and ctypes lets go of the GIL for them. `decode_gathered` waits for it.
+        Only the native path goes there: the torch path's ops would share the compute's intra-op
+        threads. A piece the kernels leave to the torch path (a corrupt scale) is decoded again, all
+        of it, on the compute thread, which raises the torch path's error.
+
+        On the 2-core dev VM the compute thread was the step's critical path, its second core idle
+        for over half of it; decoded there, a 2B LoRA step's 0.9 s of NF4 decode overlaps its
+        matmuls (docs/benchmarks-journal.md, session 32)."""
+        codec = self.codec(unit)
+        assert codec is not None
+        if codec.native_decoder(codes, out=into) is None:
+            return None
+        if self._decoder is None:
+            self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierzero-decode")
+        what = f"unit {unit.name}"
+        return self._decoder.submit(codec.decode_natively, codes, out=into, pieces=unit.world_size, what=what)
 
     def decode_gathered(self, unit: Unit) -> None:
         """Dequantize the codes `gather_codes` gathered into `unit.gathered`, then free them (no-op for others)."""
@@ -208,10 +235,20 @@ class Stage(GradLanding, ABC):
             return
         assert unit.gathered is not None
         try:
-            self.decode(unit, gathering.codes, out=unit.gathered)
+            if gathering.decoding is None or not gathering.decoding.result():
+                self.decode(unit, gathering.codes, out=unit.gathered)
         finally:
             if gathering.owned:
                 self.store.free(gathering.codes)
+
+    def _settle_decodes(self) -> None:
+        """Wait for the decodes started ahead (their buffers are freed next) and stop the decoder's thread."""
+        for gathering in self._codes_gathering.values():
+            if gathering.decoding is not None:
+                wait([gathering.decoding])
+        if self._decoder is not None:
+            self._decoder.shutdown(wait=True)
+            self._decoder = None
 
     def decode(self, unit: Unit, codes: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
         """A quantized unit's full codes (all its pieces) dequantized into `out`."""
@@ -267,6 +304,8 @@ class Stage(GradLanding, ABC):
 
     def finish(self, *, closing: bool = False) -> None:
         """Wait for every collective and write-back in flight (`closing`: the store closes next)."""
+        if closing:
+            self._settle_decodes()
         self.finish_reduces()
         if self._backward_step is not None:
             self._backward_step.abort()  # a backward that never ended: no unit is half-stepped

@@ -132,7 +132,7 @@ class Stage3(StepInTime, Stage):
             self._lent[unit.name] = False
         elif self.codec(unit) is not None:
             gathered = self.scratch(unit, unit.padded_numel, self.dtype_of(unit))
-            self._gathering[unit.name] = self.gather_codes(unit, shard, comm)  # dequantized in unshard
+            self._gathering[unit.name] = self.gather_codes(unit, shard, comm, into=gathered)  # dequantized by unshard
         else:
             gathered, block = self.scratch(unit, unit.padded_numel, self.dtype_of(unit)), self.weight_block
             if block is not None and comm is self.comm:

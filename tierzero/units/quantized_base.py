@@ -24,9 +24,10 @@ elements at a time so that the temporaries stay in a core's cache, on the callin
 intra-op thread (`one_thread`, common/threads.py): split over the cores, each op of a chunk costs
 more in its fork and join than in its work. On the 2-core dev VM, busy with
 other processes, 8M elements decoded in 221 ms per 100M at one thread against 1223 at two (medians
-of 5, /tmp/nf4/deq3.py). A decode on a thread of its own, overlapping the matmuls of the unit before,
-was slower still there (2B model, one LoRA step: 28-37 s against 20-25 s on the compute thread): the
-compute's OpenMP threads keep both cores busy between their ops.
+of 5, /tmp/nf4/deq3.py). This decode on a thread of its own, overlapping the matmuls of the unit before,
+was slower still there (2B model, one LoRA step: 28-37 s against 20-25 s on the compute thread): its
+ops and the compute's share the intra-op threads. The native decode runs ahead so
+([Note: decoding ahead] in stages/base.py); this one stays on the compute thread.
 
 [Note: a native decode]
 Where the native library is built (tierzero/native/build.py), a host piece is decoded by one call
@@ -37,10 +38,16 @@ blocks and a short one, zero and tiny and huge blocks, two absmax scales) and ke
 for the process on any bit apart. A piece with a bad stored scale is the torch path's too, which
 raises its error. On the 2-core dev VM, busy, 8M elements decoded into bf16 in 0.21 ns an element
 (NF4), 0.26 (double-quantized) and 0.25 (int8) against 1.46, 1.97 and 0.70 by the torch path; into
-fp32, bound by the writes, 2-2.5 times as fast (medians of 7, alternated, /tmp/dq43/bench2.py). Two
-threads were no faster (0.26-1.17 times the speed of one): the decode stays on the calling thread. A
+fp32, bound by the writes, 2-2.5 times as fast (medians of 7, alternated, /tmp/dq43/bench2.py). A
 2B LoRA step (r 16, base on NVMe, 64 tokens) took 7.8 s against 14.3 with the torch path's decode,
 and 8.4 with a bf16 base (medians of 4, alternated, /tmp/dq43/ab_native.py).
+
+Into bf16, where the CPU has AVX512-BF16, the kernels round in registers and stream whole cache lines
+past the caches (an ordinary store first reads the line it writes, and a unit's 150 MB are evicted long
+before its matmuls read them). Decoding 16 weights of 5632 x 2048 then took 0.195 ns an element
+against 0.32-0.37 (one thread), 0.15 against 0.20-0.27 (two) (session 32, /tmp/s32/parts.py). A piece
+runs on one thread, since in the engine it runs beside the compute ([Note: decoding ahead] in
+stages/base.py).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +94,7 @@ _NF4_VALUES = torch.tensor(NF4_CODE, dtype=torch.float32)
 _DYNAMIC_VALUES = dynamic_table(signed=True, device=torch.device("cpu")).values
 """The signed dynamic code's values, which rebuild a double-quantized absmax (`QuantizedAbsmax.dequantize`)."""
 _NATIVE_THREADS = 1
-"""Threads a native decode runs on ([Note: a native decode]): one, the calling (compute) thread's."""
+"""Threads a native decode runs on ([Note: a native decode]): one, the decoder's or the calling thread's."""
 _DEVICE_CHUNK = 1 << 24
 """Elements dequantized at a time off the host: no cache to stay in, but a bound on the temporaries
 (6 bytes an element) and few kernel launches."""
@@ -160,19 +168,42 @@ class BaseCodec:
         Raises ValueError when a stored scale is not finite and >= 0: no quantizer writes one, so the
         bytes are corrupt (`what` names the slice in the message).
         """
-        n = out.numel() // pieces
-        size = self.piece_nbytes(n)
-        if stored.numel() != size * pieces:
-            raise ValueError(f"{what}: {stored.numel()} bytes stored, {self.name} needs {size * pieces} for {out.numel()} elements")
+        size = self._piece_size(stored, out=out, pieces=pieces, what=what)
         if stored.device.type == "meta":
             return out
-        native = _native_decoder(self, out.dtype) if stored.device.type == out.device.type == "cpu" else None
+        n = out.numel() // pieces
+        native = self.native_decoder(stored, out=out)
         with one_thread(out.device):
             for i in range(pieces):
                 piece, into = stored.narrow(0, i * size, size), out.narrow(0, i * n, n)
                 if native is None or not self._decode_native(native, piece, out=into):
                     self._decode_piece(piece, out=into, what=what)
         return out
+
+    def native_decoder(self, stored: torch.Tensor, *, out: torch.Tensor) -> NativeDequant | None:
+        """The native kernels that decode `stored` into `out` with the torch path's bits; None where
+        there are none (off the host, not built, or differing: [Note: a native decode])."""
+        return _native_decoder(self, out.dtype) if stored.device.type == out.device.type == "cpu" else None
+
+    def decode_natively(self, stored: torch.Tensor, *, out: torch.Tensor, pieces: int, what: str) -> bool:
+        """`decode` by the native kernels alone, on any thread: it sets no torch thread count and runs
+        no torch op. False where a piece is left to the torch path (`decode` then decodes it all again,
+        and raises for a corrupt scale)."""
+        size = self._piece_size(stored, out=out, pieces=pieces, what=what)
+        native = self.native_decoder(stored, out=out)
+        if native is None:
+            return False
+        n = out.numel() // pieces
+        return all(
+            self._decode_native(native, stored.narrow(0, i * size, size), out=out.narrow(0, i * n, n)) for i in range(pieces)
+        )
+
+    def _piece_size(self, stored: torch.Tensor, *, out: torch.Tensor, pieces: int, what: str) -> int:
+        """Bytes of one of `stored`'s pieces; ValueError where `stored` is not `pieces` of them for `out`."""
+        size = self.piece_nbytes(out.numel() // pieces)
+        if stored.numel() != size * pieces:
+            raise ValueError(f"{what}: {stored.numel()} bytes stored, {self.name} needs {size * pieces} for {out.numel()} elements")
+        return size
 
     # ---- one piece ----------------------------------------------------------------
 
@@ -273,6 +304,8 @@ class CodesInFlight:
     codes: torch.Tensor
     owned: bool
     """Scratch gathered into, freed once decoded; False: the fetched shard itself (one rank), released by its owner."""
+    decoding: Future[bool] | None = None
+    """The decode started ahead on the decoder's thread (`decode_natively`'s result); None: decoded when needed."""
 
 
 def _check_scales(scales: torch.Tensor, *, what: str, name: str) -> None:
