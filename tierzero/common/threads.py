@@ -12,12 +12,14 @@ Measured on the 2-core dev VM: docs/benchmarks-journal.md, session 30.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
-__all__ = ["one_thread"]
+__all__ = ["one_thread", "yield_to_others"]
 
 
 @contextmanager
@@ -32,3 +34,19 @@ def one_thread(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def yield_to_others() -> bool:
+    """Run the calling thread only on cores nothing else wants (Linux's SCHED_IDLE); True where the
+    OS took it. For a helper thread beside the compute (the decoder, [Note: decoding ahead] in
+    stages/base.py): at the same priority it takes a core from the compute's second intra-op thread
+    in the middle of an op, and every op waits at its join. The compute waiting on the helper's
+    result blocks, which frees a core for it."""
+    policy = getattr(os, "SCHED_IDLE", None)
+    if policy is None:
+        return False
+    try:
+        os.sched_setscheduler(threading.get_native_id(), policy, os.sched_param(0))
+    except OSError:
+        return False
+    return True

@@ -17,6 +17,7 @@ import torch
 
 from tierzero.comm import collectives as C
 from tierzero.common.slices import Kind, SliceKey, Tier
+from tierzero.common.threads import yield_to_others
 from tierzero.optim.flat import FlatOptimizer
 from tierzero.optim.moments import SIGNED, MomentFormat
 from tierzero.stages.activations import recomputing
@@ -216,15 +217,20 @@ class Stage(GradLanding, ABC):
         threads. A piece the kernels leave to the torch path (a corrupt scale) is decoded again, all
         of it, on the compute thread, which raises the torch path's error.
 
-        On the 2-core dev VM the compute thread was the step's critical path, its second core idle
-        for over half of it; decoded there, a 2B LoRA step's 0.9 s of NF4 decode overlaps its
-        matmuls (docs/benchmarks-journal.md, session 32)."""
+        The thread runs only on cores the compute leaves idle (`yield_to_others`): at the same
+        priority it took the core of the compute's second intra-op thread in the middle of ops.
+
+        On the 2-core dev VM the compute thread was the step's critical path, the other core idle
+        for over half of it. A 2B LoRA step (NF4 base on NVMe, 64 tokens, gather_ahead 2) took a
+        median 4.39 s decoded ahead on an idle-priority thread, 5.13 s at normal priority and 5.21
+        s decoded on the compute thread, beside 10.7 s for a bf16 base (docs/benchmarks-journal.md,
+        session 32)."""
         codec = self.codec(unit)
         assert codec is not None
         if codec.native_decoder(codes, out=into) is None:
             return None
         if self._decoder is None:
-            self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierzero-decode")
+            self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierzero-decode", initializer=yield_to_others)
         what = f"unit {unit.name}"
         return self._decoder.submit(codec.decode_natively, codes, out=into, pieces=unit.world_size, what=what)
 
