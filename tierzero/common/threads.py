@@ -39,9 +39,9 @@ def one_thread(device: torch.device) -> Iterator[None]:
 def yield_to_others() -> bool:
     """Run the calling thread only on cores nothing else wants (Linux's SCHED_IDLE); True where the
     OS took it. For a helper thread beside the compute (the decoder, [Note: decoding ahead] in
-    stages/base.py): at the same priority it takes a core from the compute's second intra-op thread
-    in the middle of an op, and every op waits at its join. The compute waiting on the helper's
-    result blocks, which frees a core for it."""
+    units/decode_ahead.py): at the same priority it takes a core from the compute's second
+    intra-op thread in the middle of an op, and every op waits at its join. The compute waiting
+    on the helper's result blocks, which frees a core for it."""
     policy = getattr(os, "SCHED_IDLE", None)
     if policy is None:
         return False

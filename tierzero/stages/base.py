@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, ClassVar
 
@@ -17,7 +16,6 @@ import torch
 
 from tierzero.comm import collectives as C
 from tierzero.common.slices import Kind, SliceKey, Tier
-from tierzero.common.threads import yield_to_others
 from tierzero.optim.flat import FlatOptimizer
 from tierzero.optim.moments import SIGNED, MomentFormat
 from tierzero.stages.activations import recomputing
@@ -29,6 +27,7 @@ from tierzero.stages.options import StageOptions, StageParts
 from tierzero.stages.plan import Homes, SlicePlan, SliceSpec, plan_slices
 from tierzero.stages.step import BackwardStep, StepScalars, run_step
 from tierzero.stages.step_pipeline import PendingWrite, PipelineReport, Prepared
+from tierzero.units.decode_ahead import DecodeAhead
 from tierzero.units.quantized_base import BaseCodec, CodesInFlight
 from tierzero.units.unit import Unit, UnitState
 
@@ -65,8 +64,8 @@ class Stage(GradLanding, ABC):
         """The squares of this step's gradients, added as each lands (stages/grad_norm.py)."""
         self._codes_gathering: dict[str, CodesInFlight] = {}
         """A quantized frozen unit's gathered codes, by unit, until `decode_gathered` dequantizes them."""
-        self._decoder: ThreadPoolExecutor | None = None
-        """The thread quantized units are decoded on ahead of their use ([Note: decoding ahead]); started on first need."""
+        self._decoder = DecodeAhead()
+        """The thread quantized units are decoded on ahead of their use (units/decode_ahead.py)."""
 
     # ---- slices -------------------------------------------------------------------
 
@@ -199,40 +198,16 @@ class Stage(GradLanding, ABC):
         dequantizes into `into` (the unit's gathered buffer) once the gather is done. With one rank the
         shard is all the codes: read where it was fetched, not copied (kept until `decode_gathered`),
         and decoded from now on the decoder's thread where the native kernels take it
-        ([Note: decoding ahead])."""
+        ([Note: decoding ahead] in units/decode_ahead.py)."""
         if comm.world_size == 1:
-            decoding = self._decode_ahead(unit, shard, into=into)
+            codec = self.codec(unit)
+            assert codec is not None
+            decoding = self._decoder.start(codec, shard, into=into, pieces=1, what=f"unit {unit.name}")
             self._codes_gathering[unit.name] = CodesInFlight(codes=shard, owned=False, decoding=decoding)
             return C.Pending()
         codes = self.scratch(unit, shard.numel() * comm.world_size, torch.uint8)
         self._codes_gathering[unit.name] = CodesInFlight(codes=codes, owned=True)
         return C.all_gather(codes, shard, comm=comm, async_op=self.overlap)
-
-    def _decode_ahead(self, unit: Unit, codes: torch.Tensor, *, into: torch.Tensor) -> Future[bool] | None:
-        """[Note: decoding ahead]
-        On the host, with the native kernels, a fetched unit's decode starts at once on a thread of
-        its own, while the compute thread runs the unit before it: the kernels take no lock and no
-        torch thread count, and ctypes lets go of the GIL for them. `decode_gathered` waits for it.
-        Only the native path goes there: the torch path's ops would share the compute's intra-op
-        threads. A piece the kernels leave to the torch path (a corrupt scale) is decoded again, all
-        of it, on the compute thread, which raises the torch path's error.
-
-        The thread runs only on cores the compute leaves idle (`yield_to_others`): at the same
-        priority it took the core of the compute's second intra-op thread in the middle of ops.
-
-        On the 2-core dev VM the compute thread was the step's critical path, the other core idle
-        for over half of it. A 2B LoRA step (NF4 base on NVMe, 64 tokens, gather_ahead 2) took a
-        median 4.39 s decoded ahead on an idle-priority thread, 5.13 s at normal priority and 5.21
-        s decoded on the compute thread, beside 10.7 s for a bf16 base (docs/benchmarks-journal.md,
-        session 32)."""
-        codec = self.codec(unit)
-        assert codec is not None
-        if codec.native_decoder(codes, out=into) is None:
-            return None
-        if self._decoder is None:
-            self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierzero-decode", initializer=yield_to_others)
-        what = f"unit {unit.name}"
-        return self._decoder.submit(codec.decode_natively, codes, out=into, pieces=unit.world_size, what=what)
 
     def decode_gathered(self, unit: Unit) -> None:
         """Dequantize the codes `gather_codes` gathered into `unit.gathered`, then free them (no-op for others)."""
@@ -246,15 +221,6 @@ class Stage(GradLanding, ABC):
         finally:
             if gathering.owned:
                 self.store.free(gathering.codes)
-
-    def _settle_decodes(self) -> None:
-        """Wait for the decodes started ahead (their buffers are freed next) and stop the decoder's thread."""
-        for gathering in self._codes_gathering.values():
-            if gathering.decoding is not None:
-                wait([gathering.decoding])
-        if self._decoder is not None:
-            self._decoder.shutdown(wait=True)
-            self._decoder = None
 
     def decode(self, unit: Unit, codes: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
         """A quantized unit's full codes (all its pieces) dequantized into `out`."""
@@ -311,7 +277,7 @@ class Stage(GradLanding, ABC):
     def finish(self, *, closing: bool = False) -> None:
         """Wait for every collective and write-back in flight (`closing`: the store closes next)."""
         if closing:
-            self._settle_decodes()
+            self._decoder.close(gathering.decoding for gathering in self._codes_gathering.values())
         self.finish_reduces()
         if self._backward_step is not None:
             self._backward_step.abort()  # a backward that never ended: no unit is half-stepped

@@ -27,7 +27,7 @@ other processes, 8M elements decoded in 221 ms per 100M at one thread against 12
 of 5, /tmp/nf4/deq3.py). This decode on a thread of its own, overlapping the matmuls of the unit before,
 was slower still there (2B model, one LoRA step: 28-37 s against 20-25 s on the compute thread): its
 ops and the compute's share the intra-op threads. The native decode runs ahead so
-([Note: decoding ahead] in stages/base.py); this one stays on the compute thread.
+([Note: decoding ahead] in units/decode_ahead.py); this one stays on the compute thread.
 
 [Note: a native decode]
 Where the native library is built (tierzero/native/build.py), a host piece is decoded by one call
@@ -47,7 +47,7 @@ past the caches (an ordinary store first reads the line it writes, and a unit's 
 before its matmuls read them). Decoding 16 weights of 5632 x 2048 then took 0.195 ns an element
 against 0.32-0.37 (one thread), 0.15 against 0.20-0.27 (two) (session 32, /tmp/s32/parts.py). A piece
 runs on one thread, since in the engine it runs beside the compute ([Note: decoding ahead] in
-stages/base.py).
+units/decode_ahead.py).
 """
 
 from __future__ import annotations
