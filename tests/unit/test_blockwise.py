@@ -101,7 +101,9 @@ def _ref_double_quant(absmax: list[float]) -> tuple[list[int], list[float], floa
 
 
 def _pack(indices: list[int]) -> list[int]:
-    padded = indices + [0] * (len(indices) % 2)
+    """Two codes a byte, the first in the high nibble; an odd count padded with the code of 0.0, as a
+    zero-padded tensor quantizes (bitsandbytes' `quantize_4bit` does so)."""
+    padded = indices + [PAPER_NF4.index(0.0)] * (len(indices) % 2)
     return [(padded[i] << 4) | padded[i + 1] for i in range(0, len(padded), 2)]
 
 
@@ -244,13 +246,13 @@ def test_ties_go_to_the_lower_code() -> None:
 
 def test_nibble_order_and_packing_round_trip() -> None:
     assert quantize_nf4(torch.tensor([-1.0, 1.0])).codes.tolist() == [0x0F]
-    assert quantize_nf4(torch.tensor([1.0, -1.0, 0.0])).codes.tolist() == [0xF0, 0x70]
+    assert quantize_nf4(torch.tensor([1.0, -1.0, 0.0])).codes.tolist() == [0xF0, 0x77]  # padded with 0.0's code, 7
     indices = torch.randint(0, 16, (129,), generator=torch.Generator().manual_seed(0))
     x = torch.tensor(PAPER_NF4)[indices]
     x[0] = 1.0  # one block of absmax 1: each value is its own code
     q = quantize_nf4(x, block=130)
     unpacked = torch.stack((q.codes >> 4, q.codes & 15), dim=1).view(-1)
-    assert unpacked[:129].tolist() == [15] + indices[1:].tolist() and unpacked[129] == 0
+    assert unpacked[:129].tolist() == [15] + indices[1:].tolist() and unpacked[129] == PAPER_NF4.index(0.0)
     assert torch.equal(dequantize_nf4(q), x)
 
 

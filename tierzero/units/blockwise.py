@@ -324,8 +324,8 @@ def quantize_nf4(x: torch.Tensor, *, block: int = NF4_BLOCK, double_quant: bool 
     _check_input(x, what="quantize_nf4", finite=False)
     _check_block(block, even=True)
     absmax, nibbles = _nearest(x, block=block, table=_TABLES["nf4"], what="quantize_nf4")
-    if nibbles.numel() % 2:
-        nibbles = torch.nn.functional.pad(nibbles, (0, 1))
+    if nibbles.numel() % 2:  # the last byte's low nibble: the code of 0.0, as bitsandbytes pads it
+        nibbles = torch.nn.functional.pad(nibbles, (0, 1), value=NF4_CODE.index(0.0))
     pairs = nibbles.view(-1, 2)
     codes = (pairs[:, 0] << 4) | pairs[:, 1]
     scales = _double_quantize(absmax) if double_quant else absmax
