@@ -202,7 +202,7 @@ class Stage(GradLanding, ABC):
         if comm.world_size == 1:
             codec = self.codec(unit)
             assert codec is not None
-            decoding = self._decoder.start(codec, shard, into=into, pieces=1, what=f"unit {unit.name}")
+            decoding = self._decoder.start(codec, shard, into=into, pieces=unit.world_size, what=f"unit {unit.name}")
             self._codes_gathering[unit.name] = CodesInFlight(codes=shard, owned=False, decoding=decoding)
             return C.Pending()
         codes = self.scratch(unit, shard.numel() * comm.world_size, torch.uint8)
