@@ -168,14 +168,12 @@ class BaseCodec:
         Raises ValueError when a stored scale is not finite and >= 0: no quantizer writes one, so the
         bytes are corrupt (`what` names the slice in the message).
         """
-        size = self._piece_size(stored, out=out, pieces=pieces, what=what)
+        split = self._split(stored, out=out, pieces=pieces, what=what)
         if stored.device.type == "meta":
             return out
-        n = out.numel() // pieces
         native = self.native_decoder(stored, out=out)
         with one_thread(out.device):
-            for i in range(pieces):
-                piece, into = stored.narrow(0, i * size, size), out.narrow(0, i * n, n)
+            for piece, into in split:
                 if native is None or not self._decode_native(native, piece, out=into):
                     self._decode_piece(piece, out=into, what=what)
         return out
@@ -189,21 +187,18 @@ class BaseCodec:
         """`decode` by the native kernels alone, on any thread: it sets no torch thread count and runs
         no torch op. False where a piece is left to the torch path (`decode` then decodes it all again,
         and raises for a corrupt scale)."""
-        size = self._piece_size(stored, out=out, pieces=pieces, what=what)
+        split = self._split(stored, out=out, pieces=pieces, what=what)
         native = self.native_decoder(stored, out=out)
-        if native is None:
-            return False
-        n = out.numel() // pieces
-        return all(
-            self._decode_native(native, stored.narrow(0, i * size, size), out=out.narrow(0, i * n, n)) for i in range(pieces)
-        )
+        return native is not None and all(self._decode_native(native, piece, out=into) for piece, into in split)
 
-    def _piece_size(self, stored: torch.Tensor, *, out: torch.Tensor, pieces: int, what: str) -> int:
-        """Bytes of one of `stored`'s pieces; ValueError where `stored` is not `pieces` of them for `out`."""
-        size = self.piece_nbytes(out.numel() // pieces)
+    def _split(self, stored: torch.Tensor, *, out: torch.Tensor, pieces: int, what: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`stored`'s pieces, each with the part of `out` it decodes into; ValueError where `stored` is
+        not `pieces` pieces for `out`."""
+        n = out.numel() // pieces
+        size = self.piece_nbytes(n)
         if stored.numel() != size * pieces:
             raise ValueError(f"{what}: {stored.numel()} bytes stored, {self.name} needs {size * pieces} for {out.numel()} elements")
-        return size
+        return [(stored.narrow(0, i * size, size), out.narrow(0, i * n, n)) for i in range(pieces)]
 
     # ---- one piece ----------------------------------------------------------------
 
