@@ -13,8 +13,9 @@ same priority it took the core of the compute's second intra-op thread in the mi
 
 On the 2-core dev VM the compute thread was the step's critical path, the other core idle for over
 half of it. A 2B LoRA step (NF4 base on NVMe, 64 tokens, gather_ahead 2) took a median 4.39 s decoded
-ahead on an idle-priority thread, 5.13 s at normal priority and 5.21 s decoded on the compute thread,
-beside 10.7 s for a bf16 base (docs/benchmarks-journal.md, session 32).
+ahead on an idle-priority thread against 5.13 s at normal priority, beside 10.7 s for a bf16 base; in
+an earlier run, 5.84 s decoded ahead (normal priority) against 6.38 s on the compute thread
+(docs/benchmarks-journal.md, session 32).
 """
 
 from __future__ import annotations
