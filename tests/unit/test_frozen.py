@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,20 @@ def test_a_frozen_unit_is_released_once_its_backward_is_done() -> None:
         assert backward.index("release blocks.2:frozen") == backward.index("backward blocks.1:frozen") + 1
         gathered = [u.name for u in engine.units if u.gathered is not None]
         assert gathered == []
+
+
+def test_a_steps_graph_is_freed_once_its_backward_ends() -> None:
+    # The frozen units' release hooks hold their inputs' grad_fns: left on the graph, they kept each
+    # step's graph alive, with the activations it saved, for the life of the process.
+    with tierzero.initialize(_frozen_model(), _config()) as engine:
+        for step in range(3):
+            tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(step))
+            engine.backward(engine(tokens))
+            engine.step()
+        gc.collect()
+        units = set(map(id, engine.units))
+        nodes = [o for o in gc.get_objects() if issubclass(type(o), torch.autograd.function.BackwardCFunction)]
+        assert [o.unit.name for o in nodes if id(getattr(o, "unit", None)) in units] == []
 
 
 def test_frozen_parameters_get_no_gradient_and_stay_bitwise() -> None:

@@ -18,15 +18,16 @@ unit again if backward unpacks it before the unit's pre-backward hook did.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from tierzero.units.unit import Unit
 
-__all__ = ["GradientReceiver", "SavedView", "UnitParams", "bind", "tensors_in", "unregister_params"]
+__all__ = ["GradientReceiver", "InputGradHooks", "SavedView", "UnitParams", "bind", "tensors_in", "unregister_params"]
 
 
 class GradientReceiver(Protocol):
@@ -76,6 +77,45 @@ class SavedView:
     """Elements from the start of the gathered buffer."""
     size: tuple[int, ...]
     stride: tuple[int, ...]
+
+    @classmethod
+    def within(cls, unit: Unit, tensor: torch.Tensor) -> SavedView | None:
+        """`tensor` by its place in the unit's gathered buffer; None where it is not in it (another
+        dtype, or a tensor that shares the buffer's storage but not the buffer)."""
+        gathered = unit.gathered
+        if gathered is None or tensor.dtype != gathered.dtype:
+            return None
+        offset = tensor.storage_offset() - gathered.storage_offset()
+        if not 0 <= offset < gathered.numel():
+            return None
+        return cls(unit=unit, offset=offset, size=tuple(tensor.size()), stride=tuple(tensor.stride()))
+
+    def view(self) -> torch.Tensor:
+        """The tensor again, in the unit's buffer as gathered now."""
+        gathered = self.unit.gathered
+        assert gathered is not None
+        return gathered.as_strided(self.size, self.stride, gathered.storage_offset() + self.offset)
+
+
+class InputGradHooks:
+    """Calls a function once backward has computed every gradient it will of some tensors, for
+    the hooks registered since the last `clear`; the stage clears them as each backward ends.
+
+    Torch's "all" multi-grad hook keeps its tensors' grad_fns inside the hook it puts on them, so
+    a graph that has one references itself and outlives its backward, with everything it saved.
+    Before the handles were removed, a 2B LoRA model with an NF4 base at stage 3 kept one more
+    graph's worth a step: about 20 adapter units' nodes, and the heap in use grew 2.4 MB a step."""
+
+    def __init__(self) -> None:
+        self._handles: list[RemovableHandle] = []
+
+    def after_grads(self, tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
+        self._handles.append(torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: fn(), mode="all"))
+
+    def clear(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:

@@ -47,7 +47,7 @@ from tierzero.common.transfer import Transfer
 from tierzero.prefetch import Phase
 from tierzero.stages.activations import recomputing
 from tierzero.stages.base import Stage, mark_state
-from tierzero.stages.binding import SavedView, bind, tensors_in
+from tierzero.stages.binding import InputGradHooks, SavedView, bind, tensors_in
 from tierzero.stages.options import StageOptions, StageParts
 from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.stages.step import ForwardStep, computes_on_host
@@ -92,6 +92,8 @@ class Stage3(StepInTime, Stage):
         self._order: list[Unit] = []
         """Units in the order the last forward first ran them: what to prefetch next."""
         self._order_now: list[Unit] = []
+        self._input_grads = InputGradHooks()
+        """The frozen units' release hooks (`_release_after_backward`), removed as each backward ends."""
         self.param_prefetch = parts.param_prefetch
         """Fetches PARAM slices up the tiers ahead of their gathers (None: each on demand)."""
         self._phase = Phase.FORWARD
@@ -273,7 +275,7 @@ class Stage3(StepInTime, Stage):
         by `after_backward`, right after its backward, the last."""
         needing = [t for t in tensors_in(inputs) if t.requires_grad]
         if needing:
-            torch.autograd.graph.register_multi_grad_hook(needing, lambda _: self.reshard(unit), mode="all")
+            self._input_grads.after_grads(needing, lambda: self.reshard(unit))
 
     def post_forward(self, unit: Unit, output: Any) -> None:
         if recomputing():
@@ -333,6 +335,7 @@ class Stage3(StepInTime, Stage):
 
     def after_backward(self) -> None:
         super().after_backward()
+        self._input_grads.clear()
         for unit in self.units:
             self.reshard(unit)
         if self._order_now:
@@ -362,6 +365,7 @@ class Stage3(StepInTime, Stage):
             else:
                 self.settle_step()
         finally:
+            self._input_grads.clear()
             super().finish(closing=closing)
             if self.param_prefetch is not None:
                 self.param_prefetch.end_step(cut_short=closing)
@@ -395,13 +399,10 @@ class Stage3(StepInTime, Stage):
             unit = self._by_storage.get(storage_id(tensor))
         except (RuntimeError, NotImplementedError):
             return tensor
-        if unit is None or unit.gathered is None or tensor.dtype != unit.gathered.dtype:
+        saved = None if unit is None else SavedView.within(unit, tensor)
+        if saved is None:  # an activation
             return tensor if self.activations is None else self.activations.pack(tensor)
-        offset = tensor.storage_offset() - unit.gathered.storage_offset()
-        if not 0 <= offset < unit.gathered.numel():
-            # shares the storage but not the buffer: an activation like any other
-            return tensor if self.activations is None else self.activations.pack(tensor)
-        return SavedView(unit=unit, offset=offset, size=tuple(tensor.size()), stride=tuple(tensor.stride()))
+        return saved
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
@@ -412,9 +413,7 @@ class Stage3(StepInTime, Stage):
         # Normally the output hook gathered the unit already; a parameter used outside
         # its unit's forward (a tied weight) is gathered here, on first need.
         self.unshard(saved.unit)
-        gathered = saved.unit.gathered
-        assert gathered is not None
-        return gathered.as_strided(saved.size, saved.stride, gathered.storage_offset() + saved.offset)
+        return saved.view()
 
     # ---- step ---------------------------------------------------------------------
 
