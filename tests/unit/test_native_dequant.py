@@ -4,14 +4,17 @@ refused with the torch path's error; the torch path kept where the kernels diffe
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import shutil
 import struct
+import threading
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from tierzero.native import dequant
 from tierzero.native.dequant import NativeDequant, native_dequant
 from tierzero.units import quantized_base
 from tierzero.units.blockwise import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
@@ -151,6 +154,55 @@ def test_a_corrupt_scale_is_refused_with_the_torch_paths_error(
     with pytest.raises(ValueError) as torch_path:
         codec.decode(stored, out=out, pieces=1, what="unit u")
     assert str(native.value) == str(torch_path.value)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: f"{c.name}{'-dq' if c.double_quant else ''}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_decode_two_threads_share_writes_the_torch_paths_bits(
+    codec: BaseCodec, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # [Note: a shared decode]: one thread starts it, the other finishes it, chunk by chunk.
+    monkeypatch.setattr(dequant, "_CHUNK", 16384)
+    n = 64 * 3000 + 10  # 12 chunks a piece, the last block short
+    stored = codec.encode(_values(2 * n, seed=8), pieces=2)
+    ours = torch.full((2 * n,), float("nan"), dtype=dtype)
+    shared = codec.share_natively(stored, out=ours, pieces=2, what="test")
+    assert shared is not None
+    _torch_only(monkeypatch)
+    theirs = codec.decode(stored, out=torch.empty(2 * n, dtype=dtype), pieces=2, what="test")
+    helper = threading.Thread(target=shared.help)
+    helper.start()
+    assert shared.finish()
+    assert torch.equal(_bits(ours), _bits(theirs)), "all written once finish returns"
+    helper.join()
+    assert shared.finish(), "nothing left: it returns at once"
+
+
+def test_finishing_a_shared_decode_waits_for_the_chunks_others_claimed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dequant, "_CHUNK", 16384)
+    codec = CODECS[0]
+    shared = codec.share_natively(codec.encode(_values(N, seed=9), pieces=1), out=torch.empty(N), pieces=1, what="test")
+    assert shared is not None
+    counters = (ctypes.c_int64 * 2).from_buffer(shared._states[0])  # dequant.cpp's `Shared`: next, finished
+    counters[0] = 1  # chunk 0 taken by a thread that has not finished it
+    returned = threading.Event()
+    waiter = threading.Thread(target=lambda: shared.finish() and returned.set())
+    waiter.start()
+    assert not returned.wait(0.3), "it returned before the claimed chunk was done"
+    counters[1] += 1
+    assert returned.wait(10)
+    waiter.join()
+
+
+@pytest.mark.parametrize(("codec", "at"), [(CODECS[0], N // 2 + 4 * 290), (CODECS[1], N // 2 + 300 + 4), (CODECS[2], N + 4 * 7)])
+def test_a_shared_decode_leaves_a_corrupt_scale_to_the_torch_paths_error(codec: BaseCodec, at: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dequant, "_CHUNK", 16384)
+    stored = _corrupt(codec.encode(_values(N, seed=1), pieces=1), at, float("nan"))
+    shared = codec.share_natively(stored, out=torch.empty(N), pieces=1, what="unit u")
+    assert shared is not None
+    assert not shared.finish()
+    with pytest.raises(ValueError, match="quantized base holds .* which no quantizer writes"):
+        codec.decode(stored, out=torch.empty(N), pieces=1, what="unit u")
 
 
 def test_a_double_quantized_absmax_rebuilt_past_fp32_is_left_to_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ import json
 import os
 import struct
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -136,35 +137,40 @@ def test_lora_on_a_quantized_base_is_peft_on_the_dequantized_base_bit_for_bit(
 def test_stage_3_decodes_fetched_units_ahead_on_a_thread_of_their_own(
     tmp_path: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # [Note: decoding ahead]: the native decode of each fetched unit runs on the decoder's thread, and
-    # the run stays peft's bit for bit.
-    from tierzero.native.dequant import NativeDequant, native_dequant
+    # [Note: decoding ahead]: the native decode of each fetched unit starts on the decoder's thread and
+    # the compute thread finishes it, sharing what is left ([Note: a shared decode]); the run stays
+    # peft's bit for bit.
+    from tierzero.native.dequant import SharedDecode, native_dequant
 
     if native_dequant() is None:
         pytest.skip("the native library is not built here")
-    threads: list[str] = []
-    kernel = getattr(NativeDequant, dtype)
+    calls: list[str] = []
 
-    def recorded(self: NativeDequant, *args: Any, **kwargs: Any) -> bool:
-        idle = os.sched_getscheduler(threading.get_native_id()) == os.SCHED_IDLE
-        threads.append(f"{threading.current_thread().name}{' (idle)' if idle else ''}")
-        return kernel(self, *args, **kwargs)
+    def recorded(method: Any) -> Any:
+        def call(self: SharedDecode) -> Any:
+            idle = os.sched_getscheduler(threading.get_native_id()) == os.SCHED_IDLE
+            calls.append(f"{method.__name__} on {threading.current_thread().name}{' (idle)' if idle else ''}")
+            return method(self)
 
-    monkeypatch.setattr(NativeDequant, dtype, recorded)
+        return call
+
+    monkeypatch.setattr(SharedDecode, "help", recorded(SharedDecode.help))
+    monkeypatch.setattr(SharedDecode, "finish", recorded(SharedDecode.finish))
     model, reference = _pair(dtype)
     ref_losses, ref_params = _train_reference(reference)
     with tierzero.initialize(model, _config(tmp_path, stage=3, params="nvme", dtype=dtype)) as engine:
-        BaseCodec(dtype=BaseDtype(dtype)).native_decoder(torch.empty(0, dtype=torch.uint8), out=torch.empty(0))
-        threads.clear()  # the codec's first-use probe, just run, decodes on the caller's thread
         losses = _steps(engine, STEPS)
-        in_steps = list(threads)
+        in_steps = list(calls)
         trained = engine.full_state_dict()
     assert losses == ref_losses
     for name, value in ref_params.items():
         assert torch.equal(trained[name], value), name
-    assert len(in_steps) >= STEPS, in_steps  # each step gathers the base at least once
-    # On the decoder's thread, which runs only where the compute leaves a core idle (`yield_to_others`).
-    assert all(name.startswith("tierzero-decode") and name.endswith(" (idle)") for name in in_steps), in_steps
+    started, finished = Counter(c for c in in_steps if c.startswith("help")), Counter(c for c in in_steps if c.startswith("finish"))
+    assert sum(started.values()) >= STEPS, in_steps  # each step gathers the base at least once
+    # Started on the decoder's thread, which runs only where the compute leaves a core idle
+    # (`yield_to_others`), and finished by the compute, once a decode.
+    assert started == {"help on tierzero-decode_0 (idle)": sum(started.values())}, in_steps
+    assert finished == {"finish on MainThread": sum(started.values())}, in_steps
 
 
 def test_the_base_streams_from_pretrained_files_quantized_unit_by_unit(tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ def test_stage3_decodes_the_last_units_once_a_step_as_many_as_max_live_bytes_hol
 
     # On the decoder's thread where the native kernels are built ([Note: decoding ahead]), else on the caller's.
     monkeypatch.setattr(BaseCodec, "decode", counting(BaseCodec.decode))
-    monkeypatch.setattr(BaseCodec, "decode_natively", counting(BaseCodec.decode_natively))
+    monkeypatch.setattr(BaseCodec, "share_natively", counting(BaseCodec.share_natively))
     with tierzero.initialize(_pair()[0], _config(tmp_path, stage=3, params="cpu")) as probe:
         unit_bytes = {4 * u.padded_numel for u in _block_units(probe)}  # a block's frozen unit, gathered in fp32
     assert len(unit_bytes) == 1

@@ -10,9 +10,11 @@
 // the caller's torch path then raises its error. Only a double-quantized absmax rebuilt out of range
 // (not finite) leaves a piece to the torch path half written.
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <type_traits>
 
 #if defined(__AVX512F__)
@@ -230,9 +232,74 @@ void int8_run(const uint8_t* piece, void* out, int64_t n, int threads) {
   });
 }
 
+// [Note: a shared decode]
+// One piece's decode shared by every thread that calls a `_shared` entry point on the same state: each
+// claims the next chunk of `chunk` elements until none is left, so a thread that needs the values
+// now (the compute, waiting for a unit decoded ahead) works beside the one that started them rather
+// than waiting for it. With `wait`, a call returns once every chunk is done, by whichever thread:
+// it spins for a chunk's time, then sleeps, which leaves its core to a decoding thread that only runs
+// on idle cores. A chunk whose stored scales are bad is left unwritten and the call returns 1; the
+// caller's torch path then decodes the piece again, all of it, and raises its error.
+struct Shared {
+  std::atomic<int64_t> next;      // the next chunk to claim
+  std::atomic<int64_t> finished;  // chunks done, by any thread
+  std::atomic<int> refused;       // a chunk left to the torch path
+};
+
+template <typename Range>
+int share(void* state, int64_t n, int64_t chunk, int wait, Range range) {
+  auto* s = static_cast<Shared*>(state);
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  for (int64_t i = s->next.fetch_add(1); i < chunks; i = s->next.fetch_add(1)) {
+    if (!range(i * chunk, std::min(n, (i + 1) * chunk))) s->refused.store(1);
+    streamed();
+    s->finished.fetch_add(1, std::memory_order_release);
+  }
+  if (wait) {
+    const auto start = std::chrono::steady_clock::now();
+    while (s->finished.load(std::memory_order_acquire) < chunks) {
+      if (std::chrono::steady_clock::now() - start < std::chrono::microseconds(200)) continue;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  return s->refused.load();
+}
+
+// The absmax of an NF4 piece of n elements; false where a stored scale or the offset is bad.
+bool nf4_absmax(const uint8_t* piece, int64_t n, int double_quant, const float* dynamic, Absmax* absmax) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  *absmax = Absmax{nullptr, nullptr, nullptr, dynamic, 0.0f};
+  if (!double_quant) {
+    absmax->floats = piece + n / 2;
+    return true;
+  }
+  const int64_t scales = (blocks + kAbsmaxBlock - 1) / kAbsmaxBlock;
+  absmax->codes = piece + n / 2;
+  absmax->scales = absmax->codes + blocks;
+  absmax->offset = load_f32(absmax->scales + 4 * scales);
+  return scales_valid(absmax->scales, scales) && std::isfinite(absmax->offset);
+}
+
+// Elements [lo, hi) of an NF4 piece, its stored fp32 absmax checked first where it has them.
+template <typename Out>
+bool nf4_checked(const uint8_t* piece, const Absmax& absmax, const float* nf4, void* out, int64_t lo, int64_t hi) {
+  if (absmax.floats != nullptr && !scales_valid(absmax.floats + 4 * (lo / kBlock), (hi - lo + kBlock - 1) / kBlock)) return false;
+  return nf4_range<Out>(piece, absmax, nf4, static_cast<typename Out::T*>(out), lo, hi);
+}
+
+template <typename Out>
+bool int8_checked(const uint8_t* piece, int64_t n, void* out, int64_t lo, int64_t hi) {
+  if (!scales_valid(piece + n + 4 * (lo / kBlock), (hi - lo + kBlock - 1) / kBlock)) return false;
+  int8_range<Out>(reinterpret_cast<const int8_t*>(piece), piece + n, static_cast<typename Out::T*>(out), lo, hi);
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
+
+// Bytes of a shared decode's state ([Note: a shared decode]): the caller's, zeroed before the first call.
+int64_t tz_shared_state_bytes() { return sizeof(Shared); }
 
 // One NF4 piece of n elements (n even) as tierzero/units/quantized_base.py lays it out: n / 2 bytes
 // of codes (the even element in the high nibble), then ceil(n / 64) fp32 absmax, or with
@@ -242,18 +309,9 @@ extern "C" {
 // stored scale is bad (nothing written), or a rebuilt absmax is not finite (some of `out` written).
 int tz_dequant_nf4(const uint8_t* piece, int64_t n, int double_quant, const float* nf4, const float* dynamic, void* out,
                    int out_kind, int threads) {
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-  Absmax absmax{nullptr, nullptr, nullptr, dynamic, 0.0f};
-  if (double_quant) {
-    const int64_t scales = (blocks + kAbsmaxBlock - 1) / kAbsmaxBlock;
-    absmax.codes = piece + n / 2;
-    absmax.scales = absmax.codes + blocks;
-    absmax.offset = load_f32(absmax.scales + 4 * scales);
-    if (!scales_valid(absmax.scales, scales) || !std::isfinite(absmax.offset)) return 1;
-  } else {
-    absmax.floats = piece + n / 2;
-    if (!scales_valid(absmax.floats, blocks)) return 1;
-  }
+  Absmax absmax;
+  if (!nf4_absmax(piece, n, double_quant, dynamic, &absmax)) return 1;
+  if (!double_quant && !scales_valid(absmax.floats, (n + kBlock - 1) / kBlock)) return 1;
   bool done = out_kind == 1 ? nf4_run<ToBF16>(piece, absmax, nf4, out, n, threads)
               : out_kind == 2 ? nf4_run<ToF16>(piece, absmax, nf4, out, n, threads)
                               : nf4_run<ToF32>(piece, absmax, nf4, out, n, threads);
@@ -267,6 +325,29 @@ int tz_dequant_int8(const uint8_t* piece, int64_t n, void* out, int out_kind, in
   else if (out_kind == 2) int8_run<ToF16>(piece, out, n, threads);
   else int8_run<ToF32>(piece, out, n, threads);
   return 0;
+}
+
+// tz_dequant_nf4's piece, decoded by every thread that calls this with the same `state` ([Note: a
+// shared decode]), in chunks of `chunk` elements (a multiple of 16384). Returns 0, or 1 where a chunk is
+// left to the torch path (with `wait`, once every chunk is done).
+int tz_dequant_nf4_shared(void* state, const uint8_t* piece, int64_t n, int double_quant, const float* nf4, const float* dynamic,
+                          void* out, int out_kind, int64_t chunk, int wait) {
+  Absmax absmax;
+  if (!nf4_absmax(piece, n, double_quant, dynamic, &absmax)) return 1;  // every caller finds it so: none waits
+  return share(state, n, chunk, wait, [&](int64_t lo, int64_t hi) {
+    return out_kind == 1 ? nf4_checked<ToBF16>(piece, absmax, nf4, out, lo, hi)
+           : out_kind == 2 ? nf4_checked<ToF16>(piece, absmax, nf4, out, lo, hi)
+                           : nf4_checked<ToF32>(piece, absmax, nf4, out, lo, hi);
+  });
+}
+
+// tz_dequant_int8's piece, shared as tz_dequant_nf4_shared's.
+int tz_dequant_int8_shared(void* state, const uint8_t* piece, int64_t n, void* out, int out_kind, int64_t chunk, int wait) {
+  return share(state, n, chunk, wait, [&](int64_t lo, int64_t hi) {
+    return out_kind == 1 ? int8_checked<ToBF16>(piece, n, out, lo, hi)
+           : out_kind == 2 ? int8_checked<ToF16>(piece, n, out, lo, hi)
+                           : int8_checked<ToF32>(piece, n, out, lo, hi);
+  });
 }
 
 }  // extern "C"

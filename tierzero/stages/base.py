@@ -216,7 +216,7 @@ class Stage(GradLanding, ABC):
             return
         assert unit.gathered is not None
         try:
-            if gathering.decoding is None or not gathering.decoding.result():
+            if gathering.decoding is None or not gathering.decoding.finish():
                 self.decode(unit, gathering.codes, out=unit.gathered)
         finally:
             if gathering.owned:

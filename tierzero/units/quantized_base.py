@@ -55,14 +55,13 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from tierzero.common.safe_files import say_once
 from tierzero.common.threads import one_thread
-from tierzero.native.dequant import NativeDequant, native_dequant
+from tierzero.native.dequant import NativeDequant, SharedDecode, native_dequant
 from tierzero.units.blockwise import (
     ABSMAX_BLOCK,
     INT8_BLOCK,
@@ -183,13 +182,17 @@ class BaseCodec:
         there are none (off the host, not built, or differing: [Note: a native decode])."""
         return _native_decoder(self, out.dtype) if stored.device.type == out.device.type == "cpu" else None
 
-    def decode_natively(self, stored: torch.Tensor, *, out: torch.Tensor, pieces: int, what: str) -> bool:
-        """`decode` by the native kernels alone, on any thread: it sets no torch thread count and runs
-        no torch op. False where a piece is left to the torch path (`decode` then decodes it all again,
-        and raises for a corrupt scale)."""
+    def share_natively(self, stored: torch.Tensor, *, out: torch.Tensor, pieces: int, what: str) -> SharedDecode | None:
+        """`decode` by the native kernels alone, shared by the threads that call the result's `help` or
+        `finish` ([Note: a shared decode] in native/dequant.cpp): no torch op, no torch thread count.
+        None where the kernels do not take a piece; `finish` says False where one is left to the torch
+        path (`decode` then decodes it all again, and raises for a corrupt scale)."""
         split = self._split(stored, out=out, pieces=pieces, what=what)
         native = self.native_decoder(stored, out=out)
-        return native is not None and all(self._decode_native(native, piece, out=into) for piece, into in split)
+        nf4 = self.dtype is BaseDtype.NF4
+        if native is None or not all(native.supports(piece, into) and not (nf4 and into.numel() % 2) for piece, into in split):
+            return None
+        return native.shared(split, nf4=nf4, double_quant=self.double_quant, code=_NF4_VALUES, dynamic=_DYNAMIC_VALUES)
 
     def _split(self, stored: torch.Tensor, *, out: torch.Tensor, pieces: int, what: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`stored`'s pieces, each with the part of `out` it decodes into; ValueError where `stored` is
@@ -299,8 +302,9 @@ class CodesInFlight:
     codes: torch.Tensor
     owned: bool
     """Scratch gathered into, freed once decoded; False: the fetched shard itself (one rank), released by its owner."""
-    decoding: Future[bool] | None = None
-    """The decode started ahead on the decoder's thread (`decode_natively`'s result); None: decoded when needed."""
+    decoding: SharedDecode | None = None
+    """The decode started ahead on the decoder's thread (`share_natively`), which the stage finishes; None:
+    decoded when needed."""
 
 
 def _check_scales(scales: torch.Tensor, *, what: str, name: str) -> None:
