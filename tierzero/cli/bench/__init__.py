@@ -5,6 +5,7 @@ or `--device cuda`), the ZeRO stages against plain PyTorch and DistributedDataPa
 checkpointing with and without offload (`activations`), the CUDA tests and bench in one
 report (`gpu-check`), and `offload: auto` beside the oversized preset's own placement, each
 run a `tierzero train` of its own (`oversized`). `moments`: a GPT's loss with 8-bit Adam moments beside fp32's.
+`lora-base`: a LoRA step over a checkpoint with its frozen base in bf16 beside NF4.
 
 matplotlib is imported only when a plot is written.
 """
@@ -18,6 +19,7 @@ from tierzero.cli.bench import (
     adam,
     gpu_check,
     load,
+    lora_base,
     moments,
     nvme,
     oversized,
@@ -30,7 +32,7 @@ from tierzero.cli.bench import (
 )
 from tierzero.cli.commands import COMMANDS
 
-BENCH_COMMANDS = (nvme, swap, adam, train, step_host, activations, load, zero, placement, gpu_check, zeropp, oversized, moments)
+BENCH_COMMANDS = (nvme, swap, adam, train, step_host, activations, load, zero, placement, gpu_check, zeropp, oversized, moments, lora_base)
 """The modules of the `bench` subcommands, in the order `tierzero bench --help` lists them; each adds its own."""
 
 
