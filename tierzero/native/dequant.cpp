@@ -246,12 +246,16 @@ struct Shared {
   std::atomic<int> refused;       // a chunk left to the torch path
 };
 
-template <typename Range>
-int share(void* state, int64_t n, int64_t chunk, int wait, Range range) {
+// `prepare` runs once a call, at its first chunk: a call that finds none left reads nothing of the
+// piece, which the thread that finished it may have handed back by then.
+template <typename Prepare, typename Range>
+int share(void* state, int64_t n, int64_t chunk, int wait, Prepare prepare, Range range) {
   auto* s = static_cast<Shared*>(state);
   const int64_t chunks = (n + chunk - 1) / chunk;
+  bool prepared = false, valid = false;
   for (int64_t i = s->next.fetch_add(1); i < chunks; i = s->next.fetch_add(1)) {
-    if (!range(i * chunk, std::min(n, (i + 1) * chunk))) s->refused.store(1);
+    if (!prepared) valid = prepare(), prepared = true;
+    if (!valid || !range(i * chunk, std::min(n, (i + 1) * chunk))) s->refused.store(1);
     streamed();
     s->finished.fetch_add(1, std::memory_order_release);
   }
@@ -333,8 +337,8 @@ int tz_dequant_int8(const uint8_t* piece, int64_t n, void* out, int out_kind, in
 int tz_dequant_nf4_shared(void* state, const uint8_t* piece, int64_t n, int double_quant, const float* nf4, const float* dynamic,
                           void* out, int out_kind, int64_t chunk, int wait) {
   Absmax absmax;
-  if (!nf4_absmax(piece, n, double_quant, dynamic, &absmax)) return 1;  // every caller finds it so: none waits
-  return share(state, n, chunk, wait, [&](int64_t lo, int64_t hi) {
+  auto prepare = [&] { return nf4_absmax(piece, n, double_quant, dynamic, &absmax); };
+  return share(state, n, chunk, wait, prepare, [&](int64_t lo, int64_t hi) {
     return out_kind == 1 ? nf4_checked<ToBF16>(piece, absmax, nf4, out, lo, hi)
            : out_kind == 2 ? nf4_checked<ToF16>(piece, absmax, nf4, out, lo, hi)
                            : nf4_checked<ToF32>(piece, absmax, nf4, out, lo, hi);
@@ -343,7 +347,7 @@ int tz_dequant_nf4_shared(void* state, const uint8_t* piece, int64_t n, int doub
 
 // tz_dequant_int8's piece, shared as tz_dequant_nf4_shared's.
 int tz_dequant_int8_shared(void* state, const uint8_t* piece, int64_t n, void* out, int out_kind, int64_t chunk, int wait) {
-  return share(state, n, chunk, wait, [&](int64_t lo, int64_t hi) {
+  return share(state, n, chunk, wait, [] { return true; }, [&](int64_t lo, int64_t hi) {
     return out_kind == 1 ? int8_checked<ToBF16>(piece, n, out, lo, hi)
            : out_kind == 2 ? int8_checked<ToF16>(piece, n, out, lo, hi)
                            : int8_checked<ToF32>(piece, n, out, lo, hi);
