@@ -91,7 +91,7 @@ class NativeDequant:
 
     def int8(self, piece: torch.Tensor, *, out: torch.Tensor, threads: int = 1) -> bool:
         """The int8 piece's values into `out`; False, nothing written, when a stored scale is bad."""
-        _expect(piece, out.numel() + 4 * -(-out.numel() // _BLOCK), n=out.numel(), what="int8")
+        _expect(piece, _int8_bytes(out.numel()), n=out.numel(), what="int8")
         return not self._int8(piece.data_ptr(), out.numel(), out.data_ptr(), _OUT_KINDS[out.dtype], threads)
 
     def shared(
@@ -109,7 +109,7 @@ class NativeDequant:
                 args = (piece.data_ptr(), n, int(double_quant), code.data_ptr(), dynamic.data_ptr(), out.data_ptr(), kind, _CHUNK)
                 calls.append(functools.partial(_shared_call, self._nf4_shared, args))
             else:
-                _expect(piece, n + 4 * -(-n // _BLOCK), n=n, what="int8")
+                _expect(piece, _int8_bytes(n), n=n, what="int8")
                 calls.append(functools.partial(_shared_call, self._int8_shared, (piece.data_ptr(), n, out.data_ptr(), kind, _CHUNK)))
         keep = (code, dynamic, *(t for pair in pieces for t in pair))
         return SharedDecode(calls, state_bytes=self._state_bytes, keep=keep)
@@ -123,6 +123,11 @@ def _nf4_bytes(n: int, double_quant: bool) -> int:
     """Bytes of an NF4 piece of `n` elements: the codes, then the absmax (fp32, or double-quantized)."""
     blocks = -(-n // _BLOCK)
     return n // 2 + (blocks + 4 * (-(-blocks // _ABSMAX_BLOCK) + 1) if double_quant else 4 * blocks)
+
+
+def _int8_bytes(n: int) -> int:
+    """Bytes of an int8 piece of `n` elements: the codes, then an fp32 scale a block."""
+    return n + 4 * -(-n // _BLOCK)
 
 
 def _expect(piece: torch.Tensor, nbytes: int, *, n: int, what: str) -> None:
