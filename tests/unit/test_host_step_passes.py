@@ -1,6 +1,6 @@
-"""The host's passes over a step's gradients and parameters ([Note: the norm in chunks] in
-stages/grads/norm.py, [Note: the converting step] in optim/flat.py): the landing sums the norm's
-squares as it writes, chunk by chunk, with the bits of summing the landed slice afterwards; and a
+"""The host's passes over a step's gradients and parameters ([Note: the squares' order] in
+native/squares.py, [Note: the converting step] in optim/flat.py): the landing sums the norm's
+squares as it writes each piece, with the bits of summing the landed slice afterwards; and a
 host-memory PARAM home takes the step's cast in place, with the bits of a write-back."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 import tierzero
 import tierzero.optim.flat as flat
 from tierzero.common.slices import Kind
-from tierzero.stages.grads import norm
+from tierzero.native.squares import BLOCK, Squares
 from tierzero.stages.grads.landing import add_into
-from tierzero.stages.grads.norm import SquareSum, square_sum
+from tierzero.stages.grads.norm import square_sum
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 from harness import Case  # noqa: E402
@@ -25,56 +25,47 @@ from harness import Case  # noqa: E402
 CHUNK = 64
 
 
-def _chunked_squares(t: torch.Tensor, chunk: int) -> torch.Tensor:
-    """The reference: each chunk's dot product in fp32, added in slice order to a zero."""
-    total = torch.zeros(())
-    for lo in range(0, t.numel(), chunk):
-        c = t[lo : lo + chunk].float()
-        total = total + c.dot(c)
-    return total
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_landing_writes_zeros_plus_each_piece_and_sums_its_squares_chunk_by_chunk(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(norm, "NORM_CHUNK", CHUNK)
+def test_the_landing_writes_zeros_plus_each_piece_and_sums_its_squares_as_it_writes(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
-    # Pieces that start and end inside chunks, one across three of them, gaps between, and -0.0s.
-    layout = [(3, 37), (50, 200), (300, 64), (384, 1), (900, 61)]
+    # Pieces that start and end inside lanes' rows and blocks, one across three blocks, gaps between, and -0.0s.
+    layout = [(3, 37), (50, 200), (300, 3 * BLOCK), (3 * BLOCK + 400, 1), (3 * BLOCK + 900, 61)]
     pieces = [(offset, torch.randn(n, generator=g).to(dtype)) for offset, n in layout]
     pieces[1][1][::7] = -0.0
-    shard = torch.full((1000,), float("nan"), dtype=dtype)  # fresh: garbage before the landing
-    squares = SquareSum(dtype, device=shard.device)
+    size = 3 * BLOCK + 1000
+    shard = torch.full((size,), float("nan"), dtype=dtype)  # fresh: garbage before the landing
+    squares = Squares()
     add_into(shard, list(reversed(pieces)), fresh=True, squares=squares)
 
-    expected = torch.zeros(1000, dtype=dtype)
+    expected = torch.zeros(size, dtype=dtype)
     for offset, piece in pieces:
         expected[offset : offset + piece.numel()] += piece  # zeros plus each: -0.0 lands as +0.0
     assert torch.equal(shard.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                        expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))  # fmt: skip
-    assert torch.equal(squares.total, _chunked_squares(expected, CHUNK))
     assert torch.equal(squares.total, square_sum(shard))  # the bits of counting it after the landing
     exact = sum(float(p.double().square().sum()) for _, p in pieces)
-    assert float(squares.total) == pytest.approx(exact, rel=1e-6)
+    assert float(squares.total) == pytest.approx(exact, rel=1e-7)
 
 
 def test_a_landing_without_a_sum_writes_the_same_bits() -> None:
     g = torch.Generator().manual_seed(1)
     pieces = [(10, torch.randn(100, generator=g).bfloat16()), (200, torch.randn(30, generator=g).bfloat16())]
     counted, plain = torch.full((256,), 7.0, dtype=torch.bfloat16), torch.full((256,), 3.0, dtype=torch.bfloat16)
-    add_into(counted, pieces, fresh=True, squares=SquareSum(torch.bfloat16, device=counted.device))
+    add_into(counted, pieces, fresh=True, squares=Squares())
     add_into(plain, pieces, fresh=True)
     assert torch.equal(counted, plain)
     with pytest.raises(AssertionError, match="only a fresh shard's landing counts it"):
-        add_into(plain, pieces, fresh=False, squares=SquareSum(torch.bfloat16, device=plain.device))
+        add_into(plain, pieces, fresh=False, squares=Squares())
 
 
-def test_a_host_slice_is_summed_in_chunks_and_a_device_slice_in_one_dot(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(norm, "NORM_CHUNK", CHUNK)
-    t = torch.randn(CHUNK * 5 + 13, generator=torch.Generator().manual_seed(2))
+def test_a_host_slice_is_summed_in_the_squares_order_and_a_device_slice_in_one_dot() -> None:
+    t = torch.randn(2 * BLOCK + 13, generator=torch.Generator().manual_seed(2))
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert torch.equal(square_sum(t.to(dtype)), _chunked_squares(t.to(dtype), CHUNK))
+        squares = Squares()
+        squares.add(t.to(dtype)[:5], 0)
+        squares.add(t.to(dtype)[5:], 5)
+        assert torch.equal(square_sum(t.to(dtype)), squares.total)
+        assert float(squares.total) == pytest.approx(float(t.to(dtype).double().square().sum()), rel=1e-7)
     meta = square_sum(torch.empty(10, dtype=torch.bfloat16, device="meta"))
     assert meta.device.type == "meta" and meta.dtype == torch.float32 and meta.dim() == 0
 
@@ -107,7 +98,6 @@ def _train(offload: dict[str, str], swap: Path) -> tuple[list[float], dict[str, 
 
 def test_a_host_param_home_takes_the_cast_in_place_with_the_bits_of_a_write_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Chunks far smaller than the model's units: every pass crosses chunk and tensor boundaries.
-    monkeypatch.setattr(norm, "NORM_CHUNK", CHUNK)
     monkeypatch.setattr(flat, "STEP_CHUNK", 2 * CHUNK)
     in_place = _train({"params": "cpu", "gradients": "cpu", "optimizer": "cpu"}, tmp_path)
     written_home = _train({"params": "nvme", "gradients": "cpu", "optimizer": "cpu"}, tmp_path)

@@ -1,4 +1,4 @@
-// Element-wise conversions of the gradients' landing and norm: each one pass, no temporaries.
+// The gradients' landing without the norm: `src + 0.0` written in one pass, no temporaries.
 #include <cstdint>
 
 #include "common.h"
@@ -29,14 +29,6 @@ void tz_plus_zero_f32(const float* __restrict src, float* __restrict out, int64_
   tz::parallel(n, threads, 16, [&](int64_t lo, int64_t hi) {
 #pragma omp simd
     for (int64_t i = lo; i < hi; ++i) out[i] = src[i] + 0.0f;
-  });
-}
-
-// out = src widened from bf16 to fp32 (exact).
-void tz_widen_bf16(const uint16_t* __restrict src, float* __restrict out, int64_t n, int threads) {
-  tz::parallel(n, threads, 64, [&](int64_t lo, int64_t hi) {
-#pragma omp simd
-    for (int64_t i = lo; i < hi; ++i) out[i] = tz::bf16_to_float(src[i]);
   });
 }
 

@@ -1,12 +1,12 @@
-"""The gradients' landing and norm conversions in one native pass each (native/convert.cpp).
+"""The gradients' landing in one native pass (native/convert.cpp), where no norm is summed as it goes.
 
 `torch.add(g, 0.0, out=shard)` (a fresh landing: zeros plus the gradient, [Note: stale
-gradients] in stages/grads/landing.py) and the widening of a bf16 chunk for the norm's dot
-([Note: the norm in chunks] in stages/grads/norm.py) are single passes in torch too, but its
-bf16 loops run well below memory speed on the host: 27 and 21 ms of a 100M bf16 step on the
-2-core dev VM. These give the same bits ([Note: native kernels, torch's bits] in native/adam.py),
-checked against torch on a probe before the first use, and decline what they are not built for
-(other dtypes, strided views, other devices): the caller then runs torch's op.
+gradients] in stages/grads/landing.py) is a single pass in torch too, but its bf16 loop runs
+well below memory speed on the host: 27 ms of a 100M bf16 step on the 2-core dev VM. (A
+landing that sums the norm as it writes is native/squares.py's.) This gives the same bits
+([Note: native kernels, torch's bits] in native/adam.py), checked against torch on a probe
+before the first use, and declines what it is not built for (other dtypes, strided views,
+other devices): the caller then runs torch's op.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from tierzero.common.safe_files import say_once
 from tierzero.native.build import library
 
-__all__ = ["plus_zero_into", "widen_into"]
+__all__ = ["plus_zero_into"]
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +40,6 @@ def plus_zero_into(src: torch.Tensor, out: torch.Tensor) -> bool:
     return True
 
 
-def widen_into(src: torch.Tensor, out: torch.Tensor) -> bool:
-    """`out.copy_(src)` from bf16 into fp32 natively where it can; False: the caller copies."""
-    if src.dtype != torch.bfloat16 or out.dtype != torch.float32 or not _takes(src, out):
-        return False
-    lib = _checked()
-    if lib is None:
-        return False
-    lib.tz_widen_bf16(src.data_ptr(), out.data_ptr(), src.numel(), torch.get_num_threads())
-    return True
-
-
 def _takes(src: torch.Tensor, out: torch.Tensor) -> bool:
     return (
         src.device.type == "cpu" and out.device.type == "cpu" and src.numel() == out.numel()
@@ -64,7 +53,7 @@ def _checked() -> ctypes.CDLL | None:
     lib = library()
     if lib is None:
         return None
-    for fn in (lib.tz_plus_zero_bf16, lib.tz_plus_zero_f32, lib.tz_widen_bf16):
+    for fn in (lib.tz_plus_zero_bf16, lib.tz_plus_zero_f32):
         fn.argtypes, fn.restype = _CALL, None
     words = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)  # every bf16 value
     bf16 = words.view(torch.bfloat16)
@@ -74,7 +63,6 @@ def _checked() -> ctypes.CDLL | None:
     checks = (
         (lib.tz_plus_zero_bf16, bf16, torch.empty_like(bf16), torch.add(bf16, 0.0)),
         (lib.tz_plus_zero_f32, f32, torch.empty_like(f32), torch.add(f32, 0.0)),
-        (lib.tz_widen_bf16, bf16, torch.empty(bf16.shape), bf16.float()),
     )
     for fn, src, out, want in checks:
         fn(src.data_ptr(), out.data_ptr(), src.numel(), 1)

@@ -26,7 +26,8 @@ import torch
 from tierzero.comm import collectives as C
 from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.native.convert import plus_zero_into
-from tierzero.stages.grads.norm import GradNorm, SquareSum, norm_chunks
+from tierzero.native.squares import Squares
+from tierzero.stages.grads.norm import GradNorm
 from tierzero.stages.grads.pieces import GradPieces
 from tierzero.stages.step import BackwardStep, computes_on_host
 from tierzero.units.unit import Unit
@@ -34,37 +35,25 @@ from tierzero.units.unit import Unit
 __all__ = ["GradLanding", "add_into"]
 
 
-def add_into(shard: torch.Tensor, pieces: Sequence[tuple[int, torch.Tensor]], *, fresh: bool, squares: SquareSum | None = None) -> None:
+def add_into(shard: torch.Tensor, pieces: Sequence[tuple[int, torch.Tensor]], *, fresh: bool, squares: Squares | None = None) -> None:
     """Add each flat gradient of `pieces` (offset, tensor) into `shard` at its offset; a `fresh`
     shard holds garbage and gets zeros plus each, in one pass (see the module note). `squares`:
-    a fresh host shard's squares are summed into it too, each chunk just after it is written
-    ([Note: the norm in chunks] in grads/norm.py)."""
+    a fresh host shard's squares are summed into it too, each piece as it is written
+    ([Note: the squares' order] in native/squares.py)."""
     if not fresh:
         assert squares is None, "a sum is counted once it is complete: only a fresh shard's landing counts it"
         for offset, grad in pieces:
             shard.narrow(0, offset, grad.numel()).add_(grad)
         return
-    ordered = sorted(pieces, key=lambda piece: piece[0])
-    if squares is None:
-        _fill(shard, ordered, 0, shard.numel())
-        return
-    for lo, hi in norm_chunks(shard.numel()):
-        _fill(shard, ordered, lo, hi)
-        squares.add(shard[lo:hi])
-
-
-def _fill(shard: torch.Tensor, pieces: Sequence[tuple[int, torch.Tensor]], lo: int, hi: int) -> None:
-    """Write elements `lo` to `hi` of a fresh shard: zeros plus the `pieces` (sorted) there, zeros elsewhere."""
-    end = lo
-    for offset, grad in pieces:
-        a, b = max(offset, lo), min(offset + grad.numel(), hi)
-        if a < b:
-            shard[end:a].zero_()
-            src, dst = grad[a - offset : b - offset], shard[a:b]
-            if not plus_zero_into(src, dst):
-                torch.add(src, 0.0, out=dst)
-            end = b
-    shard[end:hi].zero_()
+    end = 0
+    for offset, grad in sorted(pieces, key=lambda piece: piece[0]):
+        shard[end:offset].zero_()
+        end = offset + grad.numel()
+        if squares is not None:
+            squares.land(grad, shard[offset:end], offset)
+        elif not plus_zero_into(grad, shard[offset:end]):
+            torch.add(grad, 0.0, out=shard[offset:end])
+    shard[end:].zero_()
 
 
 class GradLanding:
@@ -148,7 +137,7 @@ class GradLanding:
             add_into(shard, [(0, part)], fresh=fresh, squares=squares)
 
     @contextmanager
-    def _landing(self, unit: Unit, *, final: bool) -> Iterator[tuple[torch.Tensor, bool, SquareSum | None]]:
+    def _landing(self, unit: Unit, *, final: bool) -> Iterator[tuple[torch.Tensor, bool, Squares | None]]:
         """(the unit's GRAD slice to add a gradient into, whether it is fresh scratch, the norm's sum
         for the landing to take as it writes or None: `add_into`'s arguments); then home, or to the
         unit's step in this backward when it hands over (`_hands_over_grad`). `final`: the unit's
@@ -201,15 +190,15 @@ class GradLanding:
             unit.grads_stale = True  # the home keeps the earlier micro-steps' sum only
         self._backward_step.ready(unit, grad=handed)
 
-    def _squares(self, unit: Unit, shard: torch.Tensor, *, final: bool, fresh: bool) -> SquareSum | None:
+    def _squares(self, unit: Unit, shard: torch.Tensor, *, final: bool, fresh: bool) -> Squares | None:
         """The norm's sum for a fresh host shard's landing to take as it writes, where the step needs the
-        norm and the shard is the unit's whole gradient slice ([Note: the norm in chunks]); None: counted after."""
+        norm and the shard is the unit's whole gradient slice ([Note: the squares' order]); None: counted after."""
         counts = final and fresh and self.grad_norm.enabled and self.last_micro_step
         if not counts or shard.device.type != "cpu" or self.grad_slice(shard, unit) is not shard:
             return None
-        return SquareSum(shard.dtype, device=shard.device)
+        return Squares()
 
-    def _count(self, unit: Unit, shard: torch.Tensor, squares: SquareSum | None) -> None:
+    def _count(self, unit: Unit, shard: torch.Tensor, squares: Squares | None) -> None:
         """The unit's complete gradient is in `shard`: count its squares for the norm (summed already where
         the landing took them)."""
         if squares is None:

@@ -1,0 +1,124 @@
+"""The norm's sum of squares (tierzero/native/squares.py): the order its note writes down, to the bit,
+natively and with torch's ops, on any number of threads and however the elements come in ranges."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+
+import pytest
+import torch
+
+from tierzero.native import squares as squares_module
+from tierzero.native.squares import BLOCK, LANES, Squares
+
+native = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler")
+
+EVERY_BF16 = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def _written_order(values: torch.Tensor) -> float:
+    """The note's order in Python's own fp64 arithmetic: lanes in element order, a block's lanes in
+    lane order, the blocks in block order, rounded to fp32 at the end."""
+    squares = [v * v for v in values.double().tolist()]
+    total = 0.0
+    for start in range(0, len(squares), BLOCK):
+        lanes = [0.0] * LANES
+        for i, square in enumerate(squares[start : start + BLOCK]):
+            lanes[i % LANES] += square
+        block = 0.0
+        for lane in lanes:
+            block += lane
+        total += block
+    return struct.unpack("f", struct.pack("f", total))[0]
+
+
+def _summed(values: torch.Tensor, cuts: list[int], *, land: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the total, what the landing wrote) with `values` fed in the ranges between `cuts`."""
+    squares, out = Squares(), torch.full_like(values, 7.0)
+    bounds = [0, *cuts, values.numel()]
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        if land:
+            squares.land(values[lo:hi], out[lo:hi], lo)
+        else:
+            squares.add(values[lo:hi], lo)
+    return squares.total, out
+
+
+def _values(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * torch.logspace(-3, 3, n)[torch.randperm(n, generator=g)]).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("library", [True, False], ids=["native", "torch"])
+def test_the_sum_is_the_written_order_to_the_bit(dtype: torch.dtype, library: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if library and shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    if not library:
+        monkeypatch.setattr(squares_module, "_checked", lambda: None)
+    values = _values(dtype, 3 * BLOCK + 1234, seed=0)
+    total, _ = _summed(values, [])
+    assert total.dtype == torch.float32 and total.dim() == 0
+    assert float(total) == _written_order(values)
+    # And within fp32 rounding of the exact sum.
+    assert float(total) == pytest.approx(float(values.double().square().sum()), rel=1e-7)
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ranges_threads_and_the_library_leave_the_bits_as_they_are(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    values = _values(dtype, 5 * BLOCK + 77, seed=1)
+    whole, _ = _summed(values, [])
+    # Cuts inside a lane's row, at a block's edge, one block apart, two elements apart.
+    cuts = [5, 40, BLOCK, BLOCK + 3, 2 * BLOCK + 31, 2 * BLOCK + 33, 4 * BLOCK + 1]
+    assert torch.equal(_summed(values, cuts)[0], whole)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(_summed(values, cuts)[0], whole)
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(squares_module, "_checked", lambda: None)
+    assert torch.equal(_summed(values, cuts)[0], whole)
+
+
+@native
+def test_gaps_count_as_zeros() -> None:
+    values = _values(torch.bfloat16, 3 * BLOCK, seed=2)
+    values[100:BLOCK + 50] = 0.0
+    values[2 * BLOCK - 7 : 2 * BLOCK + 9] = 0.0
+    squares = Squares()
+    for lo, hi in ((0, 100), (BLOCK + 50, 2 * BLOCK - 7), (2 * BLOCK + 9, 3 * BLOCK)):
+        squares.add(values[lo:hi], lo)
+    assert torch.equal(squares.total, _summed(values, [])[0])
+
+
+@pytest.mark.parametrize("library", [True, False], ids=["native", "torch"])
+def test_the_landing_writes_torchs_bits_and_sums_what_it_wrote(library: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if library and shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    if not library:
+        monkeypatch.setattr(squares_module, "_checked", lambda: None)
+    finite = EVERY_BF16[EVERY_BF16.isfinite()]
+    values = finite.repeat(3)[: 2 * BLOCK + 99]
+    total, out = _summed(values, [17, BLOCK + 5], land=True)
+    assert torch.equal(out.view(torch.int16), torch.add(values, 0.0).view(torch.int16))  # -0.0 lands as +0.0
+    assert torch.equal(total, _summed(values, [])[0])
+    special = torch.tensor([1.0, float("inf"), 2.0], dtype=torch.bfloat16)
+    assert _summed(special, [], land=True)[0].item() == float("inf")
+    special[1] = float("nan")
+    assert _summed(special, [], land=True)[0].isnan()
+
+
+def test_a_probe_that_differs_turns_the_library_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    if squares_module.library() is None:
+        pytest.skip("no native library here")
+    squares_module._checked.cache_clear()
+    monkeypatch.setattr(squares_module, "_add_torch", lambda wide, at, state: state.add_(1.0))
+    try:
+        assert squares_module._checked() is None
+    finally:
+        monkeypatch.undo()
+        squares_module._checked.cache_clear()
+    assert squares_module._checked() is not None

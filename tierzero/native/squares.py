@@ -1,0 +1,172 @@
+"""The sum of a host gradient slice's squares for the norm: one pass at memory speed, in an order
+written down, natively where the library is built and with torch's ops where it is not.
+
+[Note: the squares' order]
+Clipping needs the norm of every gradient before the step. A dot product of the slice with
+itself fixes no order (the BLAS picks one per call and machine), and a bf16 slice had to be
+widened into fp32 first: on the 2-core VM the norm of 100M bf16 gradients took 53 ms in 96
+widening copies and dots, most of a bare AdamW's 69 ms. Here the order is this module's own:
+
+- a slice is cut into blocks of `BLOCK` elements from its start; in a block, element `i`
+  goes to lane `i % LANES`, and each lane adds its elements' squares in element order, in
+  fp64, from zero (the square of a bf16 or fp32 value is exact in fp64, so no rounding
+  happens before the sums);
+- a block's sum is its lanes added in lane order from zero; the slice's total is the blocks'
+  sums added in block order from zero, rounded to fp32 once at the end.
+
+Each lane's sum is a chain of adds, so threads take whole blocks and the bits never depend on
+how many run. Elements may come in ranges of any size and start (`Squares.add(values, at)`),
+ranges in increasing order with gaps between them: a gap stands for zeros, whose squares
+add nothing to any lane. So the landing (stages/grads/landing.py) sums each gradient as it
+writes it into the slice (`Squares.land`), gaps and all, with the bits of summing the landed
+slice afterwards. Without the library the same order runs in torch: a block's lanes are the
+last row of a cumulative sum down a (rows, `LANES`) view, which torch computes as a chain in
+row order, and likewise the lanes' and the blocks' sums. The native kernels are checked
+against that path on a probe before their first use, as every kernel here is ([Note: native
+kernels, torch's bits] in native/adam.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from tierzero.common.safe_files import say_once
+from tierzero.native.build import library
+
+__all__ = ["BLOCK", "LANES", "Squares"]
+
+log = logging.getLogger(__name__)
+
+LANES = 32
+BLOCK = 1 << 16
+"""Elements a block: the unit of a thread's share, aligned at the slice's start."""
+_TOTAL, _INDEX = LANES, LANES + 1
+"""The state's slots past the lanes: the closed blocks' total, the current block's index."""
+_TORCH_BLOCKS = 16
+"""Whole blocks the torch path sums at a time (16 MiB of fp64 squares)."""
+_NATIVE = (torch.bfloat16, torch.float32)
+
+
+class Squares:
+    """The running sum of one slice's squares ([Note: the squares' order]), fed ranges in increasing order."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self) -> None:
+        self._state = torch.zeros(LANES + 2, dtype=torch.float64)
+
+    def add(self, values: torch.Tensor, at: int) -> None:
+        """Count the squares of `values` (1-D, host), the slice's elements `at` to `at + values.numel()`."""
+        kernels = _kernels(values)
+        if kernels is not None and values.is_contiguous():
+            kernels[0](values.data_ptr(), values.numel(), at, self._state.data_ptr(), torch.get_num_threads())
+        else:
+            _add_torch(values.double(), at, self._state)
+
+    def land(self, src: torch.Tensor, out: torch.Tensor, at: int) -> None:
+        """Write `out = src + 0.0` (the landing, [Note: stale gradients] in stages/grads/landing.py) and count
+        the squares of what it wrote, the slice's elements `at` on, in one pass where the kernels take them."""
+        kernels = _kernels(src)
+        if kernels is not None and src.dtype == out.dtype and src.is_contiguous() and out.is_contiguous():
+            ptrs = (src.data_ptr(), out.data_ptr())
+            kernels[1](*ptrs, src.numel(), at, self._state.data_ptr(), torch.get_num_threads())
+            return
+        torch.add(src, 0.0, out=out)
+        self.add(out, at)
+
+    @property
+    def total(self) -> torch.Tensor:
+        """The sum so far, rounded to fp32 (a 0-d tensor); more ranges may still be added after."""
+        state = self._state.clone()
+        _close(state)
+        return state[_TOTAL].float()
+
+
+def _kernels(values: torch.Tensor) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+    """(sum, land-and-sum) for this dtype where the library takes it, else None."""
+    if values.device.type != "cpu" or values.dtype not in _NATIVE:
+        return None
+    lib = _checked()
+    if lib is None:
+        return None
+    if values.dtype == torch.bfloat16:
+        return lib.tz_squares_bf16, lib.tz_land_squares_bf16
+    return lib.tz_squares_f32, lib.tz_land_squares_f32
+
+
+def _close(state: torch.Tensor) -> None:
+    """The current block's lanes, summed in lane order, added to the total; the lanes start again."""
+    block = torch.cat([state.new_zeros(1), state[:LANES]]).cumsum(0)[-1]
+    state[_TOTAL] = state[_TOTAL] + block
+    state[:LANES] = 0.0
+
+
+def _add_torch(wide: torch.Tensor, at: int, state: torch.Tensor) -> None:
+    """`Squares.add` in torch's ops: `wide` the range's values in fp64."""
+    pos, end = at, at + wide.numel()
+    while pos < end:
+        block = pos // BLOCK
+        if block != int(state[_INDEX]):
+            _close(state)
+            state[_INDEX] = block
+        whole = (end - pos) // BLOCK if pos % BLOCK == 0 else 0
+        if whole:
+            # Whole blocks from zero lanes: their lanes, their sums and the total, each a chain.
+            count = min(whole, _TORCH_BLOCKS)
+            _close(state)
+            rows = wide[pos - at : pos - at + count * BLOCK].square().view(count, BLOCK // LANES, LANES)
+            sums = torch.cat([rows.new_zeros(count, 1), rows.cumsum(1)[:, -1, :]], dim=1).cumsum(1)[:, -1]
+            state[_TOTAL] = torch.cat([state[_TOTAL : _TOTAL + 1], sums]).cumsum(0)[-1]
+            pos += count * BLOCK
+            state[_INDEX] = pos // BLOCK
+            continue
+        stop = min(end, (block + 1) * BLOCK)
+        head = pos % LANES
+        part = wide[pos - at : stop - at].square()
+        padded = torch.cat([part.new_zeros(head), part, part.new_zeros(-(head + part.numel()) % LANES)])
+        state[:LANES] = torch.cat([state[None, :LANES], padded.view(-1, LANES)]).cumsum(0)[-1]
+        pos = stop
+
+
+@functools.cache
+def _checked() -> ctypes.CDLL | None:
+    """The library, once its sums gave the torch path's bits on a probe: every bf16 value, random fp32
+    ones, ranges that start off a lane and cross blocks, on one thread and on two."""
+    lib = library()
+    if lib is None:
+        return None
+    call = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    for fn in (lib.tz_squares_bf16, lib.tz_squares_f32):
+        fn.argtypes, fn.restype = call, None
+    for fn in (lib.tz_land_squares_bf16, lib.tz_land_squares_f32):
+        fn.argtypes, fn.restype = [ctypes.c_void_p, *call], None
+    generator = torch.Generator().manual_seed(0)
+    words = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    finite = words.view(torch.bfloat16).isfinite()
+    probes = (
+        words.view(torch.bfloat16)[finite].repeat(5)[: 5 * BLOCK + 77],
+        torch.randn(4 * BLOCK + 1001, generator=generator).mul_(1e3),
+    )
+    for values in probes:
+        ranges = ((0, 5), (5, 40), (40, BLOCK + 3), (2 * BLOCK + 10, values.numel()))
+        sum_fn, land_fn = (lib.tz_squares_bf16, lib.tz_land_squares_bf16) if values.dtype == torch.bfloat16 else (
+            lib.tz_squares_f32, lib.tz_land_squares_f32)  # fmt: skip
+        want = torch.zeros(LANES + 2, dtype=torch.float64)
+        for lo, hi in ranges:
+            _add_torch(values[lo:hi].double(), lo, want)
+        for threads in (1, 2):
+            got, landed = torch.zeros_like(want), torch.zeros_like(want)
+            out = torch.full_like(values, 7.0)
+            for lo, hi in ranges:
+                sum_fn(values[lo:].data_ptr(), hi - lo, lo, got.data_ptr(), threads)
+                land_fn(values[lo:].data_ptr(), out[lo:].data_ptr(), hi - lo, lo, landed.data_ptr(), threads)
+            kept = torch.cat([values[lo:hi] for lo, hi in ranges])
+            written = torch.cat([out[lo:hi] for lo, hi in ranges])
+            if not (torch.equal(got, want) and torch.equal(landed, want) and torch.equal(written.view(torch.uint8), torch.add(kept, 0.0).view(torch.uint8))):
+                say_once(log, "tierzero: the native sum of squares differs from torch's path; the norm runs torch's ops")
+                return None
+    return lib
