@@ -81,9 +81,7 @@ class Squares:
     @property
     def total(self) -> torch.Tensor:
         """The sum so far, rounded to fp32 (a 0-d tensor); more ranges may still be added after."""
-        state = self._state.clone()
-        _close(state)
-        return state[_TOTAL].float()
+        return torch.tensor(self._state[_TOTAL].item() + _lanes_sum(self._state), dtype=torch.float32)
 
 
 def _kernels(values: torch.Tensor) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
@@ -98,10 +96,18 @@ def _kernels(values: torch.Tensor) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] 
     return lib.tz_squares_f32, lib.tz_land_squares_f32
 
 
+def _lanes_sum(state: torch.Tensor) -> float:
+    """The current block's lanes added in lane order from zero: Python's floats are fp64 with the
+    kernel's rounding, so these are its adds, in its order."""
+    block = 0.0
+    for lane in state[:LANES].tolist():
+        block += lane
+    return block
+
+
 def _close(state: torch.Tensor) -> None:
-    """The current block's lanes, summed in lane order, added to the total; the lanes start again."""
-    block = torch.cat([state.new_zeros(1), state[:LANES]]).cumsum(0)[-1]
-    state[_TOTAL] = state[_TOTAL] + block
+    """The current block's sum added to the total; the lanes start again."""
+    state[_TOTAL] = state[_TOTAL].item() + _lanes_sum(state)
     state[:LANES] = 0.0
 
 
