@@ -57,7 +57,7 @@ def test_the_sum_is_the_written_order_to_the_bit(dtype: torch.dtype, library: bo
         pytest.skip("no C++ compiler")
     if not library:
         monkeypatch.setattr(squares_module, "_checked", lambda: None)
-    values = _values(dtype, 3 * BLOCK + 1234, seed=0)
+    values = _values(dtype, 3 * BLOCK + 1234, seed=0)  # enough whole blocks for two threads to share
     total, _ = _summed(values, [])
     assert total.dtype == torch.float32 and total.dim() == 0
     assert float(total) == _written_order(values)
@@ -115,7 +115,7 @@ def test_a_probe_that_differs_turns_the_library_off(monkeypatch: pytest.MonkeyPa
     if squares_module.library() is None:
         pytest.skip("no native library here")
     squares_module._checked.cache_clear()
-    monkeypatch.setattr(squares_module, "_add_torch", lambda wide, at, state: state.add_(1.0))
+    monkeypatch.setattr(squares_module, "_add_torch", lambda values, at, state: state.add_(1.0))
     try:
         assert squares_module._checked() is None
     finally:

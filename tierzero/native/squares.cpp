@@ -1,5 +1,5 @@
 // The sum of a gradient slice's squares for the norm, in the order `native/squares.py` defines
-// ([Note: the squares' order]): 32 fp64 lanes a block of 65536 elements, each lane summed in
+// ([Note: the squares' order]): 1024 fp64 lanes a block of 65536 elements, each lane summed in
 // element order; a block's lanes summed in lane order, the blocks' sums in block order. The
 // landing's variant writes `src + 0.0` as it goes and sums the squares of what it wrote.
 #include <immintrin.h>
@@ -11,7 +11,7 @@
 
 namespace {
 
-constexpr int64_t kLanes = 32;
+constexpr int64_t kLanes = 1024;
 constexpr int64_t kBlock = int64_t(1) << 16;
 // state: the current block's lanes, the total of the blocks closed so far, the current block's index.
 constexpr int kTotal = kLanes, kIndex = kLanes + 1;
@@ -35,88 +35,51 @@ inline void add_one(const T* x, T* out, int64_t k, double* lane) {
   *lane += w * w;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-constexpr int64_t kAhead = 16;  // rows prefetched ahead: the hardware's prefetcher alone left half the bandwidth unused
-
-// The landed gradient is written past the caches where its rows are whole lines (the step reads it
-// a forward later, and a plain store would first read every line it writes); then fenced.
-
-// Lanes 8k to 8k + 7 are `acc[k]`: element `l` of a row of 32 goes to lane `l`.
-inline void add_squares(__m512 f, __m512d& lo, __m512d& hi) {
-  __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(f)), b = _mm512_cvtps_pd(_mm512_extractf32x8_ps(f, 1));
-  lo = _mm512_add_pd(lo, _mm512_mul_pd(a, a));
-  hi = _mm512_add_pd(hi, _mm512_mul_pd(b, b));
-}
-
-inline __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
-void add_rows(const uint16_t* x, uint16_t* out, int64_t rows, double* lanes) {
-  __m512d acc[4];
-  for (int k = 0; k < 4; ++k) acc[k] = _mm512_loadu_pd(lanes + 8 * k);
-  bool streams = out && reinterpret_cast<uintptr_t>(out) % 64 == 0;
-  const __m512i magnitude = _mm512_set1_epi16(0x7fff), inf = _mm512_set1_epi16(0x7f80), negative_zero = _mm512_set1_epi16(-0x8000);
-  for (int64_t r = 0; r < rows; ++r) {
-    _mm_prefetch(reinterpret_cast<const char*>(x + (r + kAhead) * kLanes), _MM_HINT_T0);
-    __m512i v = _mm512_loadu_si512(x + r * kLanes);
-    if (out) {  // plus_zero: every NaN becomes 0xffff, -0.0 becomes +0.0
-      __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(v, magnitude), inf);
-      __mmask32 zero = _mm512_cmpeq_epi16_mask(v, negative_zero);
-      v = _mm512_mask_mov_epi16(v, nan, _mm512_set1_epi16(-1));
-      v = _mm512_mask_mov_epi16(v, zero, _mm512_setzero_si512());
-      if (streams) _mm512_stream_si512(reinterpret_cast<__m512i*>(out + r * kLanes), v);
-      else _mm512_storeu_si512(out + r * kLanes, v);
+// out[0, kLanes) = row, written past the caches where `out` is aligned: the step reads the landed
+// gradient a forward later, and a plain store would first read every line it writes.
+template <typename T>
+inline bool copy_out(T* __restrict out, const T* __restrict row) {
+  constexpr int64_t kBytes = kLanes * int64_t(sizeof(T));
+#ifdef __AVX512F__
+  if (reinterpret_cast<uintptr_t>(out) % 64 == 0) {
+    for (int64_t i = 0; i < kBytes; i += 64) {
+      __m512i line = _mm512_load_si512(reinterpret_cast<const char*>(row) + i);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(reinterpret_cast<char*>(out) + i), line);
     }
-    add_squares(widen16(_mm512_castsi512_si256(v)), acc[0], acc[1]);
-    add_squares(widen16(_mm512_extracti64x4_epi64(v, 1)), acc[2], acc[3]);
+    return true;
   }
-  for (int k = 0; k < 4; ++k) _mm512_storeu_pd(lanes + 8 * k, acc[k]);
-  if (streams) _mm_sfence();
+#endif
+  std::memcpy(out, row, kBytes);
+  return false;
 }
 
-void add_rows(const float* x, float* out, int64_t rows, double* lanes) {
-  __m512d acc[4];
-  for (int k = 0; k < 4; ++k) acc[k] = _mm512_loadu_pd(lanes + 8 * k);
-  bool streams = out && reinterpret_cast<uintptr_t>(out) % 64 == 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    _mm_prefetch(reinterpret_cast<const char*>(x + (r + kAhead) * kLanes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(x + (r + kAhead) * kLanes + 16), _MM_HINT_T0);
-    __m512 a = _mm512_loadu_ps(x + r * kLanes), b = _mm512_loadu_ps(x + r * kLanes + 16);
-    if (out) {
-      a = _mm512_add_ps(a, _mm512_setzero_ps());
-      b = _mm512_add_ps(b, _mm512_setzero_ps());
-      if (streams) {
-        _mm512_stream_ps(out + r * kLanes, a);
-        _mm512_stream_ps(out + r * kLanes + 16, b);
-      } else {
-        _mm512_storeu_ps(out + r * kLanes, a);
-        _mm512_storeu_ps(out + r * kLanes + 16, b);
-      }
-    }
-    add_squares(a, acc[0], acc[1]);
-    add_squares(b, acc[2], acc[3]);
-  }
-  for (int k = 0; k < 4; ++k) _mm512_storeu_pd(lanes + 8 * k, acc[k]);
-  if (streams) _mm_sfence();
-}
-#else
-// Rows of `kLanes` elements, element `l` of each into lane `l`.
+// Rows of `kLanes` elements from x, element `l` of each into lane `l`, a row at a time; with `out`,
+// each row is landed there first and its landed values are squared. The next rows' lines are asked
+// for ahead: the hardware's prefetcher alone left half a core's bandwidth unused.
 template <typename T>
 void add_rows(const T* __restrict x, T* __restrict out, int64_t rows, double* __restrict lanes) {
-  double acc[kLanes];
-  for (int l = 0; l < kLanes; ++l) acc[l] = lanes[l];
+  constexpr int64_t kLine = 64 / int64_t(sizeof(T)), kAhead = 2 * kLanes;
+  alignas(64) T landed[kLanes];
+  bool streamed = false;
   for (int64_t r = 0; r < rows; ++r) {
-    T v[kLanes];
-    for (int l = 0; l < kLanes; ++l) v[l] = out ? plus_zero(x[r * kLanes + l]) : x[r * kLanes + l];
-    if (out) std::memcpy(out + r * kLanes, v, sizeof(v));
+    const T* row = x + r * kLanes;
+    for (int64_t i = 0; i < kLanes; i += kLine) __builtin_prefetch(row + kAhead + i);
+    if (out) {
 #pragma omp simd
-    for (int l = 0; l < kLanes; ++l) {
-      double w = wide(v[l]);
-      acc[l] += w * w;
+      for (int64_t l = 0; l < kLanes; ++l) landed[l] = plus_zero(row[l]);
+      streamed |= copy_out(out + r * kLanes, landed);
+      row = landed;
+    }
+#pragma omp simd
+    for (int64_t l = 0; l < kLanes; ++l) {
+      double w = wide(row[l]);
+      lanes[l] += w * w;
     }
   }
-  for (int l = 0; l < kLanes; ++l) lanes[l] = acc[l];
-}
+#ifdef __AVX512F__
+  if (streamed) _mm_sfence();  // the streamed stores ordered before whatever the thread does next
 #endif
+}
 
 // Adds the squares of x[0, n) (slice elements `at` on, all in one block) to `lanes`; with `out`,
 // writes `plus_zero` of each element there and squares that. A square of a bf16 or fp32 value is
@@ -160,7 +123,7 @@ void squares(const T* x, T* out, int64_t n, int64_t at, double* state, int threa
   int64_t skip = first - at;
   tz::parallel(whole * kBlock, threads, kBlock, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo / kBlock; b < hi / kBlock; ++b) {
-      double lanes[kLanes] = {};
+      alignas(64) double lanes[kLanes] = {};
       int64_t k = skip + b * kBlock;
       add_lanes(x + k, out ? out + k : nullptr, kBlock, 0, lanes);
       double sum = 0.0;

@@ -10,7 +10,7 @@ widening copies and dots, most of a bare AdamW's 69 ms. Here the order is this m
 - a slice is cut into blocks of `BLOCK` elements from its start; in a block, element `i`
   goes to lane `i % LANES`, and each lane adds its elements' squares in element order, in
   fp64, from zero (the square of a bf16 or fp32 value is exact in fp64, so no rounding
-  happens before the sums);
+  happens before the sums): a block is 64 rows of `LANES`, added to the lanes row by row;
 - a block's sum is its lanes added in lane order from zero; the slice's total is the blocks'
   sums added in block order from zero, rounded to fp32 once at the end.
 
@@ -19,11 +19,12 @@ how many run. Elements may come in ranges of any size and start (`Squares.add(va
 ranges in increasing order with gaps between them: a gap stands for zeros, whose squares
 add nothing to any lane. So the landing (stages/grads/landing.py) sums each gradient as it
 writes it into the slice (`Squares.land`), gaps and all, with the bits of summing the landed
-slice afterwards. Without the library the same order runs in torch: a block's lanes are the
-last row of a cumulative sum down a (rows, `LANES`) view, which torch computes as a chain in
-row order, and likewise the lanes' and the blocks' sums. The native kernels are checked
-against that path on a probe before their first use, as every kernel here is ([Note: native
-kernels, torch's bits] in native/adam.py).
+slice afterwards. Without the library the same order runs in torch's ops: the lanes take a
+block's rows one `addcmul_` at a time (for many blocks at once), a block's lanes are summed
+by a cumulative sum, a chain of adds in order, and the blocks' sums in Python's fp64 floats;
+at a few times the native pass's cost. The native kernels are checked against that path on
+a probe before their first use, as every kernel here is ([Note: native kernels, torch's
+bits] in native/adam.py).
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ __all__ = ["BLOCK", "LANES", "Squares"]
 
 log = logging.getLogger(__name__)
 
-LANES = 32
+LANES = 1 << 10
 BLOCK = 1 << 16
 """Elements a block: the unit of a thread's share, aligned at the slice's start."""
 _TOTAL, _INDEX = LANES, LANES + 1
 """The state's slots past the lanes: the closed blocks' total, the current block's index."""
-_TORCH_BLOCKS = 16
-"""Whole blocks the torch path sums at a time (16 MiB of fp64 squares)."""
+_TORCH_BLOCKS = 4
+"""Whole blocks the torch path sums at a time (2 MiB of fp64 values: the fastest of 2, 4, 8, 16 and 32)."""
 _NATIVE = (torch.bfloat16, torch.float32)
 
 
@@ -65,7 +66,7 @@ class Squares:
         if kernels is not None and values.is_contiguous():
             kernels[0](values.data_ptr(), values.numel(), at, self._state.data_ptr(), torch.get_num_threads())
         else:
-            _add_torch(values.double(), at, self._state)
+            _add_torch(values, at, self._state)
 
     def land(self, src: torch.Tensor, out: torch.Tensor, at: int) -> None:
         """Write `out = src + 0.0` (the landing, [Note: stale gradients] in stages/grads/landing.py) and count
@@ -81,7 +82,7 @@ class Squares:
     @property
     def total(self) -> torch.Tensor:
         """The sum so far, rounded to fp32 (a 0-d tensor); more ranges may still be added after."""
-        return torch.tensor(self._state[_TOTAL].item() + _lanes_sum(self._state), dtype=torch.float32)
+        return torch.tensor(self._state[_TOTAL].item() + _lanes_sum(self._state[None, :LANES]).item(), dtype=torch.float32)
 
 
 def _kernels(values: torch.Tensor) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
@@ -96,45 +97,52 @@ def _kernels(values: torch.Tensor) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] 
     return lib.tz_squares_f32, lib.tz_land_squares_f32
 
 
-def _lanes_sum(state: torch.Tensor) -> float:
-    """The current block's lanes added in lane order from zero: Python's floats are fp64 with the
-    kernel's rounding, so these are its adds, in its order."""
-    block = 0.0
-    for lane in state[:LANES].tolist():
-        block += lane
-    return block
+def _lanes_sum(lanes: torch.Tensor) -> torch.Tensor:
+    """Each row of lanes added in lane order from zero, (blocks, LANES) -> (blocks,): a cumulative sum is
+    a chain of adds in order, the kernel's adds in fp64."""
+    return torch.cat([lanes.new_zeros(lanes.shape[0], 1), lanes], dim=1).cumsum(1)[:, -1]
 
 
 def _close(state: torch.Tensor) -> None:
     """The current block's sum added to the total; the lanes start again."""
-    state[_TOTAL] = state[_TOTAL].item() + _lanes_sum(state)
+    state[_TOTAL] = state[_TOTAL].item() + _lanes_sum(state[None, :LANES]).item()
     state[:LANES] = 0.0
 
 
-def _add_torch(wide: torch.Tensor, at: int, state: torch.Tensor) -> None:
-    """`Squares.add` in torch's ops: `wide` the range's values in fp64."""
-    pos, end = at, at + wide.numel()
+def _add_rows(lanes: torch.Tensor, rows: torch.Tensor) -> None:
+    """`lanes` (..., LANES) += each row's squares in turn, rows along dim -2: a lane's adds in element order."""
+    for r in range(rows.shape[-2]):
+        row = rows[..., r, :]
+        lanes.addcmul_(row, row)  # the square is exact in fp64: fused or not, one rounding, the add's
+
+
+def _add_torch(values: torch.Tensor, at: int, state: torch.Tensor) -> None:
+    """`Squares.add` in torch's ops, a group of blocks at a time in fp64."""
+    pos, end = at, at + values.numel()
+    wide = torch.empty(min(values.numel(), _TORCH_BLOCKS * BLOCK), dtype=torch.float64)  # reused: no pages to fault in a group
     while pos < end:
         block = pos // BLOCK
         if block != int(state[_INDEX]):
             _close(state)
             state[_INDEX] = block
-        whole = (end - pos) // BLOCK if pos % BLOCK == 0 else 0
-        if whole:
-            # Whole blocks from zero lanes: their lanes, their sums and the total, each a chain.
-            count = min(whole, _TORCH_BLOCKS)
-            _close(state)
-            rows = wide[pos - at : pos - at + count * BLOCK].square().view(count, BLOCK // LANES, LANES)
-            sums = torch.cat([rows.new_zeros(count, 1), rows.cumsum(1)[:, -1, :]], dim=1).cumsum(1)[:, -1]
-            state[_TOTAL] = torch.cat([state[_TOTAL : _TOTAL + 1], sums]).cumsum(0)[-1]
+        if pos % BLOCK == 0 and end - pos >= BLOCK:
+            # Whole blocks, none of whose elements came before: summed apart, added in block order.
+            count = min((end - pos) // BLOCK, _TORCH_BLOCKS)
+            lanes = torch.zeros(count, LANES, dtype=torch.float64)
+            rows = wide[: count * BLOCK].copy_(values[pos - at : pos - at + count * BLOCK])
+            _add_rows(lanes, rows.view(count, BLOCK // LANES, LANES))
+            total = state[_TOTAL].item()
+            for block_sum in _lanes_sum(lanes).tolist():
+                total += block_sum
+            state[_TOTAL] = total
             pos += count * BLOCK
             state[_INDEX] = pos // BLOCK
             continue
         stop = min(end, (block + 1) * BLOCK)
         head = pos % LANES
-        part = wide[pos - at : stop - at].square()
+        part = values[pos - at : stop - at].double()
         padded = torch.cat([part.new_zeros(head), part, part.new_zeros(-(head + part.numel()) % LANES)])
-        state[:LANES] = torch.cat([state[None, :LANES], padded.view(-1, LANES)]).cumsum(0)[-1]
+        _add_rows(state[:LANES], padded.view(-1, LANES))
         pos = stop
 
 
@@ -163,7 +171,7 @@ def _checked() -> ctypes.CDLL | None:
             lib.tz_squares_f32, lib.tz_land_squares_f32)  # fmt: skip
         want = torch.zeros(LANES + 2, dtype=torch.float64)
         for lo, hi in ranges:
-            _add_torch(values[lo:hi].double(), lo, want)
+            _add_torch(values[lo:hi], lo, want)
         for threads in (1, 2):
             got, landed = torch.zeros_like(want), torch.zeros_like(want)
             out = torch.full_like(values, 7.0)
