@@ -82,7 +82,7 @@ class Squares:
     @property
     def total(self) -> torch.Tensor:
         """The sum so far, rounded to fp32 (a 0-d tensor); more ranges may still be added after."""
-        return torch.tensor(self._state[_TOTAL].item() + _lanes_sum(self._state[None, :LANES]).item(), dtype=torch.float32)
+        return torch.tensor(self._state[_TOTAL].item() + _block_sum(self._state), dtype=torch.float32)
 
 
 def _kernels(values: torch.Tensor) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
@@ -99,13 +99,22 @@ def _kernels(values: torch.Tensor) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] 
 
 def _lanes_sum(lanes: torch.Tensor) -> torch.Tensor:
     """Each row of lanes added in lane order from zero, (blocks, LANES) -> (blocks,): a cumulative sum is
-    a chain of adds in order, the kernel's adds in fp64."""
+    a chain of adds in order, the kernel's adds in fp64 (`_block_sum` for one block)."""
     return torch.cat([lanes.new_zeros(lanes.shape[0], 1), lanes], dim=1).cumsum(1)[:, -1]
+
+
+def _block_sum(state: torch.Tensor) -> float:
+    """The current block's lanes added in lane order from zero, in Python's fp64 floats: the kernel's
+    adds, without the torch calls a cumulative sum of one row costs."""
+    block = 0.0
+    for lane in state[:LANES].tolist():
+        block += lane
+    return block
 
 
 def _close(state: torch.Tensor) -> None:
     """The current block's sum added to the total; the lanes start again."""
-    state[_TOTAL] = state[_TOTAL].item() + _lanes_sum(state[None, :LANES]).item()
+    state[_TOTAL] = state[_TOTAL].item() + _block_sum(state)
     state[:LANES] = 0.0
 
 
