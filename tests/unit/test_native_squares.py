@@ -111,6 +111,19 @@ def test_the_landing_writes_torchs_bits_and_sums_what_it_wrote(library: bool, mo
     assert _summed(special, [], land=True)[0].isnan()
 
 
+def test_ranges_out_of_order_are_refused_before_they_count() -> None:
+    squares = Squares()
+    squares.add(torch.ones(10), 100)
+    before = squares.total
+    with pytest.raises(ValueError, match=r"increasing order: elements 105-115 came after elements up to 110"):
+        squares.add(torch.ones(10), 105)
+    with pytest.raises(ValueError, match="increasing order"):
+        squares.land(torch.ones(3), torch.empty(3), 0)
+    assert torch.equal(squares.total, before)
+    squares.add(torch.ones(2), 110)  # the next range may start where the last ended
+    assert float(squares.total) == 12.0
+
+
 def test_a_probe_that_differs_turns_the_library_off(monkeypatch: pytest.MonkeyPatch) -> None:
     if squares_module.library() is None:
         pytest.skip("no native library here")

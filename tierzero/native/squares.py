@@ -55,13 +55,16 @@ _NATIVE = (torch.bfloat16, torch.float32)
 class Squares:
     """The running sum of one slice's squares ([Note: the squares' order]), fed ranges in increasing order."""
 
-    __slots__ = ("_state",)
+    __slots__ = ("_end", "_state")
 
     def __init__(self) -> None:
         self._state = torch.zeros(LANES + 2, dtype=torch.float64)
+        self._end = 0
+        """The element after the last range counted: the next range starts there or later."""
 
     def add(self, values: torch.Tensor, at: int) -> None:
         """Count the squares of `values` (1-D, host), the slice's elements `at` to `at + values.numel()`."""
+        self._advance(at, values.numel())
         kernels = _kernels(values)
         if kernels is not None and values.is_contiguous():
             kernels[0](values.data_ptr(), values.numel(), at, self._state.data_ptr(), torch.get_num_threads())
@@ -73,11 +76,20 @@ class Squares:
         the squares of what it wrote, the slice's elements `at` on, in one pass where the kernels take them."""
         kernels = _kernels(src)
         if kernels is not None and src.dtype == out.dtype and src.is_contiguous() and out.is_contiguous():
+            self._advance(at, src.numel())
             ptrs = (src.data_ptr(), out.data_ptr())
             kernels[1](*ptrs, src.numel(), at, self._state.data_ptr(), torch.get_num_threads())
             return
         torch.add(src, 0.0, out=out)
         self.add(out, at)
+
+    def _advance(self, at: int, count: int) -> None:
+        if at < self._end:
+            raise ValueError(
+                f"a slice's squares are counted in increasing order: elements {at}-{at + count} came after "
+                f"elements up to {self._end}; count each slice from its start, or start a new Squares"
+            )
+        self._end = at + count
 
     @property
     def total(self) -> torch.Tensor:
