@@ -26,6 +26,8 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tierzero.common.cache_files import cache_path
@@ -35,9 +37,10 @@ __all__ = ["ABI_VERSION", "FLAGS", "library"]
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC", "-pthread")
-"""`-ffp-contract=off`: the compiler fuses no multiply-add on its own, so the kernels round where
-their source says; `-fno-math-errno`: `sqrt` vectorizes (no errno to set)."""
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-pthread")
+"""Each source's compile flags (the link adds `-shared`). `-ffp-contract=off`: the compiler fuses no
+multiply-add on its own, so the kernels round where their source says; `-fno-math-errno`: `sqrt`
+vectorizes (no errno to set)."""
 ABI_VERSION = 1
 """`tz_abi_version()` of the source this module's callers are written against."""
 _BUILD_SECONDS = 120
@@ -114,16 +117,30 @@ def _built() -> Path:
 
 
 def _compile(cxx: str, scratch: Path, target: Path) -> None:
+    """Compile each source apart, as many at once as there are cores (the five took 5.4 s one after
+    another on the 2-core VM, 1.6 s the longest), link them into `scratch`, then move it to `target`."""
+    objects = Path(tempfile.mkdtemp(prefix=f"{_PRIVATE}objects-"))
+    deadline = time.monotonic() + _BUILD_SECONDS
     try:
-        done = subprocess.run(
-            [cxx, *FLAGS, *map(str, SOURCES), "-o", str(scratch)], capture_output=True, text=True, timeout=_BUILD_SECONDS
-        )
-        if done.returncode != 0:
-            raise _BuildError(f"{Path(cxx).name} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
+        pending = [[cxx, *FLAGS, "-c", str(source), "-o", str(objects / f"{source.stem}.o")] for source in SOURCES]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(pending), os.cpu_count() or 1))) as pool:
+            for done in pool.map(lambda command: _run(command, deadline), pending):
+                _check(cxx, done)
+        _check(cxx, _run([cxx, *FLAGS, "-shared", *sorted(map(str, objects.glob("*.o"))), "-o", str(scratch)], deadline))
         os.chmod(scratch, 0o700)
         os.replace(scratch, target)
     finally:
         scratch.unlink(missing_ok=True)
+        shutil.rmtree(objects, ignore_errors=True)
+
+
+def _run(command: list[str], deadline: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
+
+
+def _check(cxx: str, done: subprocess.CompletedProcess[str]) -> None:
+    if done.returncode != 0:
+        raise _BuildError(f"{Path(cxx).name} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
 
 
 def _trusted_dir(path: Path) -> bool:
