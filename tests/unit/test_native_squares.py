@@ -105,6 +105,11 @@ def test_the_landing_writes_torchs_bits_and_sums_what_it_wrote(library: bool, mo
     total, out = _summed(values, [17, BLOCK + 5], land=True)
     assert torch.equal(out.view(torch.int16), torch.add(values, 0.0).view(torch.int16))  # -0.0 lands as +0.0
     assert torch.equal(total, _summed(values, [])[0])
+    # Into memory off a cache line's start: the rows cannot be streamed and are stored as usual.
+    shifted = torch.full((values.numel() + 1,), 7.0, dtype=torch.bfloat16)
+    squares = Squares()
+    squares.land(values, shifted[1:], 0)
+    assert torch.equal(shifted[1:].view(torch.int16), out.view(torch.int16)) and torch.equal(squares.total, total)
     special = torch.tensor([1.0, float("inf"), 2.0], dtype=torch.bfloat16)
     assert _summed(special, [], land=True)[0].item() == float("inf")
     special[1] = float("nan")
