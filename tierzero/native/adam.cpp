@@ -4,8 +4,6 @@
 // vectorizes the loops and contracts nothing on its own, so every fused multiply-add below is
 // one written as std::fma, placed where torch's CPU fused Adam rounds once (tierzero/native/adam.py
 // checks the bits against torch's kernel before the engine uses these).
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -42,31 +40,23 @@ void cast_scalar(const float* __restrict p, uint16_t* __restrict cast, int64_t l
   for (int64_t i = lo; i < hi; ++i) cast[i] = float_to_bf16(p[i]);
 }
 
-#ifdef __AVX512F__
-// The cast written past the caches where its lines are whole: nothing reads it before the next
-// forward, and a plain store first reads every line it writes (bench step-host, session 34: the
-// cast's stores cost 17 of the step's 79 ms at 100M parameters, against 62 without them).
+// The cast written past the caches, a line at a time from where its lines start (`tz::store_line`):
+// nothing reads it before the next forward, and a plain store first reads every line it writes
+// (bench step-host, session 34: the cast's stores cost 17 of the step's 79 ms at 100M parameters,
+// against 62 without them).
 void cast_run(const float* __restrict p, uint16_t* __restrict cast, int64_t lo, int64_t hi) {
   constexpr int64_t kRow = 32;  // bf16 values a 64-byte line
   int64_t head = std::min(hi, lo + int64_t((64 - reinterpret_cast<uintptr_t>(cast + lo) % 64) % 64 / 2));
-  if (reinterpret_cast<uintptr_t>(cast) % 2 != 0) head = hi;  // never happens with torch's tensors
   cast_scalar(p, cast, lo, head);
   int64_t i = head;
   for (; i + kRow <= hi; i += kRow) {
     alignas(64) uint16_t row[kRow];
 #pragma omp simd
     for (int l = 0; l < kRow; ++l) row[l] = float_to_bf16(p[i + l]);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(cast + i), _mm512_load_si512(row));
+    tz::store_line(cast + i, row);
   }
   cast_scalar(p, cast, i, hi);
 }
-
-// The streamed stores are ordered before whatever the thread does next (the caller's read of the cast).
-void cast_done() { _mm_sfence(); }
-#else
-void cast_run(const float* __restrict p, uint16_t* __restrict cast, int64_t lo, int64_t hi) { cast_scalar(p, cast, lo, hi); }
-void cast_done() {}
-#endif
 
 // Elements a block: the cast reads back what the step just wrote while a core's L1 still holds it.
 constexpr int64_t kCastBlock = 2048;
@@ -81,7 +71,7 @@ void adam_range(float* p, const void* grad, float scale, float* m, float* v, uin
     adam_run<Grad, kScale, false>(p, g, scale, m, v, mid, b, h);
     if (kCast) cast_run(p, cast, a, b);
   }
-  if (kCast) cast_done();
+  if (kCast) tz::stream_fence();  // the cast is read once the call returns
 }
 
 using AdamRange = void (*)(float*, const void*, float, float*, float*, uint16_t*, int64_t, int64_t, int64_t,

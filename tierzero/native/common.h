@@ -1,5 +1,8 @@
-// Helpers the native kernels share: bf16 conversions as torch's vectorized copies do them, and a parallel for.
+// Helpers the native kernels share: bf16 conversions as torch's vectorized copies do them, the
+// landing's `x + 0.0`, stores past the caches, and a parallel for.
 #pragma once
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -28,6 +31,36 @@ inline uint16_t float_to_bf16(float f) {
   uint32_t u = bits_of(f);
   uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? 0xffffu : rounded);
+}
+
+// Zero plus a bf16 value in fp32, rounded back (`torch.add(x, 0.0)`'s bits): the value itself, except
+// -0.0 (which becomes +0.0) and a NaN (which becomes 0xffff, as torch's vectorized rounding makes every NaN).
+inline uint16_t plus_zero(uint16_t h) {
+  if ((h & 0x7fffu) > 0x7f80u) return 0xffffu;
+  return h == 0x8000u ? uint16_t(0) : h;
+}
+inline float plus_zero(float f) { return f + 0.0f; }
+
+// Writes the 64 bytes at `line` (64-byte aligned) to `dst`: past the caches where `dst` starts a
+// cache line, for memory nothing reads again soon (a plain store first reads every line it writes);
+// a plain copy elsewhere. Whether it streamed: a thread that did calls `stream_fence` before its
+// writes are read by others.
+inline bool store_line(void* dst, const void* line) {
+#ifdef __AVX512F__
+  if (reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), _mm512_load_si512(line));
+    return true;
+  }
+#endif
+  std::memcpy(dst, line, 64);
+  return false;
+}
+
+// Orders a thread's streamed stores before whatever reads their memory once its call returns.
+inline void stream_fence() {
+#ifdef __AVX512F__
+  _mm_sfence();
+#endif
 }
 
 // Runs body(lo, hi) over [0, n) on `threads` threads (the caller's among them), cut at

@@ -3,24 +3,13 @@
 
 #include "common.h"
 
-namespace {
-
-// Zero plus a bf16 value in fp32, rounded back: the value itself, except -0.0 (which becomes +0.0)
-// and a NaN (which becomes 0xffff, as torch's vectorized rounding makes every NaN).
-inline uint16_t plus_zero(uint16_t h) {
-  if ((h & 0x7fffu) > 0x7f80u) return 0xffffu;
-  return h == 0x8000u ? uint16_t(0) : h;
-}
-
-}  // namespace
-
 extern "C" {
 
 // out = src + 0.0 in bf16 (`torch.add(src, 0.0, out=out)`'s bits).
 void tz_plus_zero_bf16(const uint16_t* __restrict src, uint16_t* __restrict out, int64_t n, int threads) {
   tz::parallel(n, threads, 64, [&](int64_t lo, int64_t hi) {
 #pragma omp simd
-    for (int64_t i = lo; i < hi; ++i) out[i] = plus_zero(src[i]);
+    for (int64_t i = lo; i < hi; ++i) out[i] = tz::plus_zero(src[i]);
   });
 }
 
@@ -28,7 +17,7 @@ void tz_plus_zero_bf16(const uint16_t* __restrict src, uint16_t* __restrict out,
 void tz_plus_zero_f32(const float* __restrict src, float* __restrict out, int64_t n, int threads) {
   tz::parallel(n, threads, 16, [&](int64_t lo, int64_t hi) {
 #pragma omp simd
-    for (int64_t i = lo; i < hi; ++i) out[i] = src[i] + 0.0f;
+    for (int64_t i = lo; i < hi; ++i) out[i] = tz::plus_zero(src[i]);
   });
 }
 

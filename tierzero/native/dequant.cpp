@@ -198,13 +198,6 @@ void int8_range(const int8_t* __restrict codes, const uint8_t* scales, typename 
   }
 }
 
-// Orders a thread's streamed stores before whatever reads `out` once the call returns.
-inline void streamed() {
-#if defined(__AVX512BF16__)
-  _mm_sfence();
-#endif
-}
-
 bool scales_valid(const uint8_t* scales, int64_t count) {
   bool ok = true;
   for (int64_t i = 0; i < count; ++i) ok &= valid_scale(load_f32(scales + 4 * i));
@@ -217,7 +210,7 @@ bool nf4_run(const uint8_t* codes, const Absmax& absmax, const float* nf4, void*
   std::atomic<bool> done{true};
   tz::parallel(n, threads, kBlock * kBlocksAChunk, [&](int64_t lo, int64_t hi) {
     if (!nf4_range<Out>(codes, absmax, nf4, o, lo, hi)) done = false;
-    streamed();
+    tz::stream_fence();
   });
   return done;
 }
@@ -228,7 +221,7 @@ void int8_run(const uint8_t* piece, void* out, int64_t n, int threads) {
   const auto* codes = reinterpret_cast<const int8_t*>(piece);
   tz::parallel(n, threads, kBlock, [&](int64_t lo, int64_t hi) {
     int8_range<Out>(codes, piece + n, o, lo, hi);
-    streamed();
+    tz::stream_fence();
   });
 }
 
@@ -256,7 +249,7 @@ int share(void* state, int64_t n, int64_t chunk, int wait, Prepare prepare, Rang
   for (int64_t i = s->next.fetch_add(1); i < chunks; i = s->next.fetch_add(1)) {
     if (!prepared) valid = prepare(), prepared = true;
     if (!valid || !range(i * chunk, std::min(n, (i + 1) * chunk))) s->refused.store(1);
-    streamed();
+    tz::stream_fence();
     s->finished.fetch_add(1, std::memory_order_release);
   }
   if (wait) {

@@ -2,8 +2,6 @@
 // ([Note: the squares' order]): 1024 fp64 lanes a block of 65536 elements, each lane summed in
 // element order; a block's lanes summed in lane order, the blocks' sums in block order. The
 // landing's variant writes `src + 0.0` as it goes and sums the squares of what it wrote.
-#include <immintrin.h>
-
 #include <cstdint>
 #include <vector>
 
@@ -19,38 +17,23 @@ constexpr int kTotal = kLanes, kIndex = kLanes + 1;
 inline double wide(uint16_t h) { return double(tz::bf16_to_float(h)); }
 inline double wide(float f) { return double(f); }
 
-// Zero plus a value, as the landing writes it (convert.cpp's kernels, the same bits as torch's add).
-inline uint16_t plus_zero(uint16_t h) {
-  if ((h & 0x7fffu) > 0x7f80u) return 0xffffu;
-  return h == 0x8000u ? uint16_t(0) : h;
-}
-inline float plus_zero(float f) { return f + 0.0f; }
-
 // One element: landed (with `out`) and its square added to `lane`.
 template <typename T>
 inline void add_one(const T* x, T* out, int64_t k, double* lane) {
   T v = x[k];
-  if (out) out[k] = v = plus_zero(v);
+  if (out) out[k] = v = tz::plus_zero(v);
   double w = wide(v);
   *lane += w * w;
 }
 
-// out[0, kLanes) = row, written past the caches where `out` is aligned: the step reads the landed
-// gradient a forward later, and a plain store would first read every line it writes.
+// out[0, kLanes) = row, a line at a time (`tz::store_line`: past the caches where `out` is aligned,
+// as the step reads the landed gradient a forward later). Whether any line was streamed.
 template <typename T>
 inline bool copy_out(T* __restrict out, const T* __restrict row) {
-  constexpr int64_t kBytes = kLanes * int64_t(sizeof(T));
-#ifdef __AVX512F__
-  if (reinterpret_cast<uintptr_t>(out) % 64 == 0) {
-    for (int64_t i = 0; i < kBytes; i += 64) {
-      __m512i line = _mm512_load_si512(reinterpret_cast<const char*>(row) + i);
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(reinterpret_cast<char*>(out) + i), line);
-    }
-    return true;
-  }
-#endif
-  std::memcpy(out, row, kBytes);
-  return false;
+  constexpr int64_t kLine = 64 / int64_t(sizeof(T));
+  bool streamed = false;
+  for (int64_t i = 0; i < kLanes; i += kLine) streamed |= tz::store_line(out + i, row + i);
+  return streamed;
 }
 
 // Rows of `kLanes` elements from x, element `l` of each into lane `l`, a row at a time; with `out`,
@@ -66,7 +49,7 @@ void add_rows(const T* __restrict x, T* __restrict out, int64_t rows, double* __
     for (int64_t i = 0; i < kLanes; i += kLine) __builtin_prefetch(row + kAhead + i);
     if (out) {
 #pragma omp simd
-      for (int64_t l = 0; l < kLanes; ++l) landed[l] = plus_zero(row[l]);
+      for (int64_t l = 0; l < kLanes; ++l) landed[l] = tz::plus_zero(row[l]);
       streamed |= copy_out(out + r * kLanes, landed);
       row = landed;
     }
@@ -76,9 +59,7 @@ void add_rows(const T* __restrict x, T* __restrict out, int64_t rows, double* __
       lanes[l] += w * w;
     }
   }
-#ifdef __AVX512F__
-  if (streamed) _mm_sfence();  // the streamed stores ordered before whatever the thread does next
-#endif
+  if (streamed) tz::stream_fence();
 }
 
 // Adds the squares of x[0, n) (slice elements `at` on, all in one block) to `lanes`; with `out`,
@@ -93,14 +74,17 @@ void add_lanes(const T* x, T* out, int64_t n, int64_t at, double* lanes) {
   for (int64_t k = head + rows * kLanes; k < n; ++k) add_one(x, out, k, lanes + (at + k) % kLanes);
 }
 
-// Adds the current block's lane sum to the total and starts the lanes again.
-void close_block(double* state) {
+// A block's lanes added in lane order from zero.
+double lanes_sum(const double* lanes) {
   double sum = 0.0;
-  for (int l = 0; l < kLanes; ++l) {
-    sum += state[l];
-    state[l] = 0.0;
-  }
-  state[kTotal] += sum;
+  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+  return sum;
+}
+
+// Adds the current block's sum to the total and starts the lanes again.
+void close_block(double* state) {
+  state[kTotal] += lanes_sum(state);
+  std::fill(state, state + kLanes, 0.0);
 }
 
 // Slice elements [at, at + n) from x (into out, for the landing), `at` at or past the state's position.
@@ -126,9 +110,7 @@ void squares(const T* x, T* out, int64_t n, int64_t at, double* state, int threa
       alignas(64) double lanes[kLanes] = {};
       int64_t k = skip + b * kBlock;
       add_lanes(x + k, out ? out + k : nullptr, kBlock, 0, lanes);
-      double sum = 0.0;
-      for (int l = 0; l < kLanes; ++l) sum += lanes[l];
-      sums[b] = sum;
+      sums[b] = lanes_sum(lanes);
     }
   });
   for (int64_t b = 0; b < whole; ++b) state[kTotal] += sums[b];
