@@ -62,6 +62,68 @@ void add_rows(const T* __restrict x, T* __restrict out, int64_t rows, double* __
   if (streamed) tz::stream_fence();
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The rows again, with a chunk of 128 lanes at a time held in 16 registers across all the rows (a lane's
+// adds stay in element order: the same bits). A row at a time loaded and stored every lane for every
+// row, 0.45 cycles an element on the dev VM, twice the memory's time. The chunk's pass reads 64 rows
+// 2 KiB apart, so the same lines of the next block are asked for meanwhile, into L2.
+constexpr int64_t kChunk = 128;
+
+// 16 values' squares added to the lanes of `lo` (the first 8) and `hi`, in fp64. The square is exact,
+// so a fused multiply-add rounds once, as the add alone does: the same bits in fewer instructions.
+inline void add_squares(__m512 f, __m512d& lo, __m512d& hi) {
+  __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(f));
+  __m512d b = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)));
+  lo = _mm512_fmadd_pd(a, a, lo);
+  hi = _mm512_fmadd_pd(b, b, hi);
+}
+
+// A line's `plus_zero`, and its squares added to the lanes of `acc` (8 lanes a register).
+inline __m512i land_line(__m512i v, uint16_t) {
+  __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(v, _mm512_set1_epi16(0x7fff)), _mm512_set1_epi16(0x7f80));
+  v = _mm512_mask_mov_epi16(v, nan, _mm512_set1_epi16(-1));
+  return _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(v, _mm512_set1_epi16(int16_t(0x8000))), _mm512_setzero_si512());
+}
+inline __m512i land_line(__m512i v, float) { return _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(v), _mm512_setzero_ps())); }
+
+inline __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline void square_line(__m512i v, uint16_t, __m512d* acc) {
+  add_squares(widen16(_mm512_castsi512_si256(v)), acc[0], acc[1]);
+  add_squares(widen16(_mm512_extracti64x4_epi64(v, 1)), acc[2], acc[3]);
+}
+inline void square_line(__m512i v, float, __m512d* acc) { add_squares(_mm512_castsi512_ps(v), acc[0], acc[1]); }
+
+template <typename T>
+void add_rows_chunked(const T* __restrict x, T* __restrict out, int64_t rows, double* __restrict lanes) {
+  constexpr int64_t kLine = 64 / int64_t(sizeof(T)), kLines = kChunk / kLine, kPerLine = kLine / 8;
+  const int64_t next = rows * kLanes;
+  const bool stream = out && reinterpret_cast<uintptr_t>(out) % 64 == 0;
+  for (int64_t c = 0; c < kLanes; c += kChunk) {
+    __m512d acc[kChunk / 8];
+#pragma GCC unroll 16
+    for (int j = 0; j < kChunk / 8; ++j) acc[j] = _mm512_loadu_pd(lanes + c + 8 * j);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* row = x + r * kLanes + c;
+#pragma GCC unroll 8
+      for (int64_t k = 0; k < kLines; ++k) {
+        __builtin_prefetch(row + next + k * kLine, 0, 2);
+        __m512i v = _mm512_loadu_si512(row + k * kLine);
+        if (out) {
+          v = land_line(v, T{});
+          T* to = out + r * kLanes + c + k * kLine;
+          if (stream) _mm512_stream_si512(reinterpret_cast<__m512i*>(to), v);
+          else _mm512_storeu_si512(to, v);
+        }
+        square_line(v, T{}, acc + k * kPerLine);
+      }
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < kChunk / 8; ++j) _mm512_storeu_pd(lanes + c + 8 * j, acc[j]);
+  }
+  if (stream) _mm_sfence();
+}
+#endif
+
 // Adds the squares of x[0, n) (slice elements `at` on, all in one block) to `lanes`; with `out`,
 // writes `plus_zero` of each element there and squares that. A square of a bf16 or fp32 value is
 // exact in fp64, so a fused multiply-add would give the same bits.
@@ -70,7 +132,11 @@ void add_lanes(const T* x, T* out, int64_t n, int64_t at, double* lanes) {
   int64_t head = std::min(n, (kLanes - at % kLanes) % kLanes);
   for (int64_t k = 0; k < head; ++k) add_one(x, out, k, lanes + (at + k) % kLanes);
   int64_t rows = (n - head) / kLanes;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  add_rows_chunked(x + head, out ? out + head : nullptr, rows, lanes);
+#else
   add_rows(x + head, out ? out + head : nullptr, rows, lanes);
+#endif
   for (int64_t k = head + rows * kLanes; k < n; ++k) add_one(x, out, k, lanes + (at + k) % kLanes);
 }
 
