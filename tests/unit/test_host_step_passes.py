@@ -6,6 +6,7 @@ host-memory PARAM home takes the step's cast in place, with the bits of a write-
 from __future__ import annotations
 
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,26 @@ def test_a_host_param_home_takes_the_cast_in_place_with_the_bits_of_a_write_back
     assert in_place[3] == written_home[3] and all(n > 0.05 for n in in_place[3])  # the clip binds
     assert Kind.PARAM not in in_place[2]  # the step wrote its new parameters into the home itself
     assert Kind.PARAM in written_home[2]
+
+
+def test_each_units_gradients_are_freed_once_the_next_units_have_landed(tmp_path: Path) -> None:
+    """[Note: gradients freed a unit late]: a unit's gradients live until the next unit's land, none past the backward."""
+    case = Case(stage=3, optimizer="adamw", steps=2, dtype="bf16", clip=0.05, accumulation=1, global_batch=4)
+    config = case.config() | {"offload": {"params": "cpu", "gradients": "cpu", "optimizer": "cpu"}}
+    with tierzero.initialize(case.model(), config) as engine:
+        stage, alive = engine.stage, []
+        reduce_grads = stage.reduce_grads
+
+        def watching(unit: Any, grads: list[torch.Tensor]) -> None:
+            assert not alive or all(ref() is not None for ref in alive[-1])  # the last unit's, held
+            reduce_grads(unit, grads)
+            alive.append([weakref.ref(g) for g in grads])
+
+        stage.reduce_grads = watching
+        for step in range(case.steps):
+            alive.clear()
+            engine.backward(engine(*case.batch(step)))
+            assert len(alive) == len(engine.units) > 2 and stage._landed_late is None
+            assert all(ref() is None for refs in alive for ref in refs)
+            engine.step()
+        stage.reduce_grads = reduce_grads
