@@ -22,6 +22,9 @@ class Tier(enum.Enum):
     CPU = "cpu"
     NVME = "nvme"
 
+    __hash__ = object.__hash__
+    """Identity, as equality is: enum's own hashes the name in Python, a thousand times a step."""
+
 
 class Kind(enum.Enum):
     """What a region holds; the store accounts bytes per tier and per kind."""
@@ -40,6 +43,8 @@ class Kind(enum.Enum):
     SECONDARY = "param_secondary"
     """hpZ (`zero.hpz_partition_size`): this rank's part of a copy of the unit's parameters split
     inside its node, written by the forward's gather and gathered by the backward's."""
+
+    __hash__ = object.__hash__
 
 
 MODEL_STATE_KINDS: tuple[Kind, ...] = (
