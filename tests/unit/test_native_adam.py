@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -175,3 +177,19 @@ def test_a_library_others_may_write_is_never_loaded(tmp_path: Path, monkeypatch:
         assert set(Path(tempfile.gettempdir()).glob("tierzero-native-*")) == before  # removed once loaded
     finally:
         build.library.cache_clear()
+
+
+def test_processes_that_start_together_compile_the_library_once(tmp_path: Path) -> None:
+    """A job's ranks on its first run: one compiles, the others wait for its library and load it."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    log = tmp_path / "compiles.log"
+    cxx = tmp_path / "cxx"
+    cxx.write_text(f'#!/bin/sh\n[ "$1" = --version ] || echo "$*" >> {log}\nexec g++ "$@"\n')
+    cxx.chmod(0o755)
+    env = os.environ | {"TIERZERO_CACHE_DIR": str(tmp_path / "cache"), "CXX": str(cxx)}
+    load = "from tierzero.native import build; lib = build.library(); print(lib is not None and lib.tz_abi_version())"
+    ranks = [subprocess.Popen([sys.executable, "-c", load], env=env, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    outputs = [rank.communicate(timeout=300)[0].strip() for rank in ranks]
+    assert outputs == [str(build.ABI_VERSION)] * 3
+    assert sum("-shared" in line for line in log.read_text().splitlines()) == 1

@@ -16,7 +16,9 @@ kernels, which give the same bits ([Note: native kernels, torch's bits] in nativ
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -27,6 +29,7 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -102,7 +105,9 @@ def _built() -> Path:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         if _trusted_dir(target.parent):
-            _compile(cxx, scratch_path(target), target)
+            with _turn(target.parent):
+                if not _trusted(target):  # else built by a process this one waited for
+                    _compile(cxx, scratch_path(target), target)
             if _trusted(target):
                 return target
     except OSError:
@@ -114,6 +119,18 @@ def _built() -> Path:
         shutil.rmtree(private.parent, ignore_errors=True)
         raise
     return private
+
+
+@contextlib.contextmanager
+def _turn(directory: Path) -> Iterator[None]:
+    """This process's turn to build in `directory`: an exclusive lock on the directory itself (no lock
+    file to leave behind), which the kernel lets go of when its holder exits, however it ends."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _compile(cxx: str, scratch: Path, target: Path) -> None:
