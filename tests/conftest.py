@@ -13,18 +13,33 @@ import pytest
 from tierzero.estimate import dry_run as dry_run_module
 
 
+@pytest.fixture(scope="session")
+def _native_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where every cache directory of the session finds the native library (tierzero/native/build.py):
+    built once, not once a test by each process a test spawns, which cost 4 builds (22 s of CPU) a
+    two-node torchrun test."""
+    return tmp_path_factory.mktemp("native")
+
+
+def _cache_dir(tmp_path_factory: pytest.TempPathFactory, native: Path, name: str) -> str:
+    cache = tmp_path_factory.mktemp(name)
+    (cache / "native").symlink_to(native, target_is_directory=True)
+    return str(cache)
+
+
 @pytest.fixture(autouse=True, scope="session")
-def _session_disk_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def _session_disk_cache(tmp_path_factory: pytest.TempPathFactory, _native_dir: Path) -> Iterator[None]:
     """The same for what module fixtures run before `_disk_cache` (ranks spawned once for a module's tests)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TIERZERO_CACHE_DIR", str(tmp_path_factory.mktemp("session-cache")))
+        patch.setenv("TIERZERO_CACHE_DIR", _cache_dir(tmp_path_factory, _native_dir, "session-cache"))
         yield
 
 
 @pytest.fixture(autouse=True)
-def _disk_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Disk rates remembered by a test (tierzero/placement/disk.py) go to a scratch directory, not ~/.cache."""
-    monkeypatch.setenv("TIERZERO_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+def _disk_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, _native_dir: Path) -> None:
+    """Disk rates remembered by a test (tierzero/placement/disk.py) go to a scratch directory, not ~/.cache;
+    the native library is the session's (`_native_dir`)."""
+    monkeypatch.setenv("TIERZERO_CACHE_DIR", _cache_dir(tmp_path_factory, _native_dir, "cache"))
 
 
 @pytest.fixture(autouse=True)
