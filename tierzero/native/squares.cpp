@@ -120,7 +120,7 @@ void add_rows_chunked(const T* __restrict x, T* __restrict out, int64_t rows, do
 #pragma GCC unroll 16
     for (int j = 0; j < kChunk / 8; ++j) _mm512_storeu_pd(lanes + c + 8 * j, acc[j]);
   }
-  if (stream) _mm_sfence();
+  if (stream) tz::stream_fence();
 }
 #endif
 
