@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from harness import run_ranks
+from tiny_models import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,11 +22,7 @@ def _model(kind: str) -> Any:
     if kind == "gpt2":
         config = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=3, n_head=2, n_positions=32)
         return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama(vocab=96, layers=3, kv_heads=1)
 
 
 def _job(rank: int, world_size: int, root: str) -> dict[str, Any]:

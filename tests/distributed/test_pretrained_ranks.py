@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 from harness import run_ranks
+from tiny_models import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,12 +33,7 @@ def _job(rank: int, world_size: int, directory: str) -> dict[str, Any]:
 
 
 def test_each_rank_reads_its_own_slices_and_the_model_is_whole(tmp_path: Path) -> None:
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(config)
+    reference = tiny_llama(vocab=64, layers=3)
     reference.save_pretrained(tmp_path, safe_serialization=True)
     ranks = run_ranks(_job, world_size=2, payload=str(tmp_path))
     # Each rank reads the real elements of its half of every unit (padding is never read).

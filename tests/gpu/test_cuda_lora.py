@@ -24,6 +24,7 @@ from tierzero.pretrained.lora import apply_lora
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
 from test_finetune_parity import STEPS, _config, _torch_optimizer  # noqa: E402
+from tiny_models import tiny_llama
 
 pytestmark = needs_cuda
 transformers = pytest.importorskip("transformers")
@@ -35,12 +36,7 @@ FIRST_LOSS_TOLERANCE = 1e-6
 
 
 def _saved(root: Path) -> Path:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "llama", max_shard_size="40KB")
+    tiny_llama(vocab=96, layers=3, kv_heads=1).save_pretrained(root / "llama", max_shard_size="40KB")
     (root / "swap").mkdir()
     return root / "llama"
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from tiny_models import tiny_llama
 
 from tierzero.cli.bench.load import bench_load
 from tierzero.pretrained.files import scan_directory
@@ -16,12 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_load_reads_every_tensor_once(tmp_path: Path, dtype: torch.dtype) -> None:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).to(dtype).save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
+    model = tiny_llama(vocab=512, hidden=64, layers=3, heads=4, kv_heads=4)
+    model.to(dtype).save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
     (tmp_path / "swap").mkdir()
     cfg = {
         "zero": {"stage": 3, "unit_classes": ["Linear"]},
@@ -33,6 +30,6 @@ def test_the_load_reads_every_tensor_once(tmp_path: Path, dtype: torch.dtype) ->
     result = bench_load(str(tmp_path / "cfg.yaml"), overrides={}, cold=True)
     data = sum(info.numel * info.torch_dtype.itemsize for info in scan_directory(tmp_path / "ckpt").values())
     assert result.requested_bytes == data  # every tensor's bytes, each once
-    assert result.parameters == sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
+    assert result.parameters == sum(p.numel() for p in model.parameters())
     # (peak RSS is the process's lifetime peak, which a test run does not isolate: the bench runs alone)
     assert f"{result.requested_bytes / result.checkpoint_bytes:.4f}x the checkpoint" in result.format()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 from tierzero.cli.bench.lora_base import TARGET, bench_lora_base
 from tierzero.cli.main import main
@@ -15,12 +16,7 @@ pytest.importorskip("peft")
 
 
 def _checkpoint(path: Path) -> Path:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tiny_llama(vocab=256, hidden=64).save_pretrained(path, safe_serialization=True)
     return path
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 import tierzero
 from tierzero.checkpoint import TransformersDirectory, save_checkpoint
@@ -39,12 +40,7 @@ def _batch() -> torch.Tensor:
 
 
 def _save_base(directory: Path) -> None:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    tiny_llama(vocab=VOCAB, hidden=64).save_pretrained(directory, safe_serialization=True)
 
 
 def _config(base: Path, *, base_dtype: str, lora: bool = True) -> dict[str, Any]:

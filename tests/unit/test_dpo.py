@@ -33,6 +33,7 @@ from tierzero.pretrained.lora import adapters_off
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from harness import run_ranks  # noqa: E402
+from tiny_models import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -70,12 +71,7 @@ def _batches(tmp_path: Path, *, micro: int, rank: int = 0, world: int = 1, seq_l
 
 
 def _llama() -> Any:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama(vocab=16, positions=64)
 
 
 def _lora(model: Any) -> Any:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 from torch import nn
 
 import tierzero
@@ -24,12 +25,7 @@ STEPS, LR, DECAY, WARMUP = 8, 3e-3, 0.1, 3
 
 @pytest.fixture
 def saved(tmp_path: Path) -> Path:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama", max_shard_size="40KB")
+    tiny_llama(vocab=96, layers=3, kv_heads=1).save_pretrained(tmp_path / "llama", max_shard_size="40KB")
     (tmp_path / "swap").mkdir()
     return tmp_path
 

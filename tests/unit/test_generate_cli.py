@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 from test_data_tokens import tiny_tokenizer
+from tiny_models import tiny_llama
 
 import tierzero
 import tierzero.cli.generate as G
@@ -114,16 +115,12 @@ def test_a_pretrained_llama_completes_as_transformers_generate_does(
 ) -> None:
     """With no checkpoint to load, nothing will train: the engine keeps the parameters alone (no fp32 master,
     gradient or optimizer state written to NVMe before the first token)."""
-    transformers = pytest.importorskip("transformers")
     made: list[Any] = []
     monkeypatch.setattr(G, "initialize", lambda model, cfg: made.append(tierzero.initialize(model, cfg)) or made[-1])
     tok = tiny_tokenizer(tmp_path / "tok")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=14, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        max_position_embeddings=64, initializer_range=0.3, bos_token_id=None, eos_token_id=1, pad_token_id=None,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_llama(
+        vocab=14, kv_heads=1, positions=64, initializer_range=0.3, bos_token_id=None, eos_token_id=1, pad_token_id=None
+    ).eval()
     model.save_pretrained(tmp_path / "llama")
     (tmp_path / "text.txt").write_text("the cat sat\n")
     raw = {

@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_data_tokens import tiny_tokenizer
 from test_dpo import RECORDS  # 8 pairs: 4 micro-batches of 2 an epoch, so that 3 steps at GA 2 cross into the second epoch
+from tiny_models import tiny_llama
 
 import tierzero
 from tierzero.align import completion_logps, dpo_micro_step
@@ -45,13 +46,8 @@ FIRST_STEP = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejec
 
 
 def _policy() -> Any:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
     model = peft.get_peft_model(
-        transformers.LlamaForCausalLM(config),
+        tiny_llama(vocab=16, positions=64),
         peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
     )
     g = torch.Generator().manual_seed(7)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import tiny_llama
 
 import tierzero
 import tierzero.cli.train as T
@@ -22,12 +23,7 @@ peft = pytest.importorskip("peft")
 
 
 def _saved_llama(directory: Path, *, vocab: int = 64) -> transformers.LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_llama(vocab=vocab).eval()
     model.save_pretrained(directory, safe_serialization=True)
     return model
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import tiny_llama
 from torch import nn
 
 from tierzero.engine.materialize import flat_fp32
@@ -34,12 +35,7 @@ def _gpt2(*, vocab: int = 48, width: int = 32, layers: int = 2, base: bool = Fal
 
 
 def _llama(*, tie: bool = False) -> nn.Module:
-    torch.manual_seed(1)
-    config = transformers.LlamaConfig(
-        vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=16, tie_word_embeddings=tie,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama(vocab=48, kv_heads=1, positions=16, seed=1, tie_word_embeddings=tie)
 
 
 def _save(model: nn.Module, directory: Path, *, dtype: torch.dtype = torch.float32, sharded: bool = False) -> nn.Module:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import tiny_llama
 from torch import nn
 
 import tierzero
@@ -20,11 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def _llama(*, vocab: int = 64) -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama(vocab=vocab, seed=None)
 
 
 def _gpt2() -> nn.Module:

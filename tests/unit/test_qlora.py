@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 import tierzero
 from tierzero.config import ConfigError, load_config
@@ -35,12 +36,7 @@ TARGETS = ["q_proj", "v_proj"]
 
 
 def _llama() -> Any:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama(vocab=VOCAB, hidden=64)
 
 
 def _round_trip(weight: torch.Tensor, dtype: str) -> torch.Tensor:
