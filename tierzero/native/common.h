@@ -41,19 +41,30 @@ inline uint16_t plus_zero(uint16_t h) {
 }
 inline float plus_zero(float f) { return f + 0.0f; }
 
-// Writes the 64 bytes at `line` (64-byte aligned) to `dst`: past the caches where `dst` starts a
-// cache line, for memory nothing reads again soon (a plain store first reads every line it writes);
-// a plain copy elsewhere. Whether it streamed: a thread that did calls `stream_fence` before its
-// writes are read by others.
-inline bool store_line(void* dst, const void* line) {
 #ifdef __AVX512F__
+// Writes a line held in a register to `dst`: past the caches where `dst` starts a cache line, for
+// memory nothing reads again soon (a plain store first reads every line it writes); a plain store
+// elsewhere. Whether it streamed: a thread that did calls `stream_fence` before its writes are read
+// by others.
+inline bool store_vector(void* dst, __m512i line) {
   if (reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), _mm512_load_si512(line));
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), line);
     return true;
   }
+  _mm512_storeu_si512(dst, line);
+  return false;
+}
 #endif
+
+// The 64 bytes at `line` (64-byte aligned) written to `dst` as `store_vector` writes them; a plain
+// copy without AVX-512. Whether it streamed.
+inline bool store_line(void* dst, const void* line) {
+#ifdef __AVX512F__
+  return store_vector(dst, _mm512_load_si512(line));
+#else
   std::memcpy(dst, line, 64);
   return false;
+#endif
 }
 
 // Orders a thread's streamed stores before whatever reads their memory once its call returns.

@@ -100,13 +100,9 @@ constexpr float kNf4NormalScale = 0x1.0p-122f;
 constexpr float kInt8NormalScale = 0x1.0p-126f;
 
 // 32 products rounded to bf16 in registers, into one cache line: streamed past the caches where the
-// line is aligned (a unit's decoded weights are read next by a matmul, long after they would have been
-// evicted), since an ordinary store first reads the line it writes.
-inline void store_bf16_line(uint16_t* o, __m512 lo, __m512 hi) {
-  const __m512i line = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-  if ((reinterpret_cast<uintptr_t>(o) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(o), line);
-  else _mm512_storeu_si512(o, line);
-}
+// line is aligned (`tz::store_vector`: a unit's decoded weights are read next by a matmul, long after
+// they would have been evicted).
+inline void store_bf16_line(uint16_t* o, __m512 lo, __m512 hi) { tz::store_vector(o, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)); }
 #endif
 
 #if defined(__AVX512F__)

@@ -97,7 +97,7 @@ template <typename T>
 void add_rows_chunked(const T* __restrict x, T* __restrict out, int64_t rows, double* __restrict lanes) {
   constexpr int64_t kLine = 64 / int64_t(sizeof(T)), kLines = kChunk / kLine, kPerLine = kLine / 8;
   const int64_t next = rows * kLanes;
-  const bool stream = out && reinterpret_cast<uintptr_t>(out) % 64 == 0;
+  bool streamed = false;
   for (int64_t c = 0; c < kLanes; c += kChunk) {
     __m512d acc[kChunk / 8];
 #pragma GCC unroll 16
@@ -110,9 +110,7 @@ void add_rows_chunked(const T* __restrict x, T* __restrict out, int64_t rows, do
         __m512i v = _mm512_loadu_si512(row + k * kLine);
         if (out) {
           v = land_line(v, T{});
-          T* to = out + r * kLanes + c + k * kLine;
-          if (stream) _mm512_stream_si512(reinterpret_cast<__m512i*>(to), v);
-          else _mm512_storeu_si512(to, v);
+          streamed |= tz::store_vector(out + r * kLanes + c + k * kLine, v);
         }
         square_line(v, T{}, acc + k * kPerLine);
       }
@@ -120,7 +118,7 @@ void add_rows_chunked(const T* __restrict x, T* __restrict out, int64_t rows, do
 #pragma GCC unroll 16
     for (int j = 0; j < kChunk / 8; ++j) _mm512_storeu_pd(lanes + c + 8 * j, acc[j]);
   }
-  if (stream) tz::stream_fence();
+  if (streamed) tz::stream_fence();
 }
 #endif
 
