@@ -4,8 +4,10 @@ The library is built with the C++ compiler at hand (`$CXX`, else `g++`, else `c+
 CPU (`-march=native`) and kept in `$TIERZERO_CACHE_DIR/native/` (default `~/.cache/tierzero`)
 under a name drawn from everything that shapes its code: the sources, the flags, the compiler's
 version and the CPU's features. The sources compile side by side (2.6 s on the 2-core VM); a
-second process finds the library there and compiles nothing. Processes that start together
-each compile to a private name and rename it into place, so none ever loads a half-written file.
+second process finds the library there and compiles nothing. Processes that start together (a
+torchrun job's ranks on its first run) take turns on a lock on the directory: the first compiles,
+the others wait and load its library, where each used to compile its own. The library is compiled
+to a private name and renamed into place, so none ever loads a half-written file.
 A library there that this user does not own, or that others may write, is never loaded: it is
 built again in a private directory, removed once the library is loaded.
 
