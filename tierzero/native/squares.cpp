@@ -205,4 +205,7 @@ void tz_land_squares_f32(const float* src, float* out, int64_t n, int64_t at, do
   squares<float>(src, out, n, at, state, threads);
 }
 
+// The sum so far: the closed blocks' total plus the current block's lanes added in lane order.
+double tz_squares_total(const double* state) { return state[kTotal] + lanes_sum(state); }
+
 }  // extern "C"

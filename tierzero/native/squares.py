@@ -96,7 +96,10 @@ class Squares:
     @property
     def total(self) -> torch.Tensor:
         """The sum so far, rounded to fp32 (a 0-d tensor); more ranges may still be added after."""
-        return torch.tensor(self._state[_TOTAL].item() + _block_sum(self._state), dtype=torch.float32)
+        lib = _checked()
+        if lib is not None:
+            return torch.tensor(lib.tz_squares_total(self._state.data_ptr()), dtype=torch.float32)
+        return torch.tensor(_total(self._state), dtype=torch.float32)
 
 
 def _kernels(values: torch.Tensor) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
@@ -126,9 +129,14 @@ def _block_sum(state: torch.Tensor) -> float:
     return block
 
 
+def _total(state: torch.Tensor) -> float:
+    """The closed blocks' total plus the current block's sum: `tz_squares_total`'s adds."""
+    return state[_TOTAL].item() + _block_sum(state)
+
+
 def _close(state: torch.Tensor) -> None:
     """The current block's sum added to the total; the lanes start again."""
-    state[_TOTAL] = state[_TOTAL].item() + _block_sum(state)
+    state[_TOTAL] = _total(state)
     state[:LANES] = 0.0
 
 
@@ -189,6 +197,7 @@ def _checked() -> ctypes.CDLL | None:
         fn.argtypes, fn.restype = call, None
     for fn in (lib.tz_land_squares_bf16, lib.tz_land_squares_f32):
         fn.argtypes, fn.restype = [ctypes.c_void_p, *call], None
+    lib.tz_squares_total.argtypes, lib.tz_squares_total.restype = [ctypes.c_void_p], ctypes.c_double
     generator = torch.Generator().manual_seed(0)
     words = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
     finite = words.view(torch.bfloat16).isfinite()
@@ -211,7 +220,8 @@ def _checked() -> ctypes.CDLL | None:
                 land_fn(values[lo:].data_ptr(), out[lo:].data_ptr(), hi - lo, lo, landed.data_ptr(), threads)
             kept = torch.cat([values[lo:hi] for lo, hi in ranges])
             written = torch.cat([out[lo:hi] for lo, hi in ranges])
-            if not (torch.equal(got, want) and torch.equal(landed, want) and torch.equal(written.view(torch.uint8), torch.add(kept, 0.0).view(torch.uint8))):
+            summed = lib.tz_squares_total(got.data_ptr()) == _total(want)
+            if not (summed and torch.equal(got, want) and torch.equal(landed, want) and torch.equal(written.view(torch.uint8), torch.add(kept, 0.0).view(torch.uint8))):
                 say_once(log, "tierzero: the native sum of squares differs from torch's path; the norm runs torch's ops")
                 return None
     return lib
