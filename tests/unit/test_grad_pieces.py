@@ -43,6 +43,10 @@ def test_pieces_are_taken_only_where_the_step_can_use_them_in_place() -> None:
     assert _take(unit, fresh) is not None
     assert _take(unit, fresh[:1]) is None  # a slot without its gradient
     assert _take(unit, [fresh[0].bfloat16(), fresh[1]]) is None  # not fp32
+    # A bf16 GRAD slice stepped by a converting step takes bf16 pieces, and only those.
+    halves = [g.bfloat16() for g in fresh]
+    assert GradPieces.take(unit, halves, tier=Tier.CPU, nbytes=unit.padded_numel * 2, dtype=torch.bfloat16) is not None
+    assert GradPieces.take(unit, fresh, tier=Tier.CPU, nbytes=unit.padded_numel * 2, dtype=torch.bfloat16) is None
     assert _take(unit, [torch.randn(5, 7).t(), fresh[1]]) is None  # not contiguous
     whole = torch.randn(35 + 19)
     assert _take(unit, [whole[:35].view(7, 5), whole[35:]]) is None  # one memory, shared
@@ -57,8 +61,9 @@ def test_pieces_are_taken_only_where_the_step_can_use_them_in_place() -> None:
     assert _take(twins, [one_meta, one_meta]) is None
 
 
+@pytest.mark.parametrize("converting", [False, True])
 @pytest.mark.parametrize("scale", [1.0, 0.25])
-def test_stepping_each_slot_gives_the_flat_steps_bits(scale: float) -> None:
+def test_stepping_each_slot_gives_the_flat_steps_bits(scale: float, converting: bool) -> None:
     # Two groups (decay and none), slots whose sizes leave vector tails, padding at the end.
     unit = _unit((7, 5), (19,), (33,))
     unit.slots = tuple(dataclasses.replace(slot, group=1) if i == 1 else slot for i, slot in enumerate(unit.slots))
@@ -83,21 +88,26 @@ def test_stepping_each_slot_gives_the_flat_steps_bits(scale: float) -> None:
 
     pieces = _take(unit, [g.clone() for g in grads])
     assert pieces is not None
+    # Converting, the step also casts the new parameters, gaps and padding included (garbage before).
+    cast = torch.full((n,), float("nan"), dtype=torch.bfloat16) if converting else None
     step_pieces(optimizer, unit, master=param, pieces=pieces, states={Kind.EXP_AVG: m, Kind.EXP_AVG_SQ: v},
-                scale=scale, step=3, lrs=[1e-2, 1e-2])  # fmt: skip
+                scale=scale, step=3, lrs=[1e-2, 1e-2], converting=converting, cast=cast)  # fmt: skip
     assert torch.equal(param, expected["param"])
     assert torch.equal(m, expected["m"]) and torch.equal(v, expected["v"])
     assert not param[pad].any() and not m[pad].any()  # the padding keeps its zeros, as a step over it would
+    if cast is not None:
+        assert torch.equal(cast, expected["param"].bfloat16())
 
 
 def _train(
-    offload: dict[str, str], swap: Path, *, pieces: bool, monkeypatch: pytest.MonkeyPatch, reduce: str | None = None
+    offload: dict[str, str], swap: Path, *, pieces: bool, monkeypatch: pytest.MonkeyPatch, reduce: str | None = None,
+    param_dtype: str | None = None,
 ) -> Any:
     taken: list[str] = []
     take = GradPieces.take.__func__  # type: ignore[attr-defined]
 
-    def counted(cls: type[GradPieces], unit: Any, grads: Any, *, tier: Tier, nbytes: int) -> GradPieces | None:
-        got = take(cls, unit, grads, tier=tier, nbytes=nbytes) if pieces else None
+    def counted(cls: type[GradPieces], unit: Any, grads: Any, *, tier: Tier, nbytes: int, dtype: torch.dtype) -> GradPieces | None:
+        got = take(cls, unit, grads, tier=tier, nbytes=nbytes, dtype=dtype) if pieces else None
         if got is not None:
             taken.append(unit.name)
         return got
@@ -108,6 +118,8 @@ def _train(
         config = case.config() | {"offload": offload, "tiers": {"nvme": {"path": str(swap)}}}
         if reduce is not None:
             config["precision"] = config.get("precision", {}) | {"reduce_dtype": reduce}
+        if param_dtype is not None:
+            config["precision"] = config.get("precision", {}) | {"param_dtype": param_dtype}
         engine = tierzero.initialize(case.model(), config)
         losses = []
         with engine:
@@ -163,3 +175,17 @@ def test_gradients_a_bf16_slice_would_round_are_copied(tmp_path: Path, monkeypat
     assert taken == []  # fp32 parameters, bf16 GRAD slices: the step takes the rounded copy
     copied = _train(offload, tmp_path, pieces=False, monkeypatch=monkeypatch, reduce="bf16")
     assert losses == copied[0] and all(torch.equal(params[name], copied[1][name]) for name in params)
+
+
+@pytest.mark.parametrize("gradients", ["cpu", "nvme"])
+def test_a_bf16_models_gradients_are_stepped_as_autograd_made_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gradients: str
+) -> None:
+    """Without a GPU, a bf16 model's gradients are the GRAD slices' own dtype: the converting step widens
+    them as it reads them, with the bits of a step on the landed copy, and casts the new parameters."""
+    offload = {"gradients": gradients, "optimizer": "cpu"}
+    losses, params, _, taken, units, _ = _train(offload, tmp_path, pieces=True, monkeypatch=monkeypatch, param_dtype="bf16")
+    copied = _train(offload, tmp_path, pieces=False, monkeypatch=monkeypatch, param_dtype="bf16")
+    assert len(taken) == len(units) * (5 if gradients == "cpu" else 4)
+    assert losses == copied[0]
+    assert [name for name in params if not torch.equal(params[name], copied[1][name])] == []

@@ -34,8 +34,8 @@ from tierzero.store.protocol import SliceStore
 from tierzero.units.unit import Unit
 
 __all__ = [
-    "BackwardStep", "ForwardStep", "HandOff", "Keep", "StepScalars", "Steppable", "run_step", "slice_group",
-    "unit_step_tier",
+    "BackwardStep", "ForwardStep", "HandOff", "Keep", "StepScalars", "Steppable", "converts_pieces", "run_step",
+    "slice_group", "unit_step_tier",
 ]
 
 
@@ -358,11 +358,13 @@ def _step_unit(
         master, scratch = _master(stage, unit, fetched, tier)
         assert not scratch, "pieces are stage 3's, whose step fetches its master"
         states = {kind: fetched[kind] for kind in stage.optimizer.state_kinds}
-        scale = scalars.grad_scale * clip_coef
-        optimizer = stage.optimizer.for_unit(unit, rank=stage.comm.rank, master=master) if stage.optimizer.per_unit else stage.optimizer
-        step_pieces(optimizer, unit, master=master, pieces=grads, states=states, scale=scale,
-                    step=scalars.step, lrs=lrs)  # fmt: skip
-        return stage.publish(unit, master)
+        converting = converts_pieces(stage, tier)
+        cast = stage.cast_slice(unit, master) if converting else None
+        per_unit = stage.optimizer.per_unit and not converting
+        optimizer = stage.optimizer.for_unit(unit, rank=stage.comm.rank, master=master) if per_unit else stage.optimizer
+        step_pieces(optimizer, unit, master=master, pieces=grads, states=states, scale=scalars.grad_scale * clip_coef,
+                    step=scalars.step, lrs=lrs, converting=converting, cast=cast)  # fmt: skip
+        return stage.publish(unit, master, cast=cast)
     source = stage.grad_slice(grads, unit)
     # The GRAD slice is zeroed (or left stale) after the step, so when it already is fp32 in
     # the step tier's memory it is the optimizer's gradient itself (scaled, and used as
@@ -373,7 +375,7 @@ def _step_unit(
     in_place = source.dtype == torch.float32 and same_memory
     # A low-precision gradient in the memory of a host step is converted a chunk at a time by
     # the optimizer itself ([Note: the converting step] in optim/flat.py): no fp32 scratch slice.
-    converting = not in_place and same_memory and _steps_on_host(stage, tier) and stage.optimizer.converts_gradients
+    converting = not in_place and same_memory and converts_pieces(stage, tier)
     g = source if in_place or converting else store.allocate(
         kind=Kind.GRAD, numel=source.numel(), dtype=torch.float32, tier=tier, label=f"{unit.name} step"
     )
@@ -383,11 +385,8 @@ def _step_unit(
         states = {kind: fetched[kind] for kind in stage.optimizer.state_kinds}
         # Cut at the unit's original tensors, so that each element takes the vector lane or the
         # scalar tail torch.optim's per-tensor kernel would give it: the same bits as torch.
-        layout = SliceLayout.of(
-            [slot.numel for slot in unit.slots],
-            offset=unit.shard_range(stage.comm.rank)[0],
-            groups=[slot.group for slot in unit.slots],
-        )
+        layout = SliceLayout.of([slot.numel for slot in unit.slots], offset=unit.shard_range(stage.comm.rank)[0],
+                                groups=[slot.group for slot in unit.slots])  # fmt: skip
         cast = stage.cast_slice(unit, master) if converting else None
         if converting:
             stage.optimizer.step_converting(
@@ -414,6 +413,11 @@ def _step_unit(
         if scratch_master:
             store.free(master)
     return writes
+
+
+def converts_pieces(stage: Steppable, tier: Tier) -> bool:
+    """Whether a step in `tier` takes low-precision gradients (a slice, or pieces) through the converting step."""
+    return _steps_on_host(stage, tier) and stage.optimizer.converts_gradients
 
 
 def computes_on_host(device: torch.device) -> bool:

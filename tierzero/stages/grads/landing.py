@@ -29,7 +29,7 @@ from tierzero.native.convert import plus_zero_into
 from tierzero.native.squares import Squares
 from tierzero.stages.grads.norm import GradNorm
 from tierzero.stages.grads.pieces import GradPieces
-from tierzero.stages.step import BackwardStep, computes_on_host
+from tierzero.stages.step import BackwardStep, computes_on_host, converts_pieces, unit_step_tier
 from tierzero.units.unit import Unit
 
 __all__ = ["GradLanding", "add_into"]
@@ -77,6 +77,8 @@ class GradLanding:
     replica: C.CommGroup | None
     store: Any
     plan: Any
+    homes: Any
+    optimizer: Any
     device: torch.device
     last_micro_step: bool
     _buckets: Any
@@ -116,14 +118,15 @@ class GradLanding:
         if job is None or not self.last_micro_step or unit.pending_uses != 0 or not self._counts_as_zeros(unit):
             return None
         spec = self.plan.spec(unit.name, Kind.GRAD)
-        if spec.dtype != torch.float32:
-            return None  # the slice rounds them (`precision.reduce_dtype`): so must the step's gradient
+        if spec.dtype != torch.float32 and not converts_pieces(self, unit_step_tier(self.homes, unit.name)):
+            return None  # a step that takes fp32 only: the slice widens them, or rounds (`precision.reduce_dtype`)
         if any(s.dtype != torch.float32 for s in self.plan.of(unit) if s.kind in (Kind.EXP_AVG, Kind.EXP_AVG_SQ)):
             return None  # compact moments step a window of whole blocks at a time, never a slot alone
         tier = job.grad_tier(unit)
         if tier is not Tier.DEVICE and not self._on_host():
             return None  # a host step of a GPU's gradients: they cross on the copy stream
-        return GradPieces.take(unit, grads, tier=tier, nbytes=spec.nbytes)
+        # Of another dtype than the slice's, they are not its bits: the slice rounds them (`reduce_dtype`).
+        return GradPieces.take(unit, grads, tier=tier, nbytes=spec.nbytes, dtype=spec.dtype)
 
     def _on_host(self) -> bool:
         """Whether the gradients are in host memory (`computes_on_host`)."""

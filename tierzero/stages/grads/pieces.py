@@ -9,8 +9,12 @@ pass over every gradient byte a step (0.6 s a step for the 2B preset's 2.05B fp3
 on the 2-core VM, a pass the backward's cores had to find time for), and a second for a
 memory home. Where the home holds no earlier sum (a stale NVMe home, `Unit.grads_stale`; a
 memory home nothing was added into since it was zeroed, `Unit.grads_zero`: one use and one
-micro-step) and the gradients are fp32 tensors of their own, one per parameter slot, the
-step takes them as they are: it steps each slot as a slice of its own (the optimizer's bits
+micro-step) and the gradients are tensors of their own in the GRAD slice's dtype, one per
+parameter slot, the step takes them as they are. That dtype is fp32, or where the step runs
+on the host and widens a gradient as it reads it (`converts_pieces`), the compute dtype: a
+bf16 model without a GPU, whose landing copy cost as much as the rest of the host's work
+beside the optimizer (`bench step-host --clip 0` at 100M: 1.55x a bare AdamW with the copy,
+1.25x without, session 36). It steps each slot as a slice of its own (the optimizer's bits
 do not change, see [Note: vector lanes and scalar tails]: a slot is one of the unit's
 original tensors), the flat slice's padding, whose gradient is zero, keeps its zero
 parameters and states as a step over it would, and the home is left as it was. The store
@@ -47,16 +51,19 @@ class GradPieces:
     as it booked the copy they replace."""
 
     @classmethod
-    def take(cls, unit: Unit, grads: Sequence[torch.Tensor], *, tier: Tier, nbytes: int) -> GradPieces | None:
+    def take(
+        cls, unit: Unit, grads: Sequence[torch.Tensor], *, tier: Tier, nbytes: int, dtype: torch.dtype = torch.float32
+    ) -> GradPieces | None:
         """The pieces of `grads` (autograd's, one per slot of `unit`) if the step can use them in place:
-        fp32, contiguous, each the sole user of its own memory (the step may scale it in place);
-        None where they must be copied into a flat slice (of `nbytes`, what the store books)."""
+        of the GRAD slice's `dtype` (fp32, or the compute dtype a converting step widens), contiguous,
+        each the sole user of its own memory (the step may scale it in place); None where they must be
+        copied into a flat slice (of `nbytes`, what the store books)."""
         if len(grads) != len(unit.slots):
             return None
         storages = set()
         for slot, grad in zip(unit.slots, grads, strict=True):
             whole = grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
-            if grad.dtype != torch.float32 or grad.numel() != slot.numel or not grad.is_contiguous() or not whole:
+            if grad.dtype != dtype or grad.numel() != slot.numel or not grad.is_contiguous() or not whole:
                 return None
             storages.add(storage_id(grad))
         if len(storages) != len(grads):
@@ -74,16 +81,32 @@ def step_pieces(
     scale: float,
     step: int,
     lrs: Sequence[float],
+    converting: bool = False,
+    cast: torch.Tensor | None = None,
 ) -> None:
-    """Step each slot of `unit` as its own slice, its gradient the slot's piece (scaled in place by `scale`)."""
+    """Step each slot of `unit` as its own slice, its gradient the slot's piece: scaled in place by
+    `scale`, or, `converting`, widened and scaled by the optimizer as it steps, which writes the new
+    parameters into `cast` on its way ([Note: the converting step] in optim/flat.py; the gaps between
+    the slots get the zeros a step over the flat slice would cast there)."""
+    end = 0
     for slot, grad in zip(unit.slots, pieces.tensors, strict=True):
+        part = slice(slot.offset, slot.offset + slot.numel)
+        layout = SliceLayout.of([slot.numel], groups=[slot.group])
+        slot_states = {kind: state[part] for kind, state in states.items()}
+        if converting:
+            optimizer.step_converting(
+                param=master[part], grad=grad, scale=scale, states=slot_states, step=step, lr=lrs, layout=layout,
+                cast=None if cast is None else cast[part],
+            )  # fmt: skip
+            if cast is not None:
+                cast[end : slot.offset].zero_()
+                end = slot.offset + slot.numel
+            continue
         if scale != 1.0:
             grad.mul_(scale)
-        part = slice(slot.offset, slot.offset + slot.numel)
-        optimizer.step(
-            param=master[part], grad=grad, states={kind: state[part] for kind, state in states.items()},
-            step=step, lr=lrs, layout=SliceLayout.of([slot.numel], groups=[slot.group]),
-        )  # fmt: skip
+        optimizer.step(param=master[part], grad=grad, states=slot_states, step=step, lr=lrs, layout=layout)
+    if cast is not None:
+        cast[end:].zero_()
 
 
 def book(store: SliceStore, pieces: GradPieces, *, held: bool) -> None:
