@@ -9,7 +9,7 @@ import random
 import threading
 import time
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import pytest
 import torch
@@ -367,3 +367,25 @@ def test_a_transfer_is_done_once_its_copy_event_has_fired() -> None:
     failed: Future = Future()
     failed.set_exception(OSError("disk"))
     assert Transfer(failed).done()
+
+
+def test_a_ready_transfer_is_a_finished_future_to_every_caller() -> None:
+    """`Transfer.ready` builds its future without a condition of its own: each way callers use a finished
+    `Future` must still see one, callbacks run at once, and many at once share nothing they can block on."""
+    transfer = Transfer.ready(7)
+    future = transfer.future
+    assert transfer.wait() == 7 and transfer.done() and future.done() and not future.running() and not future.cancelled()
+    assert future.result(timeout=0).value == 7 and future.exception(timeout=0) is None and not future.cancel()
+    seen: list[int] = []
+    future.add_done_callback(lambda done: seen.append(done.result().value))
+    assert seen == [7]
+    done, pending = wait([future, Transfer.ready(8).future], timeout=0)
+    assert len(done) == 2 and not pending
+    assert transfer.then(lambda value: value + 1).wait() == 8
+    assert asyncio.run(_awaited(Transfer.ready(9))) == 9
+    with ThreadPoolExecutor(4) as pool:
+        assert sorted(pool.map(lambda i: Transfer.ready(i).wait(), range(100))) == list(range(100))
+
+
+async def _awaited(transfer: Transfer[int]) -> int:
+    return await transfer

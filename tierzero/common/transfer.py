@@ -13,6 +13,7 @@ import asyncio
 import threading
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
+from concurrent.futures._base import FINISHED
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -32,6 +33,23 @@ class TransferOutcome(Generic[T]):
     event: torch.cuda.Event | None = None
 
 
+class _Finished(Future):  # type: ignore[type-arg]
+    """A future born finished: a move with nothing to move (`Transfer.ready`), some 80 a step on the host.
+    `Future()` builds a condition and its lock for waiters such a future never has; this one sets the
+    fields `Future`'s methods read, as `set_result` leaves them, and shares one condition: its methods
+    only hold it a moment to read the state, and a callback added runs at once."""
+
+    _SHARED = threading.Condition()
+
+    def __init__(self, outcome: TransferOutcome[Any]) -> None:  # no super().__init__(): no condition of its own
+        self._condition = self._SHARED
+        self._state = FINISHED
+        self._result = outcome
+        self._exception = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Any] = []
+
+
 class Transfer(Generic[T]):
     """A handle on one move in flight. `wait()` returns its value; `await transfer` works too.
 
@@ -47,9 +65,7 @@ class Transfer(Generic[T]):
 
     @classmethod
     def ready(cls, value: T | None = None) -> Transfer[T]:
-        future: Future[TransferOutcome[T]] = Future()
-        future.set_result(TransferOutcome(value=value))
-        return cls(future)
+        return cls(_Finished(TransferOutcome(value=value)))
 
     @property
     def future(self) -> Future[TransferOutcome[T]]:
