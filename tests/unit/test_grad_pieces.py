@@ -100,7 +100,12 @@ def test_stepping_each_slot_gives_the_flat_steps_bits(scale: float, converting: 
 
 
 def _train(
-    offload: dict[str, str], swap: Path, *, pieces: bool, monkeypatch: pytest.MonkeyPatch, reduce: str | None = None,
+    offload: dict[str, str],
+    swap: Path,
+    *,
+    pieces: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    reduce: str | None = None,
     param_dtype: str | None = None,
 ) -> Any:
     taken: list[str] = []
@@ -178,9 +183,7 @@ def test_gradients_a_bf16_slice_would_round_are_copied(tmp_path: Path, monkeypat
 
 
 @pytest.mark.parametrize("gradients", ["cpu", "nvme"])
-def test_a_bf16_models_gradients_are_stepped_as_autograd_made_them(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gradients: str
-) -> None:
+def test_a_bf16_models_gradients_are_stepped_as_autograd_made_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gradients: str) -> None:
     """Without a GPU, a bf16 model's gradients are the GRAD slices' own dtype: the converting step widens
     them as it reads them, with the bits of a step on the landed copy, and casts the new parameters."""
     offload = {"gradients": gradients, "optimizer": "cpu"}

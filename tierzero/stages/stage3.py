@@ -269,10 +269,9 @@ class Stage3(StepInTime, Stage):
             self._prefetch(unit, step=1)
 
     def _release_after_backward(self, unit: Unit, inputs: Any) -> None:
-        """A frozen unit has no gradients, hence no post-backward: it is released once the
-        gradients of its inputs are complete, which needs every op of its backward done.
-        One whose inputs need no gradient (the first layers of a LoRA model) is released
-        by `after_backward`, right after its backward, the last."""
+        """A frozen unit has no gradients, hence no post-backward: it is released once the gradients of its
+        inputs are complete, which needs every op of its backward done. One whose inputs need no gradient
+        (the first layers of a LoRA model) is released by `after_backward`, right after its backward, the last."""
         needing = [t for t in tensors_in(inputs) if t.requires_grad]
         if needing:
             self._input_grads.after_grads(needing, lambda: self.reshard(unit))
@@ -281,7 +280,9 @@ class Stage3(StepInTime, Stage):
         if recomputing():
             return  # the unit's backward runs next and needs it gathered: post_backward releases it
         outputs = [t for t in tensors_in(output) if t.requires_grad]
-        if outputs and torch.is_grad_enabled():
+        if len(outputs) == 1 and torch.is_grad_enabled():
+            outputs[0].register_hook(lambda _: self.pre_backward(unit))  # once a backward, as "any" of one is
+        elif outputs and torch.is_grad_enabled():
             torch.autograd.graph.register_multi_grad_hook(outputs, lambda _: self.pre_backward(unit), mode="any")
         if torch.is_grad_enabled() and unit.name in self._decoded_across:
             self._kept.add(unit.name)
