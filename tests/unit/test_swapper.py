@@ -378,7 +378,10 @@ def test_a_ready_transfer_is_a_finished_future_to_every_caller() -> None:
     assert future.result(timeout=0).value == 7 and future.exception(timeout=0) is None and not future.cancel()
     seen: list[int] = []
     future.add_done_callback(lambda done: seen.append(done.result().value))
-    assert seen == [7]
+    assert seen == [7] and transfer.settled()  # its callbacks run as they are added: none to wait for
+    later: Future = Future()
+    later.set_result(TransferOutcome(value=7))
+    assert not Transfer(later).settled()  # finished, but another thread's callbacks may still be running
     done, pending = wait([future, Transfer.ready(8).future], timeout=0)
     assert len(done) == 2 and not pending
     assert transfer.then(lambda value: value + 1).wait() == 8

@@ -33,7 +33,7 @@ class TransferOutcome(Generic[T]):
     event: torch.cuda.Event | None = None
 
 
-class _Finished(Future):  # type: ignore[type-arg]
+class _Finished(Future[TransferOutcome[Any]]):
     """A future born finished: a move with nothing to move (`Transfer.ready`), some 80 a step on the host.
     `Future()` builds a condition and its lock for waiters such a future never has; this one sets the
     fields `Future`'s methods read, as `set_result` leaves them, and shares one condition: its methods
@@ -83,6 +83,11 @@ class Transfer(Generic[T]):
             return True
         event = self._future.result().event
         return event is None or event.query()
+
+    def settled(self) -> bool:
+        """Whether it was finished when made (`ready`): each callback added to its future runs before
+        `add_done_callback` returns, so none is left to wait for."""
+        return isinstance(self._future, _Finished)
 
     def wait(self, timeout: float | None = None) -> T:
         return self._consume(self._future.result(timeout))

@@ -352,6 +352,8 @@ class StepPipeline:
         job.transfers = transfers
         # A failed move is the taker's to raise (it waits for the copy); here it only has to have ended.
         for transfer in transfers + moves:
+            if transfer.settled():
+                continue  # the callbacks added to it ran as they were added: nothing to wait for
             event = threading.Event()
             transfer.future.add_done_callback(lambda _f, e=event: e.set())
             job.done.append(event)
