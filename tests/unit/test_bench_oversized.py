@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from tierzero.cli.bench.oversized import RSS_SLACK, BenchRun, CgroupRun, OversizedResult, RunResult, bench_oversized
+from tierzero.common.cgroup import memory_cgroup_of
 from tierzero.common.sizes import format_size, parse_size
-from tierzero.placement.cgroup import memory_cgroup_of
 
 MiB = 1 << 20
 ON_CPU = ("offload.params=cpu", "offload.gradients=cpu", "offload.optimizer=cpu")

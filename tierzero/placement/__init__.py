@@ -1,6 +1,7 @@
 """Where state goes (`offload: auto`): each tier's budget from the config or the machine, the
 candidate placements, and the planner that replays the step for each and keeps the fastest that fits."""
 
+from tierzero.common.cgroup import CgroupMemory, cgroup_memory
 from tierzero.placement.budgets import (
     CPU_MARGIN,
     DEVICE_MARGIN,
@@ -10,7 +11,6 @@ from tierzero.placement.budgets import (
     machine_budgets,
     target_budgets,
 )
-from tierzero.placement.cgroup import CgroupMemory, cgroup_memory
 
 __all__ = [
     "CPU_MARGIN",

@@ -17,13 +17,13 @@ from typing import Any
 import psutil
 import torch
 
+from tierzero.common.cgroup import cgroup_memory
 from tierzero.common.sizes import format_size
 from tierzero.common.slices import Tier
 from tierzero.config import CpuTierConfig, DeviceTierConfig, NvmeTierConfig, TiersConfig
 from tierzero.config.checks import GiB
 from tierzero.estimate.machines import Machine
 from tierzero.offload.disk.files import free_space
-from tierzero.placement.cgroup import cgroup_memory
 
 __all__ = ["CPU_MARGIN", "DEVICE_MARGIN", "MachineBudgets", "Margin", "TierBudget", "machine_budgets", "target_budgets"]
 

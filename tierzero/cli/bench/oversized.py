@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from tierzero.common.cgroup import memory_cgroup_of
 from tierzero.common.sizes import format_size, parse_size
-from tierzero.placement.cgroup import memory_cgroup_of
 
 __all__ = ["PREDICTION_TOLERANCE", "RSS_SLACK", "TARGET_SPEEDUP", "BenchRun", "CgroupRun", "OversizedResult", "add_command", "bench_oversized"]
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+import psutil
+
 from tierzero.common.sizes import format_size
 
-__all__ = ["V1_UNLIMITED", "CgroupMemory", "cgroup_memory", "memory_cgroup_of"]
+__all__ = ["V1_UNLIMITED", "CgroupMemory", "cgroup_memory", "host_headroom", "memory_cgroup_of"]
 
 V1_UNLIMITED = 1 << 60
 """A v1 `memory.limit_in_bytes` at or above this means no limit: v1 writes "unlimited" as
@@ -63,6 +65,17 @@ def cgroup_memory(*, cgroup_root: Path, proc_self_cgroup: Path) -> CgroupMemory 
     found = [_read_limit(version, d) for d in (mount.joinpath(*parts[:n]) for n in range(len(parts), -1, -1))]
     limits = [m for m in found if m is not None]
     return min(limits, key=lambda m: m.headroom, default=None)
+
+
+def host_headroom(*, cgroup_root: Path = Path("/sys/fs/cgroup"), proc_self_cgroup: Path = Path("/proc/self/cgroup")) -> int:
+    """Host memory this process may still take: psutil's available memory, or the headroom under a
+    cgroup limit where that is less (an unreadable limit counts as none: the figure is a guide)."""
+    available = psutil.virtual_memory().available
+    try:
+        cgroup = cgroup_memory(cgroup_root=cgroup_root, proc_self_cgroup=proc_self_cgroup)
+    except ValueError:
+        return available
+    return available if cgroup is None else min(available, cgroup.headroom)
 
 
 def memory_cgroup_of(proc_self_cgroup: Path) -> tuple[int, str] | None:
