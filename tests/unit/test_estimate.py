@@ -175,6 +175,9 @@ def test_a_cache_the_cpu_tier_cannot_hold_says_how_much_to_keep(
 ) -> None:
     raw = _raw(tmp_path, stage=3, params="nvme", grads="cpu", optimizer="nvme", unit_classes=("Linear",))
     nvme = raw["tiers"]["nvme"]
+    # A capacity throughout, as below: an open one would also hold gradients for the clipped step beside
+    # their homes where the host has room ([Note: held gradient pieces]), which a capacity never does.
+    raw["tiers"]["cpu"] = {"capacity": 1 << 40}
     plain = estimate(load_config(raw)).tiers[Tier.CPU]
     raw["tiers"]["nvme"] = {**nvme, "cache": 96 << 10}
     cached = estimate(load_config(raw)).tiers[Tier.CPU]

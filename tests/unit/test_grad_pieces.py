@@ -15,6 +15,7 @@ import tierzero
 from tierzero.common.slices import Kind, Tier
 from tierzero.optim.flat import FlatAdam, OptimizerSpec, OptimizerType
 from tierzero.stages.grads import pieces as grad_pieces
+from tierzero.stages.grads.held import HeldGrads
 from tierzero.stages.grads.pieces import GradPieces, step_pieces
 from tierzero.units.slice_layout import ParamGroup, SliceLayout
 from tierzero.units.unit import plan_units
@@ -107,6 +108,7 @@ def _train(
     monkeypatch: pytest.MonkeyPatch,
     reduce: str | None = None,
     param_dtype: str | None = None,
+    clip: float = 0.0,
 ) -> Any:
     taken: list[str] = []
     take = GradPieces.take.__func__  # type: ignore[attr-defined]
@@ -119,7 +121,7 @@ def _train(
 
     with monkeypatch.context() as patch:
         patch.setattr(grad_pieces.GradPieces, "take", classmethod(counted))
-        case = Case(stage=3, optimizer="adamw", steps=5, clip=0.0, accumulation=1, global_batch=4)
+        case = Case(stage=3, optimizer="adamw", steps=5, clip=clip, accumulation=1, global_batch=4)
         config = case.config() | {"offload": offload, "tiers": {"nvme": {"path": str(swap)}}}
         if reduce is not None:
             config["precision"] = config.get("precision", {}) | {"reduce_dtype": reduce}
@@ -132,7 +134,7 @@ def _train(
                 loss = engine(*case.batch(step))
                 engine.backward(loss)
                 engine.step()
-                losses.append(loss.item())
+                losses.append((loss.item(), engine.grad_norm))  # the norm: None without clipping
                 if step == 0:
                     engine.store.reset_peaks()  # the first step lands its gradients in flat slices
             params = engine.full_state_dict()
@@ -190,5 +192,37 @@ def test_a_bf16_models_gradients_are_stepped_as_autograd_made_them(tmp_path: Pat
     losses, params, _, taken, units, _ = _train(offload, tmp_path, pieces=True, monkeypatch=monkeypatch, param_dtype="bf16")
     copied = _train(offload, tmp_path, pieces=False, monkeypatch=monkeypatch, param_dtype="bf16")
     assert len(taken) == len(units) * (5 if gradients == "cpu" else 4)
+    assert losses == copied[0]
+    assert [name for name in params if not torch.equal(params[name], copied[1][name])] == []
+
+
+@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
+def test_pieces_held_for_a_clipped_step_give_the_bits_of_landed_gradients(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, param_dtype: str
+) -> None:
+    """Clipping steps after backward: each unit's pieces are held for it, their squares counted for the
+    norm in the slice's order ([Note: held gradient pieces]); the clipped steps' bits are those of
+    gradients landed in the homes and summed there."""
+    offload = {"gradients": "cpu", "optimizer": "cpu"}
+    held: list[str] = []
+    hold = HeldGrads.hold
+
+    def counted(self: HeldGrads, unit: str, pieces: GradPieces) -> bool:
+        kept = hold(self, unit, pieces)
+        held.extend([unit] if kept else [])
+        return kept
+
+    monkeypatch.setattr(HeldGrads, "hold", counted)
+    losses, params, report, taken, units, homes_zero = _train(
+        offload, tmp_path, pieces=True, monkeypatch=monkeypatch, param_dtype=param_dtype, clip=0.05
+    )
+    assert len(held) == len(units) * 5 and len(taken) == len(held)
+    assert all(norm > 0.05 for _, norm in losses)  # every step clipped, by a norm summed from the pieces
+    assert homes_zero  # the homes were never written
+    assert report.tiers[Tier.CPU].current_by_kind[Kind.GRAD] == sum(unit.padded_numel for unit in units.values()) * (
+        2 if param_dtype == "bf16" else 4
+    )  # nothing held is booked after the step
+    copied = _train(offload, tmp_path, pieces=False, monkeypatch=monkeypatch, param_dtype=param_dtype, clip=0.05)
+    assert len(held) == len(units) * 5  # the copying run held none
     assert losses == copied[0]
     assert [name for name in params if not torch.equal(params[name], copied[1][name])] == []

@@ -17,6 +17,7 @@ import tierzero
 import tierzero.optim.flat as flat
 from tierzero.common.slices import Kind
 from tierzero.native.squares import BLOCK, Squares
+from tierzero.stages.grads.held import HeldGrads
 from tierzero.stages.grads.landing import add_into
 from tierzero.stages.grads.norm import square_sum
 
@@ -109,24 +110,38 @@ def test_a_host_param_home_takes_the_cast_in_place_with_the_bits_of_a_write_back
     assert Kind.PARAM in written_home[2]
 
 
-def test_each_units_gradients_are_freed_once_the_next_units_have_landed(tmp_path: Path) -> None:
-    """[Note: gradients freed a unit late]: a unit's gradients live until the next unit's land, none past the backward."""
+@pytest.mark.parametrize("held", [False, True])
+def test_each_units_gradients_are_freed_once_the_next_units_have_landed(monkeypatch: pytest.MonkeyPatch, held: bool) -> None:
+    """[Note: gradients freed a unit late]: a unit's gradients live until the next unit's land, none past the
+    backward; pieces held for the clipped step ([Note: held gradient pieces]) live until it, none past it."""
+    if not held:
+        monkeypatch.setattr(HeldGrads, "hold", lambda self, unit, pieces: False)
     case = Case(stage=3, optimizer="adamw", steps=2, dtype="bf16", clip=0.05, accumulation=1, global_batch=4)
     config = case.config() | {"offload": {"params": "cpu", "gradients": "cpu", "optimizer": "cpu"}}
     with tierzero.initialize(case.model(), config) as engine:
-        stage, alive = engine.stage, []
+        stage, alive, memory = engine.stage, [], {}
         reduce_grads = stage.reduce_grads
 
         def watching(unit: Any, grads: list[torch.Tensor]) -> None:
-            assert not alive or all(ref() is not None for ref in alive[-1])  # the last unit's, held
+            assert held or not alive or all(ref() is not None for ref in alive[-1])  # the last unit's, kept
             reduce_grads(unit, grads)
             alive.append([weakref.ref(g) for g in grads])
+            memory[unit.name] = [g.data_ptr() for g in grads]
 
         stage.reduce_grads = watching
         for step in range(case.steps):
             alive.clear()
+            memory.clear()
             engine.backward(engine(*case.batch(step)))
             assert len(alive) == len(engine.units) > 2 and stage._landed_late is None
-            assert all(ref() is None for refs in alive for ref in refs)
+            pieces = {unit.name: stage.held_grads.get(unit.name) for unit in engine.units}
+            if held:  # each unit's pieces are autograd's own memory, kept for the step
+                assert {name: [t.data_ptr() for t in p.tensors] for name, p in pieces.items() if p is not None} == memory
+            else:
+                assert set(pieces.values()) == {None} and all(ref() is None for refs in alive for ref in refs)
+            del pieces
             engine.step()
+            stage.settle_step()  # the units the next forward would step, stepped now
+            assert all(ref() is None for refs in alive for ref in refs)
+            assert all(stage.held_grads.get(unit.name) is None for unit in engine.units)
         stage.reduce_grads = reduce_grads

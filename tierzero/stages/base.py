@@ -15,12 +15,14 @@ from typing import Any, ClassVar
 import torch
 
 from tierzero.comm import collectives as C
+from tierzero.common.cgroup import host_headroom
 from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.optim.flat import FlatOptimizer
 from tierzero.optim.moments import SIGNED, MomentFormat
 from tierzero.stages.activations import recomputing
 from tierzero.stages.binding import UnitParams, bind
 from tierzero.stages.grads.buckets import GradBuckets
+from tierzero.stages.grads.held import HeldGrads
 from tierzero.stages.grads.landing import GradLanding
 from tierzero.stages.grads.norm import GradNorm
 from tierzero.stages.options import StageOptions, StageParts
@@ -62,6 +64,8 @@ class Stage(GradLanding, ABC):
         """The step run during this backward, when the engine asked for one."""
         self.grad_norm = GradNorm()
         """The squares of this step's gradients, added as each lands (stages/grad_norm.py)."""
+        self.held_grads = HeldGrads(self.store, headroom=_unbounded if self.device.type == "meta" else host_headroom)
+        """Units' gradients kept as autograd made them for the step after backward ([Note: held gradient pieces])."""
         self._codes_gathering: dict[str, CodesInFlight] = {}
         """A quantized frozen unit's gathered codes, by unit, until `decode_gathered` dequantizes them."""
         self._decoder = DecodeAhead()
@@ -144,6 +148,8 @@ class Stage(GradLanding, ABC):
         `unread`: the block writes every element without reading one, so a stale GRAD slice is
         handed over as it is rather than as zeros."""
         key = SliceKey(unit.name, kind)
+        if kind is Kind.GRAD and unit.name in self.held_grads:
+            self.land_held(unit)
         if kind is Kind.GRAD and write:
             unit.grads_zero = False  # whatever the caller does with it
         if kind is Kind.GRAD and unit.grads_stale and not unread:
@@ -282,6 +288,8 @@ class Stage(GradLanding, ABC):
         if self._backward_step is not None:
             self._backward_step.abort()  # a backward that never ended: no unit is half-stepped
             self._backward_step = None
+        if closing:
+            self.held_grads.drop()
         self._land_last_step()
 
     @abstractmethod
@@ -323,6 +331,7 @@ class Stage(GradLanding, ABC):
     def zero_grads(self) -> None:
         """Drop this step's gradients (an fp16 overflow skips the step)."""
         self.grad_norm.reset()
+        self.held_grads.drop()
         for unit in self.trained:
             unit.has_grads = False
             if self.leaves_grads_stale(unit.name):
@@ -420,3 +429,8 @@ def mark_state(unit: Unit, to: UnitState) -> None:
         UnitState.SHARDED: (UnitState.GATHERED,),
     }[to]
     unit.transition(to, allowed_from=allowed)
+
+
+def _unbounded() -> int:
+    """The estimate's dry run: host memory as a machine with the room has it ([Note: held gradient pieces])."""
+    return 1 << 62

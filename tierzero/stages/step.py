@@ -1,10 +1,9 @@
 """One optimizer step of a stage, run where its optimizer states live.
 
-Which slices a unit's step needs, and the arithmetic on them; the movement of bytes
-is `tierzero.stages.step_pipeline.StepPipeline`'s (see [Note: the step pipeline]
-there). The arithmetic is the same whatever the placement: gradients are copied into
-fp32 scratch on the step tier, scaled, and the fused kernel steps the fp32 master with
-the states; so device, CPU and NVMe homes give identical bits.
+Which slices a unit's step needs, and the arithmetic on them; the movement of bytes is
+`tierzero.stages.step_pipeline.StepPipeline`'s ([Note: the step pipeline] there). The bits are
+the same whatever the placement, and whatever form the gradient comes in: a slice, copied or
+read in place, or autograd's own tensors ([Note: gradient pieces]), converted as they are read.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from tierzero.comm.collectives import CommGroup
 from tierzero.common.slices import Kind, SliceKey, Tier, align_up
 from tierzero.common.transfer import Transfer
 from tierzero.optim.flat import FlatOptimizer, SliceLayout
+from tierzero.stages.grads.held import HeldGrads
 from tierzero.stages.grads.pieces import GradPieces, book, step_pieces
 from tierzero.stages.plan import Homes, SlicePlan
 from tierzero.stages.step_pipeline import (
@@ -63,6 +63,7 @@ class Steppable(Protocol):
     store: SliceStore
     comm: CommGroup
     optimizer: FlatOptimizer
+    held_grads: HeldGrads
     homes: Homes
     plan: SlicePlan
     device: torch.device
@@ -97,11 +98,9 @@ def slice_group(stage: Steppable, unit: Unit) -> SliceGroup:
 
 
 def group_sizes(stage: Steppable) -> dict[str, int]:
-    """Each trained unit's step group in the bytes the store allocates for it: the pipeline's bound
-    (`StepPipeline`'s `sizes`), so that a small unit's group takes a small part of it. A slice
-    fetched to its own home tier is the home tensor itself and costs nothing: a unit whose states
-    live in memory takes only its gradient's part, and leaves the rest of the bound to the reads of
-    the units after it."""
+    """Each trained unit's step group in the bytes the store allocates for it (`StepPipeline`'s `sizes`),
+    so that a small unit's group takes a small part of the bound. A slice fetched to its home tier is the
+    home itself: a unit whose states live in memory takes only its gradient's part."""
     sizes = {}
     for unit in stage.units:
         if unit.trainable:
@@ -117,10 +116,9 @@ def unit_step_tier(homes: Homes, unit: str) -> Tier:
 
 
 def _grad_tier(stage: Steppable, unit: str) -> Tier:
-    """Where the step takes the gradients from. NVMe-homed ones come up to the step tier, and
-    so do a GPU's sharded gradients for a step on the host: the swapper copies them on its copy
-    stream while the pipeline reads ahead, where a copy in the compute would block the host.
-    Otherwise memory-homed gradients are read in place (copied into step-tier scratch)."""
+    """Where the step takes the gradients from. NVMe-homed ones come up to the step tier, and so do a
+    GPU's sharded gradients for a step on the host: the swapper copies them on its copy stream while the
+    pipeline reads ahead, where a copy in the compute would block the host. Otherwise they are read in place."""
     tier, home = unit_step_tier(stage.homes, unit), stage.plan.home(unit, Kind.GRAD)
     if stage.plan.staged(unit, Kind.GRAD) or (home is not tier and stage.shards_grads and stage.device.type == "cuda"):
         return tier
@@ -352,7 +350,8 @@ def _step_unit(
 ) -> list[PendingWrite]:
     tier = unit_step_tier(stage.homes, unit.name)
     store = stage.store
-    grads = fetched[Kind.GRAD]
+    held = stage.held_grads.get(unit.name)  # [Note: held gradient pieces]: in place of the home's slice
+    grads = fetched[Kind.GRAD] if held is None else held
     lrs = stage.optimizer.group_lrs(scalars.lr_factor)
     if isinstance(grads, GradPieces):  # [Note: gradient pieces]: one rank, its home left as it was
         master, scratch = _master(stage, unit, fetched, tier)
@@ -364,6 +363,7 @@ def _step_unit(
         optimizer = stage.optimizer.for_unit(unit, rank=stage.comm.rank, master=master) if per_unit else stage.optimizer
         step_pieces(optimizer, unit, master=master, pieces=grads, states=states, scale=scalars.grad_scale * clip_coef,
                     step=scalars.step, lrs=lrs, converting=converting, cast=cast)  # fmt: skip
+        stage.held_grads.take(unit.name)
         return stage.publish(unit, master, cast=cast)
     source = stage.grad_slice(grads, unit)
     # The GRAD slice is zeroed (or left stale) after the step, so when it already is fp32 in

@@ -27,7 +27,8 @@ from tierzero.comm import collectives as C
 from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.native.convert import plus_zero_into
 from tierzero.native.squares import Squares
-from tierzero.stages.grads.norm import GradNorm
+from tierzero.stages.grads.held import HeldGrads
+from tierzero.stages.grads.norm import GradNorm, square_sum
 from tierzero.stages.grads.pieces import GradPieces
 from tierzero.stages.step import BackwardStep, computes_on_host, converts_pieces, unit_step_tier
 from tierzero.units.unit import Unit
@@ -87,6 +88,8 @@ class GradLanding:
     scratch: Callable[..., torch.Tensor]
     note_grad: Callable[[Unit, torch.Tensor], None]
     grad_norm: GradNorm
+    held_grads: HeldGrads
+    shards_params: bool
     grad_slice: Callable[[torch.Tensor, Unit], torch.Tensor]
 
     def reduce_grads(self, unit: Unit, grads: list[torch.Tensor]) -> None:
@@ -96,10 +99,13 @@ class GradLanding:
         may wait in scratch, which bounds the gradient scratch.
         """
         if self.comm.world_size == 1 and self.replica is None:
+            if unit.name in self.held_grads:
+                self.land_held(unit)  # a backward again before the step: its sum goes on in the home
             pieces = self._as_pieces(unit, grads)
-            if pieces is not None:
-                assert self._backward_step is not None
+            if pieces is not None and self._backward_step is not None:
                 self._backward_step.ready(unit, pieces=pieces)
+                return
+            if pieces is not None and self._hold(unit, pieces):
                 return
             # The reduce-scatter of one rank is the identity: add each gradient into its place.
             with self._landing(unit, final=unit.pending_uses == 0) as (shard, fresh, squares):
@@ -111,22 +117,47 @@ class GradLanding:
         self._buckets.add(unit, grads, final=unit.pending_uses == 0)
 
     def _as_pieces(self, unit: Unit, grads: list[torch.Tensor]) -> GradPieces | None:
-        """The unit's complete gradient as the pieces its step in this backward takes in place, where
-        it can ([Note: gradient pieces]): on its way to the step in this backward, its home holding
-        nothing to add it to (no earlier use's or micro-step's sum), in the memory the step reads it from."""
+        """The unit's complete gradient as the pieces its step takes in place, where it can ([Note: gradient
+        pieces]): on its way to the step in this backward, or held for the step after it ([Note: held
+        gradient pieces]), its home holding nothing to add it to (no earlier use's or micro-step's sum),
+        in the memory the step reads it from."""
         job = self._backward_step
-        if job is None or not self.last_micro_step or unit.pending_uses != 0 or not self._counts_as_zeros(unit):
+        if not self.last_micro_step or unit.pending_uses != 0 or not self._counts_as_zeros(unit):
             return None
+        if job is None and (not self.shards_params or not self._on_host() or self.plan.staged(unit.name, Kind.GRAD)):
+            return None  # held only by stage 3 without a GPU, and never in place of an NVMe home
         spec = self.plan.spec(unit.name, Kind.GRAD)
         if spec.dtype != torch.float32 and not converts_pieces(self, unit_step_tier(self.homes, unit.name)):
             return None  # a step that takes fp32 only: the slice widens them, or rounds (`precision.reduce_dtype`)
         if any(s.dtype != torch.float32 for s in self.plan.of(unit) if s.kind in (Kind.EXP_AVG, Kind.EXP_AVG_SQ)):
             return None  # compact moments step a window of whole blocks at a time, never a slot alone
-        tier = job.grad_tier(unit)
+        tier = self.plan.home(unit.name, Kind.GRAD) if job is None else job.grad_tier(unit)
         if tier is not Tier.DEVICE and not self._on_host():
             return None  # a host step of a GPU's gradients: they cross on the copy stream
         # Of another dtype than the slice's, they are not its bits: the slice rounds them (`reduce_dtype`).
         return GradPieces.take(unit, grads, tier=tier, nbytes=spec.nbytes, dtype=spec.dtype)
+
+    def _hold(self, unit: Unit, pieces: GradPieces) -> bool:
+        """Keep the unit's pieces for the step after backward, their squares counted for the norm, where
+        there is room for them ([Note: held gradient pieces]); whether they are kept."""
+        if not self.held_grads.hold(unit.name, pieces):
+            return False
+        if self.grad_norm.enabled and all(piece.device.type == "cpu" for piece in pieces.tensors):
+            squares = Squares()
+            for slot, piece in sorted(zip(unit.slots, pieces.tensors, strict=True), key=lambda pair: pair[0].offset):
+                squares.add(piece, slot.offset)
+            self.grad_norm.add_sum(unit.name, squares.total)
+        elif self.grad_norm.enabled:  # the estimate's meta tensors: no bits to keep
+            self.grad_norm.add_sum(unit.name, sum(square_sum(piece) for piece in pieces.tensors))
+        return True
+
+    def land_held(self, unit: Unit) -> None:
+        """Write the unit's held pieces into its GRAD home, which something reads before the step."""
+        pieces = self.held_grads.take(unit.name)
+        assert pieces is not None, unit.name
+        with self.slice(unit, Kind.GRAD, write=True, unread=True) as shard:
+            add_into(shard, [(slot.offset, piece) for slot, piece in zip(unit.slots, pieces.tensors, strict=True)], fresh=True)
+        unit.grads_stale = False
 
     def _on_host(self) -> bool:
         """Whether the gradients are in host memory (`computes_on_host`)."""
