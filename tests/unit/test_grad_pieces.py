@@ -65,9 +65,10 @@ def test_pieces_are_taken_only_where_the_step_can_use_them_in_place() -> None:
 @pytest.mark.parametrize("converting", [False, True])
 @pytest.mark.parametrize("scale", [1.0, 0.25])
 def test_stepping_each_slot_gives_the_flat_steps_bits(scale: float, converting: bool) -> None:
-    # Two groups (decay and none), slots whose sizes leave vector tails, padding at the end.
+    # Two groups (decay and none), slots whose sizes leave vector tails, padding at the end, and the
+    # slots listed out of their offsets' order (the cast's gaps are found by offset).
     unit = _unit((7, 5), (19,), (33,))
-    unit.slots = tuple(dataclasses.replace(slot, group=1) if i == 1 else slot for i, slot in enumerate(unit.slots))
+    unit.slots = tuple(dataclasses.replace(slot, group=1) if i == 1 else slot for i, slot in enumerate(unit.slots))[::-1]
     groups = (ParamGroup(lr=1e-2, weight_decay=0.1), ParamGroup(lr=1e-2, weight_decay=0.0))
     optimizer = FlatAdam(OptimizerSpec(type=OptimizerType.ADAMW, lr=1e-2, betas=(0.9, 0.95)), groups)
     torch.manual_seed(0)
@@ -83,7 +84,8 @@ def test_stepping_each_slot_gives_the_flat_steps_bits(scale: float, converting: 
 
     expected = {"param": param.clone(), "m": m.clone(), "v": v.clone()}
     flat.mul_(scale)
-    layout = SliceLayout.of([s.numel for s in unit.slots], groups=[s.group for s in unit.slots])
+    ordered = sorted(unit.slots, key=lambda s: s.offset)  # the flat slice's tensors, as they lie in it
+    layout = SliceLayout.of([s.numel for s in ordered], groups=[s.group for s in ordered])
     states = {Kind.EXP_AVG: expected["m"], Kind.EXP_AVG_SQ: expected["v"]}
     optimizer.step(param=expected["param"], grad=flat, states=states, step=3, lr=[1e-2, 1e-2], layout=layout)
 

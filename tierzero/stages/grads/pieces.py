@@ -88,7 +88,6 @@ def step_pieces(
     `scale`, or, `converting`, widened and scaled by the optimizer as it steps, which writes the new
     parameters into `cast` on its way ([Note: the converting step] in optim/flat.py; the gaps between
     the slots get the zeros a step over the flat slice would cast there)."""
-    end = 0
     for slot, grad in zip(unit.slots, pieces.tensors, strict=True):
         part = slice(slot.offset, slot.offset + slot.numel)
         layout = SliceLayout.of([slot.numel], groups=[slot.group])
@@ -98,14 +97,15 @@ def step_pieces(
                 param=master[part], grad=grad, scale=scale, states=slot_states, step=step, lr=lrs, layout=layout,
                 cast=None if cast is None else cast[part],
             )  # fmt: skip
-            if cast is not None:
-                cast[end : slot.offset].zero_()
-                end = slot.offset + slot.numel
             continue
         if scale != 1.0:
             grad.mul_(scale)
         optimizer.step(param=master[part], grad=grad, states=slot_states, step=step, lr=lrs, layout=layout)
     if cast is not None:
+        end = 0
+        for slot in sorted(unit.slots, key=lambda slot: slot.offset):
+            cast[end : slot.offset].zero_()
+            end = slot.offset + slot.numel
         cast[end:].zero_()
 
 
