@@ -60,8 +60,7 @@ class SpeculativeStep(BackwardStep):
             return
         landing = self._stage._landing  # GradLanding's: the path every gradient takes without pieces
         with landing(unit, final=True) as (shard, fresh, squares):
-            add_into(shard, [(slot.offset, t) for slot, t in zip(unit.slots, pieces.tensors, strict=True)],
-                     fresh=fresh, squares=squares)  # fmt: skip
+            add_into(shard, pieces.placed(unit), fresh=fresh, squares=squares)
 
     @property
     def kept_units(self) -> int:

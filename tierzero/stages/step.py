@@ -34,7 +34,7 @@ from tierzero.store.protocol import SliceStore
 from tierzero.units.unit import Unit
 
 __all__ = [
-    "BackwardStep", "ForwardStep", "HandOff", "Keep", "StepScalars", "Steppable", "converts_pieces", "run_step",
+    "BackwardStep", "ForwardStep", "HandOff", "Keep", "StepScalars", "Steppable", "converts_on_host", "run_step",
     "slice_group", "unit_step_tier",
 ]
 
@@ -357,7 +357,7 @@ def _step_unit(
         master, scratch = _master(stage, unit, fetched, tier)
         assert not scratch, "pieces are stage 3's, whose step fetches its master"
         states = {kind: fetched[kind] for kind in stage.optimizer.state_kinds}
-        converting = converts_pieces(stage, tier)
+        converting = converts_on_host(stage, tier)
         cast = stage.cast_slice(unit, master) if converting else None
         per_unit = stage.optimizer.per_unit and not converting
         optimizer = stage.optimizer.for_unit(unit, rank=stage.comm.rank, master=master) if per_unit else stage.optimizer
@@ -375,7 +375,7 @@ def _step_unit(
     in_place = source.dtype == torch.float32 and same_memory
     # A low-precision gradient in the memory of a host step is converted a chunk at a time by
     # the optimizer itself ([Note: the converting step] in optim/flat.py): no fp32 scratch slice.
-    converting = not in_place and same_memory and converts_pieces(stage, tier)
+    converting = not in_place and same_memory and converts_on_host(stage, tier)
     g = source if in_place or converting else store.allocate(
         kind=Kind.GRAD, numel=source.numel(), dtype=torch.float32, tier=tier, label=f"{unit.name} step"
     )
@@ -415,8 +415,8 @@ def _step_unit(
     return writes
 
 
-def converts_pieces(stage: Steppable, tier: Tier) -> bool:
-    """Whether a step in `tier` takes low-precision gradients (a slice, or pieces) through the converting step."""
+def converts_on_host(stage: Steppable, tier: Tier) -> bool:
+    """Whether a step in `tier` runs on the host by an optimizer widening a gradient as it reads it ([Note: the converting step])."""
     return _steps_on_host(stage, tier) and stage.optimizer.converts_gradients
 
 

@@ -30,7 +30,7 @@ from tierzero.native.squares import Squares
 from tierzero.stages.grads.held import HeldGrads
 from tierzero.stages.grads.norm import GradNorm, square_sum
 from tierzero.stages.grads.pieces import GradPieces
-from tierzero.stages.step import BackwardStep, computes_on_host, converts_pieces, unit_step_tier
+from tierzero.stages.step import BackwardStep, computes_on_host, converts_on_host, unit_step_tier
 from tierzero.units.unit import Unit
 
 __all__ = ["GradLanding", "add_into"]
@@ -127,7 +127,7 @@ class GradLanding:
         if job is None and (not self.shards_params or not self._on_host() or self.plan.staged(unit.name, Kind.GRAD)):
             return None  # held only by stage 3 without a GPU, and never in place of an NVMe home
         spec = self.plan.spec(unit.name, Kind.GRAD)
-        if spec.dtype != torch.float32 and not converts_pieces(self, unit_step_tier(self.homes, unit.name)):
+        if spec.dtype != torch.float32 and not converts_on_host(self, unit_step_tier(self.homes, unit.name)):
             return None  # a step that takes fp32 only: the slice widens them, or rounds (`precision.reduce_dtype`)
         if any(s.dtype != torch.float32 for s in self.plan.of(unit) if s.kind in (Kind.EXP_AVG, Kind.EXP_AVG_SQ)):
             return None  # compact moments step a window of whole blocks at a time, never a slot alone
@@ -144,8 +144,8 @@ class GradLanding:
             return False
         if self.grad_norm.enabled and all(piece.device.type == "cpu" for piece in pieces.tensors):
             squares = Squares()
-            for slot, piece in sorted(zip(unit.slots, pieces.tensors, strict=True), key=lambda pair: pair[0].offset):
-                squares.add(piece, slot.offset)
+            for offset, piece in pieces.placed(unit):
+                squares.add(piece, offset)
             self.grad_norm.add_sum(unit.name, squares.total)
         elif self.grad_norm.enabled:  # the estimate's meta tensors: no bits to keep
             self.grad_norm.add_sum(unit.name, sum(square_sum(piece) for piece in pieces.tensors))
@@ -156,7 +156,7 @@ class GradLanding:
         pieces = self.held_grads.take(unit.name)
         assert pieces is not None, unit.name
         with self.slice(unit, Kind.GRAD, write=True, unread=True) as shard:
-            add_into(shard, [(slot.offset, piece) for slot, piece in zip(unit.slots, pieces.tensors, strict=True)], fresh=True)
+            add_into(shard, pieces.placed(unit), fresh=True)
         unit.grads_stale = False
 
     def _on_host(self) -> bool:

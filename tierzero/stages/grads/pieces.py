@@ -11,7 +11,7 @@ memory home. Where the home holds no earlier sum (a stale NVMe home, `Unit.grads
 memory home nothing was added into since it was zeroed, `Unit.grads_zero`: one use and one
 micro-step) and the gradients are tensors of their own in the GRAD slice's dtype, one per
 parameter slot, the step takes them as they are. That dtype is fp32, or where the step runs
-on the host and widens a gradient as it reads it (`converts_pieces`), the compute dtype: a
+on the host and widens a gradient as it reads it (`converts_on_host`), the compute dtype: a
 bf16 model without a GPU, whose landing copy cost as much as the rest of the host's work
 beside the optimizer (`bench step-host --clip 0` at 100M: 1.55x a bare AdamW with the copy,
 1.25x without, session 36). It steps each slot as a slice of its own (the optimizer's bits
@@ -69,6 +69,11 @@ class GradPieces:
         if len(storages) != len(grads):
             return None
         return cls(tensors=tuple(grad.reshape(-1) for grad in grads), tier=tier, nbytes=nbytes)
+
+    def placed(self, unit: Unit) -> list[tuple[int, torch.Tensor]]:
+        """(offset in the unit's flat slice, piece), in the slice's order: what `add_into` lands, and the
+        order a slice's squares are counted in."""
+        return sorted(((slot.offset, piece) for slot, piece in zip(unit.slots, self.tensors, strict=True)), key=lambda p: p[0])
 
 
 def step_pieces(
