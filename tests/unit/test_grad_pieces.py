@@ -66,7 +66,7 @@ def test_pieces_are_taken_only_where_the_step_can_use_them_in_place() -> None:
 @pytest.mark.parametrize("scale", [1.0, 0.25])
 def test_stepping_each_slot_gives_the_flat_steps_bits(scale: float, converting: bool) -> None:
     # Two groups (decay and none), slots whose sizes leave vector tails, padding at the end, and the
-    # slots listed out of their offsets' order (the cast's gaps are found by offset).
+    # slots listed out of their offsets' order (each steps by its offset, whatever the list's order).
     unit = _unit((7, 5), (19,), (33,))
     unit.slots = tuple(dataclasses.replace(slot, group=1) if i == 1 else slot for i, slot in enumerate(unit.slots))[::-1]
     groups = (ParamGroup(lr=1e-2, weight_decay=0.1), ParamGroup(lr=1e-2, weight_decay=0.0))

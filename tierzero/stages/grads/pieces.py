@@ -91,8 +91,8 @@ def step_pieces(
 ) -> None:
     """Step each slot of `unit` as its own slice, its gradient the slot's piece: scaled in place by
     `scale`, or, `converting`, widened and scaled by the optimizer as it steps, which writes the new
-    parameters into `cast` on its way ([Note: the converting step] in optim/flat.py; the gaps between
-    the slots get the zeros a step over the flat slice would cast there)."""
+    parameters into `cast` on its way ([Note: the converting step] in optim/flat.py; the padding after
+    the slots gets the zeros a step over the flat slice would cast there)."""
     for slot, grad in zip(unit.slots, pieces.tensors, strict=True):
         part = slice(slot.offset, slot.offset + slot.numel)
         layout = SliceLayout.of([slot.numel], groups=[slot.group])
@@ -107,11 +107,7 @@ def step_pieces(
             grad.mul_(scale)
         optimizer.step(param=master[part], grad=grad, states=slot_states, step=step, lr=lrs, layout=layout)
     if cast is not None:
-        end = 0
-        for slot in sorted(unit.slots, key=lambda slot: slot.offset):
-            cast[end : slot.offset].zero_()
-            end = slot.offset + slot.numel
-        cast[end:].zero_()
+        cast[unit.numel :].zero_()  # the slots tile the slice's start (`plan_units`): the padding after them
 
 
 def book(store: SliceStore, pieces: GradPieces, *, held: bool) -> None:
