@@ -36,8 +36,9 @@ class TransferOutcome(Generic[T]):
 class _Finished(Future[TransferOutcome[Any]]):
     """A future born finished: a move with nothing to move (`Transfer.ready`), some 80 a step on the host.
     `Future()` builds a condition and its lock for waiters such a future never has; this one sets the
-    fields `Future`'s methods read, as `set_result` leaves them, and shares one condition: its methods
-    only hold it a moment to read the state, and a callback added runs at once."""
+    fields `Future`'s methods read, as `set_result` leaves them, and shares one condition for the methods
+    that still take it (a callback added runs at once). Its state never changes, so the questions asked of
+    every fetch, several a unit a step (`done`, `result`, `exception`), are answered without the lock."""
 
     _SHARED = threading.Condition()
 
@@ -48,6 +49,18 @@ class _Finished(Future[TransferOutcome[Any]]):
         self._exception = None
         self._waiters: list[Any] = []
         self._done_callbacks: list[Any] = []
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def result(self, timeout: float | None = None) -> TransferOutcome[Any]:
+        return self._result
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return None
 
 
 class Transfer(Generic[T]):

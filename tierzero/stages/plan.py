@@ -74,7 +74,8 @@ class Homes:
 
     def tier(self, unit: str, what: str) -> Tier:
         """Where `unit`'s slices of the field `what` (params, grads or optimizer) live."""
-        return self.units.get((unit, what), self._whole(what))
+        tier = self.units.get((unit, what))
+        return self._whole(what) if tier is None else tier
 
     def tiers(self, what: str) -> set[Tier]:
         """Every tier some unit's slices of the field `what` live on."""
@@ -115,13 +116,22 @@ class SlicePlan:
     """Each unit's slices on this rank, by unit name, in unit order."""
 
     specs: dict[str, tuple[SliceSpec, ...]]
+    _by_kind: dict[tuple[str, Kind], SliceSpec] = field(init=False, repr=False, compare=False)
+    """Each slice by (unit, kind): the hooks ask `home` and `spec` several times a unit a step."""
+
+    def __post_init__(self) -> None:
+        by_kind = {(unit, spec.kind): spec for unit, specs in self.specs.items() for spec in reversed(specs)}
+        object.__setattr__(self, "_by_kind", by_kind)  # reversed: a kind's first spec wins, as `next` found it
 
     def of(self, unit: Unit) -> tuple[SliceSpec, ...]:
         return self.specs[unit.name]
 
     def spec(self, unit: str, kind: Kind) -> SliceSpec:
         """`unit`'s slice of `kind`."""
-        return next(spec for spec in self.specs[unit] if spec.kind is kind)
+        found = self._by_kind.get((unit, kind))
+        if found is None:
+            raise KeyError(f"unit {unit!r} keeps no {kind.value} slice")
+        return found
 
     def dtype(self, unit: str, kind: Kind) -> torch.dtype:
         """The dtype of `unit`'s slice of `kind` (each unit has its own: see `plan_slices`)."""
@@ -129,7 +139,8 @@ class SlicePlan:
 
     def home(self, unit: str, kind: Kind) -> Tier | None:
         """Where `unit`'s slice of `kind` lives; None when the unit keeps none (a frozen unit's grads)."""
-        return next((spec.home for spec in self.specs[unit] if spec.kind is kind), None)
+        spec = self._by_kind.get((unit, kind))
+        return None if spec is None else spec.home
 
     def staged(self, unit: str, kind: Kind) -> bool:
         """Whether `unit`'s slice of `kind` lives where compute cannot use it in place (a tier whose

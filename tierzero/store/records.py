@@ -46,7 +46,8 @@ class SliceRecord:
         return self.home.nbytes
 
     def settle(self) -> None:
-        self.writes = [w for w in self.writes if not w.done()]
+        if self.writes:
+            self.writes = [w for w in self.writes if not w.done()]
         if self.state is SliceState.FETCHING and self.fetch is not None and self.fetch.done():
             self.state = SliceState.FETCHED
         if self.state is SliceState.WRITING and not self.writes:
