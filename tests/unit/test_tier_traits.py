@@ -96,5 +96,10 @@ def test_the_plan_stages_what_lives_outside_memory() -> None:
     plan = SlicePlan({"u0": (spec,), "u1": (SliceSpec(kind=Kind.PARAM, numel=8, dtype=torch.float32, home=Tier.CPU),)})
     assert plan.staged("u0", Kind.GRAD) and not plan.staged("u1", Kind.PARAM)
     assert not plan.staged("u1", Kind.GRAD)  # the unit keeps no gradient
+    assert plan.spec("u0", Kind.GRAD) is spec and plan.home("u1", Kind.GRAD) is None
+    with pytest.raises(KeyError, match="keeps no grad slice"):
+        plan.spec("u1", Kind.GRAD)
+    homes = Homes(grads=Tier.NVME, units={("u1", "grads"): Tier.CPU})
+    assert homes.tier("u1", "grads") is Tier.CPU and homes.tier("u0", "grads") is Tier.NVME
     assert plan.home_bytes(Tier.NVME) == 4096 and plan.home_bytes(Tier.CPU) == 4096
     assert Homes(grads=Tier.NVME, units={("u1", "grads"): Tier.CPU}).tiers("grads") == {Tier.NVME, Tier.CPU}
