@@ -46,7 +46,8 @@ def test_the_landing_writes_zeros_plus_each_piece_and_sums_its_squares_as_it_wri
                        expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))  # fmt: skip
     assert torch.equal(squares.total, square_sum(shard))  # the bits of counting it after the landing
     exact = sum(float(p.double().square().sum()) for _, p in pieces)
-    assert float(squares.total) == pytest.approx(exact, rel=1e-7)
+    rel = 1e-5 if dtype == torch.bfloat16 else 1e-7  # bf16 squares add up in fp32 lanes ([Note: the squares' order])
+    assert float(squares.total) == pytest.approx(exact, rel=rel)
 
 
 def test_a_landing_without_a_sum_writes_the_same_bits() -> None:
@@ -67,7 +68,8 @@ def test_a_host_slice_is_summed_in_the_squares_order_and_a_device_slice_in_one_d
         squares.add(t.to(dtype)[:5], 0)
         squares.add(t.to(dtype)[5:], 5)
         assert torch.equal(square_sum(t.to(dtype)), squares.total)
-        assert float(squares.total) == pytest.approx(float(t.to(dtype).double().square().sum()), rel=1e-7)
+        rel = 1e-7 if dtype == torch.float32 else 1e-5  # 16-bit squares add up in fp32 lanes
+        assert float(squares.total) == pytest.approx(float(t.to(dtype).double().square().sum()), rel=rel)
     meta = square_sum(torch.empty(10, dtype=torch.bfloat16, device="meta"))
     assert meta.device.type == "meta" and meta.dtype == torch.float32 and meta.dim() == 0
 

@@ -8,11 +8,13 @@ widened into fp32 first: on the 2-core VM the norm of 100M bf16 gradients took 5
 widening copies and dots, most of a bare AdamW's 69 ms. Here the order is this module's own:
 
 - a slice is cut into blocks of `BLOCK` elements from its start; in a block, element `i`
-  goes to lane `i % LANES`, and each lane adds its elements' squares in element order, in
-  fp64, from zero (the square of a bf16 or fp32 value is exact in fp64, so no rounding
-  happens before the sums): a block is 64 rows of `LANES`, added to the lanes row by row;
-- a block's sum is its lanes added in lane order from zero; the slice's total is the blocks'
-  sums added in block order from zero, rounded to fp32 once at the end.
+  goes to lane `i % lanes`, and each lane adds its elements' squares in element order, from
+  zero. fp32 values take `LANES` lanes in fp64; 16-bit values (bf16, fp16) `NARROW_LANES` lanes
+  in fp32: the square of a value with at most 11 significant bits has at most 22, exact in either
+  precision, so no rounding happens before the sums (a bf16 value past 1.8e19 squares to inf in
+  fp32, as its total would round to in fp32 anyway);
+- a block's sum is its lanes, in fp64, added in lane order from zero; the slice's total is the
+  blocks' sums added in block order from zero, rounded to fp32 once at the end.
 
 Each lane's sum is a chain of adds, so threads take whole blocks and the bits never depend on
 how many run. Elements may come in ranges of any size and start (`Squares.add(values, at)`),
@@ -22,9 +24,17 @@ writes it into the slice (`Squares.land`), gaps and all, with the bits of summin
 slice afterwards. Without the library the same order runs in torch's ops: the lanes take a
 block's rows one `addcmul_` at a time (for many blocks at once), a block's lanes are summed
 by a cumulative sum, a chain of adds in order, and the blocks' sums in Python's fp64 floats;
-at about ten times the native pass's cost. The native kernels are checked against that path on
-a probe before their first use, as every kernel here is ([Note: native kernels, torch's
-bits] in native/adam.py).
+at ten to forty times the native pass's cost.
+
+Why 128 fp32 lanes for 16-bit values: 128 lanes stay in eight registers while a block is read in
+element order, two blocks at a time, and this VM's cores read at the memory's speed only from
+more than one stream each (bench step-host, session 37: 12.5M bf16 values in 0.73 ms on two
+threads, against 0.97 ms for 1024 fp64 lanes, whose chunks read a block 64 rows at a time). The
+price: a lane of 512 squares in fp32 may lose about 512 of its roundings, so a bf16 slice's norm is
+within about 1e-5 of the exact one rather than 1e-7, far inside what clipping asks of it.
+
+The native kernels are checked against the torch path on a probe before their first use, as every
+kernel here is ([Note: native kernels, torch's bits] in native/adam.py).
 """
 
 from __future__ import annotations
@@ -39,17 +49,19 @@ import torch
 from tierzero.common.safe_files import say_once
 from tierzero.native.build import library
 
-__all__ = ["BLOCK", "LANES", "Squares"]
+__all__ = ["BLOCK", "LANES", "NARROW_LANES", "Squares", "lanes_of"]
 
 log = logging.getLogger(__name__)
 
 LANES = 1 << 10
+NARROW_LANES = 1 << 7
+"""Lanes a block for 16-bit values, in fp32 (fp32 values take `LANES`, in fp64)."""
 BLOCK = 1 << 16
 """Elements a block: the unit of a thread's share, aligned at the slice's start."""
 _TOTAL, _INDEX = LANES, LANES + 1
 """The state's slots past the lanes: the closed blocks' total, the current block's index."""
 _TORCH_BLOCKS = 16
-"""Whole blocks the torch path sums at a time: 8 MiB of fp64 values in a buffer kept per thread (`_wide`)."""
+"""Whole blocks the torch path sums at a time: 8 MiB of fp64 values (or 4 of fp32) in a buffer kept per thread (`_wide`)."""
 _buffers = threading.local()
 _NATIVE = (torch.bfloat16, torch.float32)
 
@@ -57,16 +69,18 @@ _NATIVE = (torch.bfloat16, torch.float32)
 class Squares:
     """The running sum of one slice's squares ([Note: the squares' order]), fed ranges in increasing order."""
 
-    __slots__ = ("_end", "_state")
+    __slots__ = ("_end", "_lanes", "_state")
 
     def __init__(self) -> None:
         self._state = torch.zeros(LANES + 2, dtype=torch.float64)
         self._end = 0
         """The element after the last range counted: the next range starts there or later."""
+        self._lanes: int | None = None
+        """The lanes the first range's dtype took: every range of a slice takes the same."""
 
     def add(self, values: torch.Tensor, at: int) -> None:
         """Count the squares of `values` (1-D, host), the slice's elements `at` to `at + values.numel()`."""
-        self._advance(at, values.numel())
+        self._advance(at, values)
         kernels = _kernels(values)
         if kernels is not None and values.is_contiguous():
             kernels[0](values.data_ptr(), values.numel(), at, self._state.data_ptr(), torch.get_num_threads())
@@ -78,20 +92,26 @@ class Squares:
         the squares of what it wrote, the slice's elements `at` on, in one pass where the kernels take them."""
         kernels = _kernels(src)
         if kernels is not None and src.dtype == out.dtype and src.is_contiguous() and out.is_contiguous():
-            self._advance(at, src.numel())
+            self._advance(at, src)
             ptrs = (src.data_ptr(), out.data_ptr())
             kernels[1](*ptrs, src.numel(), at, self._state.data_ptr(), torch.get_num_threads())
             return
         torch.add(src, 0.0, out=out)
         self.add(out, at)
 
-    def _advance(self, at: int, count: int) -> None:
+    def _advance(self, at: int, values: torch.Tensor) -> None:
+        count, (lanes, _) = values.numel(), lanes_of(values.dtype)
         if at < self._end:
             raise ValueError(
                 f"a slice's squares are counted in increasing order: elements {at}-{at + count} came after "
                 f"elements up to {self._end}; count each slice from its start, or start a new Squares"
             )
-        self._end = at + count
+        if self._lanes is not None and lanes != self._lanes:
+            raise ValueError(
+                f"a slice's squares are counted in one order: {values.dtype} values take {lanes} lanes after ranges "
+                f"that took {self._lanes}; count a slice's ranges in its own dtype"
+            )
+        self._end, self._lanes = at + count, lanes
 
     @property
     def total(self) -> torch.Tensor:
@@ -115,7 +135,7 @@ def _kernels(values: torch.Tensor) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] 
 
 
 def _lanes_sum(lanes: torch.Tensor) -> torch.Tensor:
-    """Each row of lanes added in lane order from zero, (blocks, LANES) -> (blocks,): a cumulative sum is
+    """Each row of lanes added in lane order from zero, (blocks, lanes) -> (blocks,): a cumulative sum is
     a chain of adds in order, the kernel's adds in fp64 (`_block_sum` for one block)."""
     return torch.cat([lanes.new_zeros(lanes.shape[0], 1), lanes], dim=1).cumsum(1)[:, -1]
 
@@ -140,24 +160,34 @@ def _close(state: torch.Tensor) -> None:
     state[:LANES] = 0.0
 
 
+def lanes_of(dtype: torch.dtype) -> tuple[int, torch.dtype]:
+    """(lanes a block, their precision) for values of `dtype` ([Note: the squares' order])."""
+    if dtype.is_floating_point and dtype.itemsize == 2:
+        return NARROW_LANES, torch.float32
+    return LANES, torch.float64
+
+
 def _add_rows(lanes: torch.Tensor, rows: torch.Tensor) -> None:
-    """`lanes` (..., LANES) += each row's squares in turn, rows along dim -2: a lane's adds in element order."""
+    """`lanes` (..., lanes) += each row's squares in turn, rows along dim -2: a lane's adds in element order."""
     for r in range(rows.shape[-2]):
         row = rows[..., r, :]
-        lanes.addcmul_(row, row)  # the square is exact in fp64: fused or not, one rounding, the add's
+        lanes.addcmul_(row, row)  # the square is exact in the lanes' precision: fused or not, one rounding, the add's
 
 
-def _wide() -> torch.Tensor:
-    """This thread's fp64 buffer for `_TORCH_BLOCKS` blocks, made once: a fresh one each call spent most
-    of the pass faulting its pages in (27 against 15 ms a 12.5M unit on the dev VM)."""
-    buffer = getattr(_buffers, "wide", None)
-    if buffer is None:
-        buffer = _buffers.wide = torch.empty(_TORCH_BLOCKS * BLOCK, dtype=torch.float64)
-    return buffer
+def _wide(dtype: torch.dtype) -> torch.Tensor:
+    """This thread's buffer of `dtype` for `_TORCH_BLOCKS` blocks, made once: a fresh one each call spent
+    most of the pass faulting its pages in (27 against 15 ms a 12.5M unit on the dev VM)."""
+    buffers = getattr(_buffers, "wide", None)
+    if buffers is None:
+        buffers = _buffers.wide = {}
+    if dtype not in buffers:
+        buffers[dtype] = torch.empty(_TORCH_BLOCKS * BLOCK, dtype=dtype)
+    return buffers[dtype]
 
 
 def _add_torch(values: torch.Tensor, at: int, state: torch.Tensor) -> None:
-    """`Squares.add` in torch's ops, a group of blocks at a time in fp64."""
+    """`Squares.add` in torch's ops, a group of blocks at a time in the lanes' precision."""
+    count_lanes, precision = lanes_of(values.dtype)
     pos, end = at, at + values.numel()
     while pos < end:
         block = pos // BLOCK
@@ -167,28 +197,30 @@ def _add_torch(values: torch.Tensor, at: int, state: torch.Tensor) -> None:
         if pos % BLOCK == 0 and end - pos >= BLOCK:
             # Whole blocks, none of whose elements came before: summed apart, added in block order.
             count = min((end - pos) // BLOCK, _TORCH_BLOCKS)
-            lanes = torch.zeros(count, LANES, dtype=torch.float64)
-            rows = _wide()[: count * BLOCK].copy_(values[pos - at : pos - at + count * BLOCK])
-            _add_rows(lanes, rows.view(count, BLOCK // LANES, LANES))
+            lanes = torch.zeros(count, count_lanes, dtype=precision)
+            rows = _wide(precision)[: count * BLOCK].copy_(values[pos - at : pos - at + count * BLOCK])
+            _add_rows(lanes, rows.view(count, BLOCK // count_lanes, count_lanes))
             total = state[_TOTAL].item()
-            for block_sum in _lanes_sum(lanes).tolist():
+            for block_sum in _lanes_sum(lanes.double()).tolist():
                 total += block_sum
             state[_TOTAL] = total
             pos += count * BLOCK
             state[_INDEX] = pos // BLOCK
             continue
         stop = min(end, (block + 1) * BLOCK)
-        head = pos % LANES
-        part = values[pos - at : stop - at].double()
-        padded = torch.cat([part.new_zeros(head), part, part.new_zeros(-(head + part.numel()) % LANES)])
-        _add_rows(state[:LANES], padded.view(-1, LANES))
+        head = pos % count_lanes
+        part = values[pos - at : stop - at].to(precision)
+        padded = torch.cat([part.new_zeros(head), part, part.new_zeros(-(head + part.numel()) % count_lanes)])
+        lanes = state[:count_lanes].to(precision)  # fp32 lanes kept in fp64: exact both ways
+        _add_rows(lanes, padded.view(-1, count_lanes))
+        state[:count_lanes] = lanes
         pos = stop
 
 
 @functools.cache
 def _checked() -> ctypes.CDLL | None:
-    """The library, once its sums gave the torch path's bits on a probe: every bf16 value, random fp32
-    ones, ranges that start off a lane and cross blocks, on one thread and on two."""
+    """The library, once its sums gave the torch path's bits on a probe: every bf16 value, random bf16 and
+    fp32 ones, ranges that start off a lane and cross blocks, on one thread and on two."""
     lib = library()
     if lib is None:
         return None
@@ -202,7 +234,8 @@ def _checked() -> ctypes.CDLL | None:
     words = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
     finite = words.view(torch.bfloat16).isfinite()
     probes = (
-        words.view(torch.bfloat16)[finite].repeat(5)[: 5 * BLOCK + 77],
+        words.view(torch.bfloat16)[finite].repeat(5)[: 5 * BLOCK + 77],  # the largest square to inf in fp32 lanes
+        torch.randn(5 * BLOCK + 77, generator=generator).to(torch.bfloat16),  # finite lanes, to the bit
         torch.randn(4 * BLOCK + 1001, generator=generator).mul_(1e3),
     )
     for values in probes:

@@ -7,7 +7,7 @@ its squares at the moment its summed slice is in hand anyway: right after its la
 reduce-scatter lands (stages 2, 3) or its scatter is copied in (stage 1).
 
 A host slice's squares are summed in the order [Note: the squares' order] (native/squares.py)
-writes down: fp64 lanes, blocks that threads share, natively in one pass at memory speed where
+writes down: exact squares in lanes, blocks that threads share, natively in one pass at memory speed where
 the library is built. The landing of a fresh slice (`add_into` in grads/landing.py) sums each
 gradient as it writes it (`Squares.land`), with the bits of summing the landed slice
 afterwards, one read of the gradient fewer. A device's slice is summed in one dot: its kernels
