@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -76,6 +77,52 @@ def test_the_kernel_gives_the_bits_of_torchs_fused_kernel(
     assert not torch.equal(ours[0], start)  # it stepped
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cast", [False, True])
+def test_a_units_slots_in_one_call_give_the_bits_of_torchs_kernel_on_each_slot(grad_dtype: torch.dtype, cast: bool) -> None:
+    """Slots of odd sizes, one across the threads' split, each with its learning rate and weight decay
+    (two parameter groups), stepped by `step_slots` against torch's kernel on each slot alone."""
+    kernel = _kernel()
+    sizes = [LANES + 3, 1, 3 * 65536 + 5, 7, 1000]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    p, _, m, v = _inputs(sum(sizes) + 11, seed=7, grad_dtype=torch.float32)  # 11 elements of padding after the slots
+    grads = [_inputs(k, seed=100 + k, grad_dtype=grad_dtype)[1] for k in sizes]
+    lrs, decays = [3e-3, 1e-3, 3e-3, 1e-3, 3e-3], [0.1, 0.0, 0.1, 0.0, 0.1]
+    ours, theirs = [p.clone(), m.clone(), v.clone()], [p.clone(), m.clone(), v.clone()]
+    out = torch.full(p.shape, float("nan"), dtype=torch.bfloat16) if cast else None
+    for step in (1, 2):
+        kernel.step_slots(
+            ours[0], grads, offsets, ours[1], ours[2], step=step, lrs=lrs, weight_decays=decays, betas=(0.9, 0.999),
+            eps=1e-8, adamw=True, lanes=LANES, scale=0.37, cast=out,
+        )  # fmt: skip
+        for offset, grad, lr, decay in zip(offsets, grads, lrs, decays, strict=True):
+            part = slice(offset, offset + grad.numel())
+            torch._fused_adamw_(
+                [theirs[0][part]], [grad.to(torch.float32, copy=True).mul_(0.37)], [theirs[1][part]], [theirs[2][part]], [],
+                [torch.tensor(float(step))], lr=lr, beta1=0.9, beta2=0.999, weight_decay=decay, eps=1e-8, amsgrad=False,
+                maximize=False,
+            )  # fmt: skip
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert torch.equal(ours[0][-11:], p[-11:]), "the padding after the slots is left alone"
+    if out is not None:
+        stepped = sum(sizes)
+        assert torch.equal(out[:stepped].view(torch.int16), theirs[0][:stepped].to(torch.bfloat16).view(torch.int16))
+        assert out[stepped:].isnan().all()
+
+
+def test_the_slots_call_refuses_mixed_gradients_and_slots_outside_the_parameter() -> None:
+    kernel = _kernel()
+    p, grad, m, v = _inputs(100, seed=0, grad_dtype=torch.float32)
+    common = {"step": 1, "lrs": [1e-3] * 2, "weight_decays": [0.0] * 2, "betas": (0.9, 0.999), "eps": 1e-8, "adamw": True, "lanes": LANES}
+    with pytest.raises(ValueError, match="must share one dtype"):
+        kernel.step_slots(p, [grad[:50], grad[50:].bfloat16()], [0, 50], m, v, **common)
+    with pytest.raises(ValueError, match="a slot of 60 elements at 50 outside a parameter of 100"):
+        kernel.step_slots(p, [grad[:50], grad[:60]], [0, 50], m, v, **common)
+    with pytest.raises(ValueError, match="2 gradients, 1 offsets"):
+        kernel.step_slots(p, [grad[:50], grad[50:]], [0], m, v, **common)
+
+
 def test_it_refuses_tensors_of_other_sizes_and_declines_what_it_does_not_build() -> None:
     kernel = _kernel()
     p, grad, m, v = _inputs(100, seed=0, grad_dtype=torch.float32)
@@ -94,19 +141,22 @@ def _train(steps: int = 3) -> tuple[dict[str, torch.Tensor], int]:
     """A few clipped bf16 steps of a small GPT with every state in host memory; the weights and the
     number of native calls."""
     calls = 0
-    step = NativeAdam.step
 
-    def counted(self: NativeAdam, *args: object, **kwargs: object) -> None:
-        nonlocal calls
-        calls += 1
-        step(self, *args, **kwargs)  # type: ignore[arg-type]
+    def counted(method: Any) -> Any:
+        def call(self: NativeAdam, *args: object, **kwargs: object) -> None:
+            nonlocal calls
+            calls += 1
+            method(self, *args, **kwargs)
+
+        return call
 
     cfg = {
         "zero": {"stage": 3}, "optimizer": {"type": "adamw", "lr": 1e-3, "weight_decay": 0.1}, "gradient_clipping": 0.5,
         "precision": {"param_dtype": "bf16"}, "offload": {"params": "cpu", "gradients": "cpu", "optimizer": "cpu"},
     }  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(NativeAdam, "step", counted)
+        mp.setattr(NativeAdam, "step", counted(NativeAdam.step))
+        mp.setattr(NativeAdam, "step_slots", counted(NativeAdam.step_slots))
         with tierzero.initialize(wide_gpt(), cfg) as engine:
             for i in range(steps):
                 ids = torch.randint(0, SPEC.vocab_size, (2, 12), generator=torch.Generator().manual_seed(i))

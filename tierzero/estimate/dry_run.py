@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,6 +181,10 @@ class _CountedOptimizer:
     def step_converting(self, *, param: torch.Tensor, **kwargs: Any) -> None:
         self._store.stepped(param.numel())
         self._optimizer.step_converting(param=param, **kwargs)
+
+    def step_converting_slots(self, *, grads: Sequence[tuple[int, torch.Tensor, int]], **kwargs: Any) -> None:
+        self._store.stepped(sum(grad.numel() for _, grad, _ in grads))
+        self._optimizer.step_converting_slots(grads=grads, **kwargs)
 
 
 def _replay(

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "adam_math.h"
 #include "common.h"
@@ -101,6 +102,36 @@ void tz_adam(float* param, const void* grad, int grad_bf16, float scale, float* 
                             : (scaled ? pick_cast<float, true>(cast) : pick_cast<float, false>(cast));
   parallel(n, threads, 64, [&](int64_t lo, int64_t hi) {
     run(param, grad, scale, exp_avg, exp_avg_sq, cast, lo, hi, vector_end, h);
+  });
+}
+
+// The parameter slots of one unit's slice in one call: slot s is the elements [offsets[s], offsets[s] +
+// numels[s]) of param, exp_avg, exp_avg_sq and cast, its gradient a tensor of its own, grads[s], its
+// vector lanes up to vector_ends[s] (from the slot's start), its learning rate and weight decay lrs[s]
+// and weight_decays[s]. Each element is stepped as tz_adam steps its slot alone, so the bits are the
+// same; the threads share the slots' elements, started once for all of them.
+void tz_adam_slots(float* param, float* exp_avg, float* exp_avg_sq, uint16_t* cast, int64_t slots,
+                   const void* const* grads, const int64_t* offsets, const int64_t* numels,
+                   const int64_t* vector_ends, const double* lrs, const double* weight_decays, int grad_bf16,
+                   float scale, int adamw, double beta1, double beta2, double eps, double step, int threads) {
+  std::vector<int64_t> starts(slots + 1, 0);  // slot s's first element in the slots laid end to end
+  std::vector<AdamHypers> hypers(slots);
+  for (int64_t s = 0; s < slots; ++s) {
+    starts[s + 1] = starts[s] + numels[s];
+    hypers[s] = tz::adam_hypers(adamw != 0, lrs[s], beta1, beta2, weight_decays[s], eps, step);
+  }
+  bool scaled = scale != 1.0f;
+  AdamRange run = grad_bf16 ? (scaled ? pick_cast<uint16_t, true>(cast) : pick_cast<uint16_t, false>(cast))
+                            : (scaled ? pick_cast<float, true>(cast) : pick_cast<float, false>(cast));
+  parallel(starts[slots], threads, 64, [&](int64_t lo, int64_t hi) {
+    int64_t s = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
+    for (; s < slots && starts[s] < hi; ++s) {
+      int64_t a = std::max(lo, starts[s]) - starts[s], b = std::min(hi, starts[s + 1]) - starts[s];
+      if (a >= b) continue;
+      int64_t o = offsets[s];
+      run(param + o, grads[s], scale, exp_avg + o, exp_avg_sq + o, cast ? cast + o : nullptr, a, b, vector_ends[s],
+          hypers[s]);
+    }
   });
 }
 

@@ -25,6 +25,7 @@ import ctypes
 import functools
 import itertools
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -52,15 +53,24 @@ def takes_host_step(param: torch.Tensor, grad: torch.Tensor, *, beta1: float, ca
     )  # fmt: skip
 
 
-class NativeAdam:
-    """`tz_adam` over torch tensors: one contiguous host slice a call."""
+_SLOTS_ARGTYPES = (
+    [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    + [ctypes.c_double] * 4 + [ctypes.c_int]
+)  # fmt: skip
 
-    __slots__ = ("_fn",)
+
+class NativeAdam:
+    """`tz_adam` over torch tensors: one contiguous host slice a call, or a unit's slots in one (`step_slots`)."""
+
+    __slots__ = ("_fn", "_slots_fn")
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.tz_adam
         self._fn.argtypes = _ARGTYPES
         self._fn.restype = None
+        self._slots_fn = lib.tz_adam_slots
+        self._slots_fn.argtypes = _SLOTS_ARGTYPES
+        self._slots_fn.restype = None
 
     supports = staticmethod(takes_host_step)
 
@@ -94,6 +104,52 @@ class NativeAdam:
             param.data_ptr(), grad.data_ptr(), int(grad.dtype == torch.bfloat16), scale, exp_avg.data_ptr(),
             exp_avg_sq.data_ptr(), None if cast is None else cast.data_ptr(), n, n - n % lanes, int(adamw), lr,
             betas[0], betas[1], weight_decay, eps, float(step), torch.get_num_threads(),
+        )  # fmt: skip
+
+
+    def step_slots(
+        self,
+        param: torch.Tensor,
+        grads: Sequence[torch.Tensor],
+        offsets: Sequence[int],
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        *,
+        step: int,
+        lrs: Sequence[float],
+        weight_decays: Sequence[float],
+        betas: tuple[float, float],
+        eps: float,
+        adamw: bool,
+        lanes: int,
+        scale: float = 1.0,
+        cast: torch.Tensor | None = None,
+    ) -> None:
+        """`step` of each slot `param[offsets[i]:offsets[i] + grads[i].numel()]` with its own gradient `grads[i]`,
+        learning rate and weight decay, in one call: the bits of a `step` a slot, the threads started once."""
+        n = param.numel()
+        if not (len(grads) == len(offsets) == len(lrs) == len(weight_decays)):
+            raise ValueError(f"native Adam: {len(grads)} gradients, {len(offsets)} offsets, {len(lrs)} rates, {len(weight_decays)} decays")
+        for t in (exp_avg, exp_avg_sq) + (() if cast is None else (cast,)):
+            if t.numel() != n:
+                raise ValueError(f"native Adam: a tensor of {t.numel()} elements beside a parameter of {n}")
+        for t in (exp_avg, exp_avg_sq):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"native Adam: moments must be contiguous host fp32, got {t.dtype} on {t.device}")
+        dtypes = {grad.dtype for grad in grads}
+        if len(dtypes) > 1:
+            raise ValueError(f"native Adam: the slots' gradients must share one dtype, got {sorted(map(str, dtypes))}")
+        numels = [grad.numel() for grad in grads]
+        for offset, numel in zip(offsets, numels, strict=True):
+            if offset < 0 or offset + numel > n:
+                raise ValueError(f"native Adam: a slot of {numel} elements at {offset} outside a parameter of {n}")
+        count = len(grads)
+        self._slots_fn(
+            param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), None if cast is None else cast.data_ptr(), count,
+            (ctypes.c_void_p * count)(*(grad.data_ptr() for grad in grads)), (ctypes.c_int64 * count)(*offsets),
+            (ctypes.c_int64 * count)(*numels), (ctypes.c_int64 * count)(*(k - k % lanes for k in numels)),
+            (ctypes.c_double * count)(*lrs), (ctypes.c_double * count)(*weight_decays),
+            int(torch.bfloat16 in dtypes), scale, int(adamw), betas[0], betas[1], eps, float(step), torch.get_num_threads(),
         )  # fmt: skip
 
 
@@ -140,4 +196,29 @@ def _same_bits(native: NativeAdam, lanes: int, *, adamw: bool, bf16: bool, scale
             return False
         if out is not None and not torch.equal(out.view(torch.int16), theirs[0].to(torch.bfloat16).view(torch.int16)):
             return False
-    return True
+    return _same_slot_bits(native, lanes, adamw=adamw, bf16=bf16, scale=scale, cast=cast)
+
+
+def _same_slot_bits(native: NativeAdam, lanes: int, *, adamw: bool, bf16: bool, scale: float, cast: bool) -> bool:
+    """Two slots with tails of their own through `step_slots` and torch's kernel over the two tensors, bit for bit."""
+    gen = torch.Generator().manual_seed(20261206)
+    sizes = (3 * lanes + 1, 5 * lanes + lanes - 1)
+    n = sum(sizes)
+    p, m, v = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2, torch.rand(n, generator=gen) * 1e-4
+    ours = [p.clone(), m.clone(), v.clone()]
+    grads = [torch.randn(k, generator=gen).to(torch.bfloat16 if bf16 else torch.float32) for k in sizes]
+    wide = [g.to(torch.float32, copy=True).mul_(scale) for g in grads]
+    split = [t.split(sizes) for t in (p, m, v)]
+    kernel = torch._fused_adamw_ if adamw else torch._fused_adam_
+    kernel(
+        list(split[0]), wide, list(split[1]), list(split[2]), [], [torch.tensor(2.0)] * 2, lr=1e-3, beta1=0.9,
+        beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
+    )  # fmt: skip
+    out = torch.empty(n, dtype=torch.bfloat16) if cast else None
+    native.step_slots(
+        ours[0], grads, [0, sizes[0]], ours[1], ours[2], step=2, lrs=[1e-3] * 2, weight_decays=[0.1] * 2,
+        betas=(0.9, 0.999), eps=1e-8, adamw=adamw, lanes=lanes, scale=scale, cast=out,
+    )  # fmt: skip
+    if not all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(ours, (p, m, v), strict=True)):
+        return False
+    return out is None or torch.equal(out.view(torch.int16), p.to(torch.bfloat16).view(torch.int16))

@@ -152,6 +152,26 @@ class FlatOptimizer(ABC):
         that receives the new parameters, each chunk as soon as it is stepped."""
         raise NotImplementedError(f"{type(self).__name__} steps fp32 gradients only: pass one to `step`")
 
+    def step_converting_slots(
+        self,
+        *,
+        param: torch.Tensor,
+        grads: Sequence[tuple[int, torch.Tensor, int]],
+        scale: float,
+        states: Mapping[Kind, torch.Tensor],
+        step: int,
+        lr: Sequence[float],
+        cast: torch.Tensor | None = None,
+    ) -> None:
+        """`step_converting` of each (offset, gradient, group) of `grads` as a slice of its own: a unit's
+        parameter slots, each gradient one of autograd's tensors ([Note: gradient pieces] in stages/grads/pieces.py)."""
+        for offset, grad, group in grads:
+            part = slice(offset, offset + grad.numel())
+            self.step_converting(
+                param=param[part], grad=grad, scale=scale, states={kind: state[part] for kind, state in states.items()},
+                step=step, lr=lr, layout=SliceLayout.of([grad.numel()], groups=[group]), cast=None if cast is None else cast[part],
+            )  # fmt: skip
+
     def _hypers(self, step: int, lr: float | Sequence[float], layout: SliceLayout | None) -> list[ParamGroup]:
         if step < 1:
             raise ValueError(f"optimizer step numbers start at 1, got {step}: pass the 1-based count of updates")

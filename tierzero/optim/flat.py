@@ -134,6 +134,35 @@ class FlatAdam(FlatOptimizer):
             for a, b, _ in scratch if cast is not None else ():
                 cast[a:b].copy_(param[a:b])
 
+    def step_converting_slots(
+        self,
+        *,
+        param: torch.Tensor,
+        grads: Sequence[tuple[int, torch.Tensor, int]],
+        scale: float,
+        states: Mapping[Kind, torch.Tensor],
+        step: int,
+        lr: Sequence[float],
+        cast: torch.Tensor | None = None,
+    ) -> None:
+        """Where the native kernel takes every slot, one call steps them all (native/adam.py `step_slots`),
+        with the bits of a `step_converting` a slot and the threads started once for the unit."""
+        tensors = [grad for _, grad, _ in grads]
+        native = None if self.moments.compact or not tensors else _native_for([param], tensors[:1], self.spec.betas[0], cast)
+        if native is None or not all(g.dtype == tensors[0].dtype and g.device.type == "cpu" and g.is_contiguous() for g in tensors):
+            super().step_converting_slots(param=param, grads=grads, scale=scale, states=states, step=step, lr=lr, cast=cast)
+            return
+        hypers = self._hypers(step, lr, None)
+        check_slice(OptimSlice(param=param, grad=param, states=states), self.state_kinds, self.moments)
+        if cast is not None and (cast.numel() != param.numel() or cast.device != param.device):
+            raise ValueError(f"cast must be a slice of the param's size and device, got {tuple(cast.shape)} on {cast.device}")
+        native.step_slots(
+            param, tensors, [offset for offset, _, _ in grads], states[Kind.EXP_AVG], states[Kind.EXP_AVG_SQ], step=step,
+            lrs=[hypers[group].lr for _, _, group in grads], weight_decays=[hypers[group].weight_decay for _, _, group in grads],
+            betas=self.spec.betas, eps=self.spec.eps, adamw=self.spec.type is OptimizerType.ADAMW, lanes=cpu_vector_width(),
+            scale=scale, cast=cast,
+        )  # fmt: skip
+
     def _step_compact(
         self, s: OptimSlice, *, grad: torch.Tensor, scale: float, step: int, hypers: Sequence[ParamGroup],
         cast: torch.Tensor | None = None,

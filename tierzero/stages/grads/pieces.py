@@ -17,7 +17,10 @@ beside the optimizer (`bench step-host --clip 0` at 100M: 1.55x a bare AdamW wit
 1.25x without, session 36). It steps each slot as a slice of its own (the optimizer's bits
 do not change, see [Note: vector lanes and scalar tails]: a slot is one of the unit's
 original tensors), the flat slice's padding, whose gradient is zero, keeps its zero
-parameters and states as a step over it would, and the home is left as it was. The store
+parameters and states as a step over it would, and the home is left as it was. Where the
+native kernel takes them, a converting step runs all of a unit's slots in one call
+(`FlatOptimizer.step_converting_slots`, native/adam.py `step_slots`): a call and its checks a
+slot had cost more than a small slot's arithmetic. The store
 books the pieces' bytes as scratch while the step holds them, as a flat slice of the unit's
 in the tier the step reads the gradient from (held beside a memory home until the step).
 The estimate's dry run takes pieces as the engine does (its meta tensors told apart by
@@ -93,19 +96,19 @@ def step_pieces(
     `scale`, or, `converting`, widened and scaled by the optimizer as it steps, which writes the new
     parameters into `cast` on its way ([Note: the converting step] in optim/flat.py; the padding after
     the slots gets the zeros a step over the flat slice would cast there)."""
-    for slot, grad in zip(unit.slots, pieces.tensors, strict=True):
-        part = slice(slot.offset, slot.offset + slot.numel)
-        layout = SliceLayout.of([slot.numel], groups=[slot.group])
-        slot_states = {kind: state[part] for kind, state in states.items()}
-        if converting:
-            optimizer.step_converting(
-                param=master[part], grad=grad, scale=scale, states=slot_states, step=step, lr=lrs, layout=layout,
-                cast=None if cast is None else cast[part],
+    if converting:
+        slots = [(slot.offset, grad, slot.group) for slot, grad in zip(unit.slots, pieces.tensors, strict=True)]
+        optimizer.step_converting_slots(param=master, grads=slots, scale=scale, states=states, step=step, lr=lrs, cast=cast)
+    else:
+        for slot, grad in zip(unit.slots, pieces.tensors, strict=True):
+            part = slice(slot.offset, slot.offset + slot.numel)
+            layout = SliceLayout.of([slot.numel], groups=[slot.group])
+            if scale != 1.0:
+                grad.mul_(scale)
+            optimizer.step(
+                param=master[part], grad=grad, states={kind: state[part] for kind, state in states.items()}, step=step,
+                lr=lrs, layout=layout,
             )  # fmt: skip
-            continue
-        if scale != 1.0:
-            grad.mul_(scale)
-        optimizer.step(param=master[part], grad=grad, states=slot_states, step=step, lr=lrs, layout=layout)
     if cast is not None:
         cast[unit.numel :].zero_()  # the slots tile the slice's start (`plan_units`): the padding after them
 
