@@ -170,3 +170,50 @@ def test_small_fp32_parameters_join_the_roots_after_its_own() -> None:
     assert list(names) == ["blocks.0", "blocks.1", ROOT, "root:fp32", "root:fp32:frozen"]
     assert names["root:fp32"] == ["embed.weight", "blocks.0.norm.weight", "blocks.0.norm.bias", "blocks.1.norm.weight"]
     assert names["root:fp32:frozen"] == ["blocks.1.norm.bias"]
+
+
+def _same_views(ours: tuple[torch.Tensor, ...], theirs: list[torch.Tensor], flat: torch.Tensor) -> bool:
+    return all(
+        a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr() and a._base is flat
+        for a, b in zip(ours, theirs, strict=True)
+    ) and len(ours) == len(theirs)
+
+
+def test_a_units_views_are_each_slots_view_of_the_buffer() -> None:
+    unit = plan_units(TinyLM(width=8), world_size=2, align_numel=4)[0]
+    flat = torch.arange(unit.padded_numel, dtype=torch.bfloat16)
+    assert _same_views(unit.views(flat), [slot.view(flat) for slot in unit.slots], flat)
+    inner = flat.new_zeros(unit.padded_numel + 5)[5:]  # a buffer that starts inside its storage
+    assert _same_views(unit.views(inner), [slot.view(inner) for slot in unit.slots], inner._base)
+
+
+def test_a_unit_with_an_empty_parameter_or_slots_out_of_order_gets_each_slots_own_view() -> None:
+    model = TinyLM(width=8)
+    model.blocks[0].fc.bias = nn.Parameter(torch.empty(0))
+    unit = plan_units(model, world_size=1)[0]
+    flat = torch.zeros(unit.padded_numel)
+    views = unit.views(flat)
+    assert [v.shape for v in views] == [slot.shape for slot in unit.slots]
+    assert all(v.data_ptr() == s.view(flat).data_ptr() for v, s in zip(views, unit.slots, strict=True))
+    reordered = plan_units(TinyLM(width=8), world_size=1)[0]
+    reordered.slots = tuple(reversed(reordered.slots))
+    flat = torch.zeros(reordered.padded_numel)
+    assert [v.data_ptr() for v in reordered.views(flat)] == [s.view(flat).data_ptr() for s in reordered.slots]
+
+
+def test_a_binding_sets_a_plain_tensor_and_respects_a_modules_own_setattr() -> None:
+    seen: list[str] = []
+
+    class Watched(nn.Linear):
+        def __setattr__(self, name: str, value: object) -> None:
+            seen.append(name)
+            super().__setattr__(name, value)
+
+    plain, watched = nn.Linear(2, 2), Watched(2, 2)
+    seen.clear()
+    for module in (plain, watched):
+        del module._parameters["weight"]
+        value = torch.ones(2, 2)
+        units_module.Binding(module=module, attr="weight", name="weight").set(value)
+        assert module.weight is value and "weight" not in module._parameters
+    assert seen == ["weight"]

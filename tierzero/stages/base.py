@@ -248,7 +248,7 @@ class Stage(GradLanding, ABC):
         if torch.is_grad_enabled():
             self.bind_params(unit, counts_as_use=not recomputing())
         else:
-            bind(unit, [slot.view(unit.gathered).detach() for slot in unit.slots])
+            bind(unit, unit.views(unit.gathered.detach()))
 
     def bind_params(self, unit: Unit, *, counts_as_use: bool) -> None:
         """Bind views of the gathered buffer whose gradients reach `post_backward` (plain views for a frozen unit).
@@ -259,7 +259,7 @@ class Stage(GradLanding, ABC):
         """
         if not unit.trainable:
             assert unit.gathered is not None
-            bind(unit, [slot.view(unit.gathered).detach() for slot in unit.slots])
+            bind(unit, unit.views(unit.gathered.detach()))
             return
         if counts_as_use:
             unit.pending_uses += 1

@@ -43,7 +43,7 @@ class UnitParams(torch.autograd.Function):
     def forward(ctx: Any, anchor: torch.Tensor, stage: GradientReceiver, unit: Unit) -> tuple[torch.Tensor, ...]:
         ctx.stage, ctx.unit = stage, unit
         assert unit.gathered is not None
-        return tuple(slot.view(unit.gathered) for slot in unit.slots)
+        return unit.views(unit.gathered)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, None, None]:
@@ -57,7 +57,7 @@ def bind(unit: Unit, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> 
     """Set each slot's tensor on every module attribute that names it."""
     for slot, tensor in zip(unit.slots, tensors, strict=True):
         for b in slot.bindings:
-            setattr(b.module, b.attr, tensor)
+            b.set(tensor)
 
 
 def unregister_params(unit: Unit) -> None:

@@ -38,10 +38,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._utils import _unflatten_dense_tensors
 
 from tierzero.common.slices import IO_ALIGNMENT, align_up
 
 ROOT = "root"
+_MODULE_SETATTR = nn.Module.__setattr__
 #: Appended to a module's unit name to name the unit of its frozen parameters.
 FROZEN_SUFFIX = ":frozen"
 #: Appended to a module's unit name to name the unit of its parameters kept in fp32 (`precision.autocast`).
@@ -67,6 +69,15 @@ class Binding:
     module: nn.Module
     attr: str
     name: str
+
+    def set(self, value: torch.Tensor) -> None:
+        """`setattr(module, attr, value)` for a plain tensor where the parameter was unregistered: past
+        `nn.Module.__setattr__`'s checks (which end in object's own setattr for it) unless the module's
+        class sets attributes its own way. Engines bind every slot twice a step."""
+        if type(self.module).__setattr__ is _MODULE_SETATTR:
+            object.__setattr__(self.module, self.attr, value)
+        else:
+            setattr(self.module, self.attr, value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +126,25 @@ class Unit:
     """The GRAD slice's home, in memory, holds zeros: registered or zeroed, and written since by
     nothing. Its complete gradient may then go to a step in backward as autograd left it, the home
     left as it is ([Note: gradient pieces])."""
+    _templates: tuple[tuple[ParamSlot, ...], list[torch.Tensor] | None] | None = field(default=None, init=False, repr=False)
+    """`views`' shapes, for the slots they were made for (None: the slots do not lie end to end)."""
 
     @property
     def shard_numel(self) -> int:
         return self.padded_numel // self.world_size
+
+    def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One view of `flat` (a full buffer of the unit's) per slot, shaped as its parameter: `ParamSlot.view`
+        of each, made in one call where the slots lie end to end from the start, as `plan_units` lays them."""
+        cached = self._templates
+        if cached is None or cached[0] is not self.slots:
+            # End to end, and no empty slot: the one call gives an empty parameter a tensor of its own, not a view.
+            tiled = all(slot.numel and slot.offset == sum(s.numel for s in self.slots[:i]) for i, slot in enumerate(self.slots))
+            templates = [torch.empty(slot.shape, device="meta") for slot in self.slots] if tiled else None
+            self._templates = cached = (self.slots, templates)
+        if cached[1] is None:
+            return tuple(slot.view(flat) for slot in self.slots)
+        return tuple(_unflatten_dense_tensors(flat, cached[1]))
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         start = rank * self.shard_numel
