@@ -121,6 +121,40 @@ def test_the_landing_writes_torchs_bits_and_sums_what_it_wrote(library: bool, mo
     assert _summed(special, [], land=True)[0].isnan()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("library", [True, False], ids=["native", "torch"])
+def test_pieces_in_one_call_sum_as_each_range_alone(dtype: torch.dtype, library: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A unit's gradient pieces: tensors of their own, at offsets with gaps, across blocks and inside one."""
+    if library and shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    if not library:
+        monkeypatch.setattr(squares_module, "_checked", lambda: None)
+    values = _values(dtype, 4 * BLOCK + 301, seed=3)
+    ranges = ((0, 7), (9, BLOCK + 3), (BLOCK + 3, BLOCK + 40), (2 * BLOCK - 5, 4 * BLOCK + 300))
+    pieces = [(lo, values[lo:hi].clone()) for lo, hi in ranges]
+    one_by_one = Squares()
+    for at, piece in pieces:
+        one_by_one.add(piece, at)
+    together = Squares()
+    together.add_pieces(pieces)
+    assert torch.equal(together.total, one_by_one.total)
+    gapped = values.clone()
+    gapped[7:9] = 0
+    gapped[BLOCK + 40 : 2 * BLOCK - 5] = 0
+    gapped[-1] = 0
+    assert torch.equal(together.total, _summed(gapped, [])[0])
+
+
+def test_pieces_out_of_order_are_refused_before_any_counts() -> None:
+    squares = Squares()
+    squares.add(torch.ones(4), 0)
+    with pytest.raises(ValueError, match=r"increasing order: elements 8-10 came after elements up to 20"):
+        squares.add_pieces([(10, torch.ones(10)), (8, torch.ones(2))])
+    assert float(squares.total) == 4.0
+    squares.add_pieces([(4, torch.ones(2)), (10, torch.ones(3))])  # the first refused piece may come again
+    assert float(squares.total) == 9.0
+
+
 def test_ranges_out_of_order_are_refused_before_they_count() -> None:
     squares = Squares()
     squares.add(torch.ones(10), 100)

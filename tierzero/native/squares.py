@@ -43,6 +43,7 @@ import ctypes
 import functools
 import logging
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -87,6 +88,28 @@ class Squares:
             kernels[0](values.data_ptr(), values.numel(), at, self._state.data_ptr(), torch.get_num_threads())
         else:
             _add_torch(values, at, self._state)
+
+    def add_pieces(self, pieces: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """`add(values, at)` of each (at, values) of `pieces`, in one native call where it takes them all
+        (a unit's gradient pieces, [Note: held gradient pieces] in stages/grads/held.py)."""
+        kernel = _pieces_kernel(pieces)
+        if kernel is None:
+            for at, values in pieces:
+                self.add(values, at)
+            return
+        before = self._end, self._lanes
+        try:
+            for at, values in pieces:
+                self._advance(at, values)
+        except ValueError:
+            self._end, self._lanes = before  # refused before any of them counts
+            raise
+        count = len(pieces)
+        kernel(
+            (ctypes.c_void_p * count)(*(values.data_ptr() for _, values in pieces)),
+            (ctypes.c_int64 * count)(*(values.numel() for _, values in pieces)),
+            (ctypes.c_int64 * count)(*(at for at, _ in pieces)), count, self._state.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
 
     def land(self, src: torch.Tensor, out: torch.Tensor, at: int) -> None:
         """Write `out = src + 0.0` (the landing, [Note: stale gradients] in stages/grads/landing.py) and count
@@ -133,6 +156,18 @@ def _kernels(values: torch.Tensor) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] 
     if values.dtype == torch.bfloat16:
         return lib.tz_squares_bf16, lib.tz_land_squares_bf16
     return lib.tz_squares_f32, lib.tz_land_squares_f32
+
+
+def _pieces_kernel(pieces: Sequence[tuple[int, torch.Tensor]]) -> ctypes._CFuncPtr | None:
+    """The library's call for these ranges together: host, contiguous, one dtype it takes; else None."""
+    if not pieces:
+        return None
+    dtype = pieces[0][1].dtype
+    if not all(values.dtype == dtype and values.is_contiguous() for _, values in pieces) or _kernels(pieces[0][1]) is None:
+        return None
+    lib = _checked()
+    assert lib is not None
+    return lib.tz_squares_pieces_bf16 if dtype == torch.bfloat16 else lib.tz_squares_pieces_f32
 
 
 def _lanes_sum(lanes: torch.Tensor) -> torch.Tensor:
@@ -231,6 +266,8 @@ def _checked() -> ctypes.CDLL | None:
     for fn in (lib.tz_land_squares_bf16, lib.tz_land_squares_f32):
         fn.argtypes, fn.restype = [ctypes.c_void_p, *call], None
     lib.tz_squares_total.argtypes, lib.tz_squares_total.restype = [ctypes.c_void_p], ctypes.c_double
+    for fn in (lib.tz_squares_pieces_bf16, lib.tz_squares_pieces_f32):
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int], None
     generator = torch.Generator().manual_seed(0)
     words = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
     finite = words.view(torch.bfloat16).isfinite()
@@ -252,10 +289,17 @@ def _checked() -> ctypes.CDLL | None:
             for lo, hi in ranges:
                 sum_fn(values[lo:].data_ptr(), hi - lo, lo, got.data_ptr(), threads)
                 land_fn(values[lo:].data_ptr(), out[lo:].data_ptr(), hi - lo, lo, landed.data_ptr(), threads)
+            together = torch.zeros_like(want)
+            pieces_fn = lib.tz_squares_pieces_bf16 if values.dtype == torch.bfloat16 else lib.tz_squares_pieces_f32
+            pieces_fn(
+                (ctypes.c_void_p * len(ranges))(*(values[lo:].data_ptr() for lo, _ in ranges)),
+                (ctypes.c_int64 * len(ranges))(*(hi - lo for lo, hi in ranges)), (ctypes.c_int64 * len(ranges))(*(lo for lo, _ in ranges)),
+                len(ranges), together.data_ptr(), threads,
+            )  # fmt: skip
             kept = torch.cat([values[lo:hi] for lo, hi in ranges])
             written = torch.cat([out[lo:hi] for lo, hi in ranges])
             summed = lib.tz_squares_total(got.data_ptr()) == _total(want)
-            if not (summed and torch.equal(got, want) and torch.equal(landed, want) and torch.equal(written.view(torch.uint8), torch.add(kept, 0.0).view(torch.uint8))):
+            if not (summed and torch.equal(got, want) and torch.equal(landed, want) and torch.equal(together, want) and torch.equal(written.view(torch.uint8), torch.add(kept, 0.0).view(torch.uint8))):
                 say_once(log, "tierzero: the native sum of squares differs from torch's path; the norm runs torch's ops")
                 return None
     return lib

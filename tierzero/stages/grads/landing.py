@@ -144,8 +144,7 @@ class GradLanding:
             return False
         if self.grad_norm.enabled and all(piece.device.type == "cpu" for piece in pieces.tensors):
             squares = Squares()
-            for offset, piece in pieces.placed(unit):
-                squares.add(piece, offset)
+            squares.add_pieces(pieces.placed(unit))
             self.grad_norm.add_sum(unit.name, squares.total)
         elif self.grad_norm.enabled:  # the estimate's meta tensors: no bits to keep
             self.grad_norm.add_sum(unit.name, sum(square_sum(piece) for piece in pieces.tensors))
