@@ -17,7 +17,7 @@ from tierzero.optim.flat import (
     SliceLayout,
     make_optimizer,
 )
-from tierzero.units.slice_layout import adam_pieces, cpu_vector_width
+from tierzero.units.slice_layout import ParamGroup, adam_pieces, cpu_vector_width
 
 # Sizes chosen so that tensor starts and slice boundaries fall at many offsets modulo
 # the 8- and 16-wide vectors, and tails of many lengths occur.
@@ -288,3 +288,45 @@ def test_cpu_vector_width_matches_the_kernel() -> None:
     is_scalar = [bool((out[:, i] == scalar[:, pick[i]]).all()) for i in range(47)]
     width = cpu_vector_width()
     assert is_scalar == [i >= 47 - 47 % width for i in range(47)]
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        FlatAdam(OptimizerSpec(type=OptimizerType.ADAMW, lr=1e-3, weight_decay=0.1), [ParamGroup(1e-3, 0.1), ParamGroup(3e-3, 0.0)]),
+        FlatSGD(OptimizerSpec(type=OptimizerType.SGD, lr=1e-2, momentum=0.9, weight_decay=0.01), [ParamGroup(1e-2, 0.01), ParamGroup(5e-3, 0.0)]),
+    ],
+    ids=["adamw", "sgd"],
+)
+@pytest.mark.parametrize("converting", [False, True], ids=["fp32", "converting"])
+def test_a_units_slots_stepped_together_give_the_bits_of_a_step_a_slot(optimizer, converting) -> None:
+    """`step_slots` / `step_converting_slots` (gradient pieces, one slot a parameter of two groups, padding
+    after them) against `step` / `step_converting` of each slot alone, with a clip scale, three steps."""
+    if converting and not optimizer.converts_gradients:
+        pytest.skip("SGD steps fp32 gradients only")
+    numels, groups = [37, 1029, 7, 4096, 1], [0, 1, 0, 1, 1]
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    n = sum(numels) + 13
+    gen = torch.Generator().manual_seed(4)
+    start = torch.randn(n, generator=gen)
+    runs = [(start.clone(), optimizer.new_states(n)) for _ in range(2)]
+    for step in (1, 2, 3):
+        grads = [torch.randn(k, generator=gen).to(torch.bfloat16 if converting else torch.float32) for k in numels]
+        (together, states), (alone, alone_states) = runs
+        slots = [(o, g.clone(), group) for o, g, group in zip(offsets, grads, groups, strict=True)]
+        if converting:
+            optimizer.step_converting_slots(param=together, grads=slots, scale=0.37, states=states, step=step, lr=[1e-3, 3e-3])
+        else:
+            optimizer.step_slots(param=together, grads=slots, scale=0.37, states=states, step=step, lr=[1e-2, 5e-3])
+        for offset, grad, group in zip(offsets, grads, groups, strict=True):
+            part = slice(offset, offset + grad.numel())
+            layout = SliceLayout.of([grad.numel()], groups=[group])
+            one = {kind: state[part] for kind, state in alone_states.items()}
+            if converting:
+                optimizer.step_converting(param=alone[part], grad=grad, scale=0.37, states=one, step=step, lr=[1e-3, 3e-3], layout=layout)
+            else:
+                optimizer.step(param=alone[part], grad=grad.mul(0.37), states=one, step=step, lr=[1e-2, 5e-3], layout=layout)
+    (together, states), (alone, alone_states) = runs
+    assert torch.equal(together.view(torch.int32), alone.view(torch.int32))
+    assert all(torch.equal(states[k].view(torch.int32), alone_states[k].view(torch.int32)) for k in states)
+    assert torch.equal(together[-13:], start[-13:]) and not torch.equal(together, start)

@@ -182,6 +182,10 @@ class _CountedOptimizer:
         self._store.stepped(param.numel())
         self._optimizer.step_converting(param=param, **kwargs)
 
+    def step_slots(self, *, grads: Sequence[tuple[int, torch.Tensor, int]], **kwargs: Any) -> None:
+        self._store.stepped(sum(grad.numel() for _, grad, _ in grads))
+        self._optimizer.step_slots(grads=grads, **kwargs)
+
     def step_converting_slots(self, *, grads: Sequence[tuple[int, torch.Tensor, int]], **kwargs: Any) -> None:
         self._store.stepped(sum(grad.numel() for _, grad, _ in grads))
         self._optimizer.step_converting_slots(grads=grads, **kwargs)

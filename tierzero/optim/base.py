@@ -131,6 +131,28 @@ class FlatOptimizer(ABC):
         check_slice(one, self.state_kinds, self.moments)
         self._apply(one, step=step, hypers=self._hypers(step, lr, layout))
 
+    def step_slots(
+        self,
+        *,
+        param: torch.Tensor,
+        grads: Sequence[tuple[int, torch.Tensor, int]],
+        scale: float,
+        states: Mapping[Kind, torch.Tensor],
+        step: int,
+        lr: Sequence[float],
+    ) -> None:
+        """`step` of each (offset, gradient, group) of `grads` as a slice of its own, each fp32 gradient scaled
+        in place by `scale` first: a unit's parameter slots, each gradient one of autograd's tensors ([Note:
+        gradient pieces] in stages/grads/pieces.py)."""
+        for offset, grad, group in grads:
+            part = slice(offset, offset + grad.numel())
+            if scale != 1.0:
+                grad.mul_(scale)
+            self.step(
+                param=param[part], grad=grad, states={kind: state[part] for kind, state in states.items()}, step=step,
+                lr=lr, layout=SliceLayout.of([grad.numel()], groups=[group]),
+            )  # fmt: skip
+
     converts_gradients = False
     """Whether `step_converting` runs on the host: a gradient of any dtype, converted and scaled on the way in."""
 

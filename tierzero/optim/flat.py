@@ -134,6 +134,41 @@ class FlatAdam(FlatOptimizer):
             for a, b, _ in scratch if cast is not None else ():
                 cast[a:b].copy_(param[a:b])
 
+    def step_slots(
+        self,
+        *,
+        param: torch.Tensor,
+        grads: Sequence[tuple[int, torch.Tensor, int]],
+        scale: float,
+        states: Mapping[Kind, torch.Tensor],
+        step: int,
+        lr: Sequence[float],
+    ) -> None:
+        """Every slot in one fused call a parameter group, as torch.optim steps a group's tensors (on a GPU
+        one launch where there were one a slot), after one `_foreach_mul_` for the scale: each tensor of
+        the kernel's lists is stepped as alone, so the bits are a `step` a slot's."""
+        if self.moments.compact:
+            super().step_slots(param=param, grads=grads, scale=scale, states=states, step=step, lr=lr)
+            return
+        hypers = self._hypers(step, lr, None)
+        check_slice(OptimSlice(param=param, grad=param, states=states), self.state_kinds, self.moments)
+        tensors = [grad for _, grad, _ in grads]
+        for grad in tensors:
+            if grad.dtype != torch.float32 or grad.dim() != 1 or not grad.is_contiguous() or grad.device != param.device:
+                raise ValueError(f"a slot's gradient must be a contiguous 1-D float32 tensor on {param.device}, got {grad.dtype} {tuple(grad.shape)} on {grad.device}")
+        if scale != 1.0 and tensors:
+            torch._foreach_mul_(tensors, scale)
+        by_group: dict[int, _AdamLists] = {}
+        copies_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for offset, grad, group in grads:
+            part = slice(offset, offset + grad.numel())
+            one = OptimSlice(
+                param=param[part], grad=grad, states={kind: state[part] for kind, state in states.items()},
+                layout=SliceLayout.of([grad.numel()], groups=[group]),
+            )  # fmt: skip
+            _add_adam_slice(one, by_group, copies_back)
+        self._run(by_group, copies_back, step=step, hypers=hypers, device=param.device)
+
     def step_converting_slots(
         self,
         *,

@@ -37,7 +37,6 @@ import torch
 from tierzero.common.slices import Kind, Tier, storage_id
 from tierzero.optim.flat import FlatOptimizer
 from tierzero.store.protocol import SliceStore
-from tierzero.units.slice_layout import SliceLayout
 from tierzero.units.unit import Unit
 
 __all__ = ["GradPieces", "book", "step_pieces"]
@@ -96,19 +95,11 @@ def step_pieces(
     `scale`, or, `converting`, widened and scaled by the optimizer as it steps, which writes the new
     parameters into `cast` on its way ([Note: the converting step] in optim/flat.py; the padding after
     the slots gets the zeros a step over the flat slice would cast there)."""
+    slots = [(slot.offset, grad, slot.group) for slot, grad in zip(unit.slots, pieces.tensors, strict=True)]
     if converting:
-        slots = [(slot.offset, grad, slot.group) for slot, grad in zip(unit.slots, pieces.tensors, strict=True)]
         optimizer.step_converting_slots(param=master, grads=slots, scale=scale, states=states, step=step, lr=lrs, cast=cast)
     else:
-        for slot, grad in zip(unit.slots, pieces.tensors, strict=True):
-            part = slice(slot.offset, slot.offset + slot.numel)
-            layout = SliceLayout.of([slot.numel], groups=[slot.group])
-            if scale != 1.0:
-                grad.mul_(scale)
-            optimizer.step(
-                param=master[part], grad=grad, states={kind: state[part] for kind, state in states.items()}, step=step,
-                lr=lrs, layout=layout,
-            )  # fmt: skip
+        optimizer.step_slots(param=master, grads=slots, scale=scale, states=states, step=step, lr=lrs)
     if cast is not None:
         cast[unit.numel :].zero_()  # the slots tile the slice's start (`plan_units`): the padding after them
 
