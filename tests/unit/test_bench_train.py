@@ -8,8 +8,9 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
-from tierzero.cli.bench.step_host import bench_step_host
+from tierzero.cli.bench.step_host import _Model, bench_step_host
 from tierzero.cli.bench.train.cpu import bench_train_step
 
 
@@ -54,3 +55,13 @@ def test_bench_step_host_times_the_engine_beside_plain_autograd_and_bare_adamw()
     text = result.format()
     assert "2M parameters in 2 units, bf16, clip 1.0" in text and f"host share / AdamW  {result.ratio:.2f}x" in text
     assert result.to_json()["ratio"] == result.ratio
+
+
+def test_bench_step_host_cuts_each_unit_into_tensors_as_a_layer_has() -> None:
+    result = bench_step_host(300_000, units=2, slots=3, steps=1, warmup=1)
+    assert result.slots == 3 and result.to_json()["slots"] == 3
+    assert "0M parameters in 2 units of 3 tensors, bf16" in result.format()
+    model = _Model(300_000, 2, dtype=torch.float32, compute=torch.float32, slots=3)
+    assert [p.numel() for p in model.parameters()] == [50_000] * 6
+    with pytest.raises(ValueError, match="--slots must be between 1 and the parameters a unit"):
+        bench_step_host(10, units=2, slots=6)

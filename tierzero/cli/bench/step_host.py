@@ -39,23 +39,28 @@ __all__ = ["StepHostResult", "add_command", "bench_step_host"]
 
 
 class _Block(nn.Module):
-    """One unit: a flat parameter the forward reads once, against a fixed vector, so that its
-    gradient is a dense tensor as a real layer's is (a sum's would be a broadcast view)."""
+    """One unit: `slots` flat parameters (a real layer's weights and biases are a dozen tensors) that the
+    forward reads once each, against fixed vectors, so that each gradient is a dense tensor as a
+    real layer's is (a sum's would be a broadcast view)."""
 
-    def __init__(self, numel: int, *, dtype: torch.dtype, compute: torch.dtype) -> None:
+    def __init__(self, numel: int, *, dtype: torch.dtype, compute: torch.dtype, slots: int = 1) -> None:
         super().__init__()
         values = torch.randn(2, numel, generator=torch.Generator().manual_seed(numel)).mul_(0.01)
-        self.w = nn.Parameter(values[0].to(dtype))
-        self.register_buffer("v", values[1].to(compute))
+        sizes = [numel // slots] * (slots - 1) + [numel - (numel // slots) * (slots - 1)]
+        self.w = nn.ParameterList(nn.Parameter(part.to(dtype)) for part in values[0].split(sizes))
+        for i, part in enumerate(values[1].split(sizes)):
+            self.register_buffer(f"v{i}", part.to(compute))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + (self.w * self.v).sum()
+        for i, w in enumerate(self.w):
+            x = x + (w * getattr(self, f"v{i}")).sum()
+        return x
 
 
 class _Model(nn.Module):
-    def __init__(self, numel: int, units: int, *, dtype: torch.dtype, compute: torch.dtype) -> None:
+    def __init__(self, numel: int, units: int, *, dtype: torch.dtype, compute: torch.dtype, slots: int = 1) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_Block(numel // units, dtype=dtype, compute=compute) for _ in range(units))
+        self.blocks = nn.ModuleList(_Block(numel // units, dtype=dtype, compute=compute, slots=slots) for _ in range(units))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -67,6 +72,8 @@ class _Model(nn.Module):
 class StepHostResult:
     params: int
     units: int
+    slots: int
+    """Parameters a unit."""
     dtype: str
     clip: float
     engine_s: tuple[float, ...]
@@ -97,7 +104,7 @@ class StepHostResult:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "params": self.params, "units": self.units, "dtype": self.dtype, "clip": self.clip,
+            "params": self.params, "units": self.units, "slots": self.slots, "dtype": self.dtype, "clip": self.clip,
             "engine_s": list(self.engine_s), "plain_s": list(self.plain_s), "adam_s": list(self.adam_s),
             "engine_step_s": list(self.engine_step_s), "host_s": self.host_s, "ratio": self.ratio,
             "engine_cpu_s": list(self.engine_cpu_s), "plain_cpu_s": list(self.plain_cpu_s),
@@ -108,7 +115,7 @@ class StepHostResult:
         ms = {name: statistics.median(values) * 1e3 for name, values in (
             ("engine", self.engine_s), ("plain", self.plain_s), ("adam", self.adam_s), ("step", self.engine_step_s))}  # fmt: skip
         return (
-            f"bench step-host: {self.params / 1e6:,.0f}M parameters in {self.units} units, {self.dtype}, clip {self.clip}, "
+            f"bench step-host: {self.params / 1e6:,.0f}M parameters in {self.units} units{self._of_slots()}, {self.dtype}, clip {self.clip}, "
             f"{torch.get_num_threads()} threads (medians of {len(self.engine_s)} steps)\n"
             f"  engine step       {ms['engine']:9.1f} ms   (of which engine.step() {ms['step']:.1f} ms)\n"
             f"  plain fwd+bwd     {ms['plain']:9.1f} ms\n"
@@ -119,20 +126,25 @@ class StepHostResult:
             f"plain {statistics.median(self.plain_cpu_s) * 1e3:.1f}, AdamW {statistics.median(self.adam_cpu_s) * 1e3:.1f})"
         )
 
+    def _of_slots(self) -> str:
+        return "" if self.slots == 1 else f" of {self.slots} tensors"
+
 
 def bench_step_host(
-    params: int, *, units: int = 8, dtype: str = "bf16", clip: float = 1.0, steps: int = 5, warmup: int = 2
+    params: int, *, units: int = 8, slots: int = 1, dtype: str = "bf16", clip: float = 1.0, steps: int = 5, warmup: int = 2
 ) -> StepHostResult:
     """The three contenders of the module note, `steps` timed steps each after `warmup`."""
     compute = dtype_of(dtype)
     # The engine is handed fp32 parameters, as a user builds them, and keeps its own compute copy.
-    engine = tierzero.initialize(_Model(params, units, dtype=torch.float32, compute=compute), _config(dtype, clip))
-    plain = _Model(params, units, dtype=compute, compute=compute)
+    if slots < 1 or params // units < slots:
+        raise ValueError(f"--slots must be between 1 and the parameters a unit ({params // units}), got {slots}")
+    engine = tierzero.initialize(_Model(params, units, dtype=torch.float32, compute=compute, slots=slots), _config(dtype, clip))
+    plain = _Model(params, units, dtype=compute, compute=compute, slots=slots)
     # As much freed heap kept as glibc allows (2 GiB), past the engine's own `tiers.cpu.keep_freed`:
     # plain PyTorch's fresh gradients each step would otherwise fault in pages the engine's reused
     # buffers do not, and charge the engine's share with less than its own work.
     keep_freed_memory(2**31 - 1)
-    adam = _BareAdam(params, units)
+    adam = _BareAdam([p.numel() for p in plain.parameters()])
     x = torch.ones(())
     times: dict[str, list[float]] = {"engine": [], "plain": [], "adam": [], "step": []}
     cpu: dict[str, list[float]] = {"engine": [], "plain": [], "adam": []}
@@ -160,7 +172,7 @@ def bench_step_host(
     finally:
         engine.close()
     return StepHostResult(
-        params=params, units=units, dtype=dtype, clip=clip, engine_s=tuple(times["engine"]),
+        params=params, units=units, slots=slots, dtype=dtype, clip=clip, engine_s=tuple(times["engine"]),
         plain_s=tuple(times["plain"]), adam_s=tuple(times["adam"]), engine_step_s=tuple(times["step"][warmup:]),
         engine_cpu_s=tuple(cpu["engine"]), plain_cpu_s=tuple(cpu["plain"]), adam_cpu_s=tuple(cpu["adam"]),
     )  # fmt: skip
@@ -177,11 +189,11 @@ def _config(dtype: str, clip: float) -> dict[str, object]:
 
 
 class _BareAdam:
-    """torch's fused AdamW over fp32 parameters, one tensor a unit, as torch.optim would step them."""
+    """torch's fused AdamW over fp32 parameters of the model's tensors' sizes, as torch.optim would step them."""
 
-    def __init__(self, params: int, units: int) -> None:
+    def __init__(self, sizes: list[int]) -> None:
         def fresh(fill: float) -> list[torch.Tensor]:
-            return [torch.full((params // units,), fill) for _ in range(units)]
+            return [torch.full((size,), fill) for size in sizes]
 
         self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = fresh(0.01), fresh(0.001), fresh(0.0), fresh(0.0)
         self.count = torch.zeros(())
@@ -196,7 +208,7 @@ class _BareAdam:
 
 def _command(args: argparse.Namespace) -> int:
     result = bench_step_host(
-        parse_size(args.params), units=args.units, dtype=args.dtype, clip=args.clip, steps=args.steps, warmup=args.warmup
+        parse_size(args.params), units=args.units, slots=args.slots, dtype=args.dtype, clip=args.clip, steps=args.steps, warmup=args.warmup
     )
     print(result.format())
     return 0
@@ -212,6 +224,7 @@ def add_command(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     parser.add_argument("--params", default="100M", help="parameters (default 100M)")
     parser.add_argument("--units", type=int, default=8, help="units the parameters are cut into (default 8)")
+    parser.add_argument("--slots", type=int, default=1, help="parameter tensors a unit (default 1; a transformer layer has about 12)")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="compute dtype (default bf16)")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient clipping (default 1.0; 0 turns it off)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
