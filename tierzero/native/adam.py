@@ -94,12 +94,7 @@ class NativeAdam:
         """One step of `param` in place, as torch's fused kernel steps it as one tensor of its list
         (vector lanes of width `lanes`, then the scalar tail); `cast` gets the new values in bf16."""
         n = param.numel()
-        for t in (grad, exp_avg, exp_avg_sq) + (() if cast is None else (cast,)):
-            if t.numel() != n:
-                raise ValueError(f"native Adam: a tensor of {t.numel()} elements beside a parameter of {n}")
-        for t in (exp_avg, exp_avg_sq):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError(f"native Adam: moments must be contiguous host fp32, got {t.dtype} on {t.device}")
+        _check_beside(n, grad, exp_avg, exp_avg_sq, cast)
         self._fn(
             param.data_ptr(), grad.data_ptr(), int(grad.dtype == torch.bfloat16), scale, exp_avg.data_ptr(),
             exp_avg_sq.data_ptr(), None if cast is None else cast.data_ptr(), n, n - n % lanes, int(adamw), lr,
@@ -130,12 +125,7 @@ class NativeAdam:
         n = param.numel()
         if not (len(grads) == len(offsets) == len(lrs) == len(weight_decays)):
             raise ValueError(f"native Adam: {len(grads)} gradients, {len(offsets)} offsets, {len(lrs)} rates, {len(weight_decays)} decays")
-        for t in (exp_avg, exp_avg_sq) + (() if cast is None else (cast,)):
-            if t.numel() != n:
-                raise ValueError(f"native Adam: a tensor of {t.numel()} elements beside a parameter of {n}")
-        for t in (exp_avg, exp_avg_sq):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError(f"native Adam: moments must be contiguous host fp32, got {t.dtype} on {t.device}")
+        _check_beside(n, None, exp_avg, exp_avg_sq, cast)
         dtypes = {grad.dtype for grad in grads}
         if len(dtypes) > 1:
             raise ValueError(f"native Adam: the slots' gradients must share one dtype, got {sorted(map(str, dtypes))}")
@@ -151,6 +141,18 @@ class NativeAdam:
             (ctypes.c_double * count)(*lrs), (ctypes.c_double * count)(*weight_decays),
             int(torch.bfloat16 in dtypes), scale, int(adamw), betas[0], betas[1], eps, float(step), torch.get_num_threads(),
         )  # fmt: skip
+
+
+def _check_beside(
+    n: int, grad: torch.Tensor | None, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, cast: torch.Tensor | None
+) -> None:
+    """Raise unless the tensors stepped beside a parameter of `n` elements have its size, the moments in host fp32."""
+    for t in (exp_avg, exp_avg_sq) + tuple(t for t in (grad, cast) if t is not None):
+        if t.numel() != n:
+            raise ValueError(f"native Adam: a tensor of {t.numel()} elements beside a parameter of {n}")
+    for t in (exp_avg, exp_avg_sq):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"native Adam: moments must be contiguous host fp32, got {t.dtype} on {t.device}")
 
 
 @functools.cache

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -144,14 +144,10 @@ class FlatOptimizer(ABC):
         """`step` of each (offset, gradient, group) of `grads` as a slice of its own, each fp32 gradient scaled
         in place by `scale` first: a unit's parameter slots, each gradient one of autograd's tensors ([Note:
         gradient pieces] in stages/grads/pieces.py)."""
-        for offset, grad, group in grads:
-            part = slice(offset, offset + grad.numel())
+        for part, grad, slot_states, layout in each_slot(grads, states):
             if scale != 1.0:
                 grad.mul_(scale)
-            self.step(
-                param=param[part], grad=grad, states={kind: state[part] for kind, state in states.items()}, step=step,
-                lr=lr, layout=SliceLayout.of([grad.numel()], groups=[group]),
-            )  # fmt: skip
+            self.step(param=param[part], grad=grad, states=slot_states, step=step, lr=lr, layout=layout)
 
     converts_gradients = False
     """Whether `step_converting` runs on the host: a gradient of any dtype, converted and scaled on the way in."""
@@ -187,11 +183,10 @@ class FlatOptimizer(ABC):
     ) -> None:
         """`step_converting` of each (offset, gradient, group) of `grads` as a slice of its own: a unit's
         parameter slots, each gradient one of autograd's tensors ([Note: gradient pieces] in stages/grads/pieces.py)."""
-        for offset, grad, group in grads:
-            part = slice(offset, offset + grad.numel())
+        for part, grad, slot_states, layout in each_slot(grads, states):
             self.step_converting(
-                param=param[part], grad=grad, scale=scale, states={kind: state[part] for kind, state in states.items()},
-                step=step, lr=lr, layout=SliceLayout.of([grad.numel()], groups=[group]), cast=None if cast is None else cast[part],
+                param=param[part], grad=grad, scale=scale, states=slot_states, step=step, lr=lr, layout=layout,
+                cast=None if cast is None else cast[part],
             )  # fmt: skip
 
     def _hypers(self, step: int, lr: float | Sequence[float], layout: SliceLayout | None) -> list[ParamGroup]:
@@ -217,6 +212,16 @@ class FlatOptimizer(ABC):
         """What steps `unit`'s shard (`master`, this rank's fp32 slice): this optimizer itself, whose
         states are the store's; an optimizer keeping states per unit returns the unit's own."""
         return self
+
+
+def each_slot(
+    grads: Sequence[tuple[int, torch.Tensor, int]], states: Mapping[Kind, torch.Tensor]
+) -> Iterator[tuple[slice, torch.Tensor, dict[Kind, torch.Tensor], SliceLayout]]:
+    """For each (offset, gradient, group) of a unit's slots: its part of the unit's slice, its gradient, its
+    part of each state, and its layout, one tensor of its own in its group."""
+    for offset, grad, group in grads:
+        part = slice(offset, offset + grad.numel())
+        yield part, grad, {kind: state[part] for kind, state in states.items()}, SliceLayout.of([grad.numel()], groups=[group])
 
 
 def check_slice(s: OptimSlice, kinds: tuple[Kind, ...], moments: MomentFormat) -> None:

@@ -27,7 +27,7 @@ from tierzero.common.safe_files import say_once
 from tierzero.common.slices import Kind
 from tierzero.native.adam import NativeAdam, native_adam
 from tierzero.native.moments import NativeMoments, native_moments
-from tierzero.optim.base import FlatOptimizer, OptimizerSpec, OptimizerType, OptimSlice, check_slice
+from tierzero.optim.base import FlatOptimizer, OptimizerSpec, OptimizerType, OptimSlice, check_slice, each_slot
 from tierzero.optim.moments import MomentFormat, StateDtype
 from tierzero.optim.torch_opt import NAMED, TORCH_PREFIX, make_torch_optimizer
 from tierzero.optim.windows import native_ranges, step_native, step_windows
@@ -160,13 +160,8 @@ class FlatAdam(FlatOptimizer):
             torch._foreach_mul_(tensors, scale)
         by_group: dict[int, _AdamLists] = {}
         copies_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for offset, grad, group in grads:
-            part = slice(offset, offset + grad.numel())
-            one = OptimSlice(
-                param=param[part], grad=grad, states={kind: state[part] for kind, state in states.items()},
-                layout=SliceLayout.of([grad.numel()], groups=[group]),
-            )  # fmt: skip
-            _add_adam_slice(one, by_group, copies_back)
+        for part, grad, slot_states, layout in each_slot(grads, states):
+            _add_adam_slice(OptimSlice(param=param[part], grad=grad, states=slot_states, layout=layout), by_group, copies_back)
         self._run(by_group, copies_back, step=step, hypers=hypers, device=param.device)
 
     def step_converting_slots(
