@@ -101,7 +101,6 @@ class NativeAdam:
             betas[0], betas[1], weight_decay, eps, float(step), torch.get_num_threads(),
         )  # fmt: skip
 
-
     def step_slots(
         self,
         param: torch.Tensor,

@@ -126,8 +126,8 @@ class Unit:
     """The GRAD slice's home, in memory, holds zeros: registered or zeroed, and written since by
     nothing. Its complete gradient may then go to a step in backward as autograd left it, the home
     left as it is ([Note: gradient pieces])."""
-    _templates: tuple[tuple[ParamSlot, ...], list[torch.Tensor] | None] | None = field(default=None, init=False, repr=False)
-    """`views`' shapes, for the slots they were made for (None: the slots do not lie end to end)."""
+    _templates: tuple[tuple[ParamSlot, ...], torch.device, list[torch.Tensor] | None] | None = field(default=None, init=False, repr=False)
+    """`views`' shapes, for the slots and the device they were made for (None: the slots do not lie end to end)."""
 
     @property
     def shard_numel(self) -> int:
@@ -137,14 +137,16 @@ class Unit:
         """One view of `flat` (a full buffer of the unit's) per slot, shaped as its parameter: `ParamSlot.view`
         of each, made in one call where the slots lie end to end from the start, as `plan_units` lays them."""
         cached = self._templates
-        if cached is None or cached[0] is not self.slots:
+        if cached is None or cached[0] is not self.slots or cached[1] != flat.device:
             # End to end, and no empty slot: the one call gives an empty parameter a tensor of its own, not a view.
             tiled = all(slot.numel and slot.offset == sum(s.numel for s in self.slots[:i]) for i, slot in enumerate(self.slots))
-            templates = [torch.empty(slot.shape, device="meta") for slot in self.slots] if tiled else None
-            self._templates = cached = (self.slots, templates)
-        if cached[1] is None:
+            # Each slot's shape as a tensor of one element on the buffer's device, broadcast: no memory of its size.
+            one = torch.empty((), device=flat.device)
+            templates = [one.expand(slot.shape) for slot in self.slots] if tiled else None
+            self._templates = cached = (self.slots, flat.device, templates)
+        if cached[2] is None:
             return tuple(slot.view(flat) for slot in self.slots)
-        return tuple(_unflatten_dense_tensors(flat, cached[1]))
+        return tuple(_unflatten_dense_tensors(flat, cached[2]))
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         start = rank * self.shard_numel

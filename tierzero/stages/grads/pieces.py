@@ -19,8 +19,9 @@ do not change, see [Note: vector lanes and scalar tails]: a slot is one of the u
 original tensors), the flat slice's padding, whose gradient is zero, keeps its zero
 parameters and states as a step over it would, and the home is left as it was. Where the
 native kernel takes them, a converting step runs all of a unit's slots in one call
-(`FlatOptimizer.step_converting_slots`, native/adam.py `step_slots`): a call and its checks a
-slot had cost more than a small slot's arithmetic. The store
+(`FlatOptimizer.step_converting_slots`, native/adam.py `step_slots`), and a step of fp32 pieces
+(a GPU's) gives each parameter group's slots to one fused call (`FlatOptimizer.step_slots`): a
+call and its checks a slot had cost more than a small slot's arithmetic. The store
 books the pieces' bytes as scratch while the step holds them, as a flat slice of the unit's
 in the tier the step reads the gradient from (held beside a memory home until the step).
 The estimate's dry run takes pieces as the engine does (its meta tensors told apart by
