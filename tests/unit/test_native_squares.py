@@ -145,7 +145,12 @@ def test_pieces_in_one_call_sum_as_each_range_alone(dtype: torch.dtype, library:
     assert torch.equal(together.total, _summed(gapped, [])[0])
 
 
-def test_pieces_out_of_order_are_refused_before_any_counts() -> None:
+@pytest.mark.parametrize("library", [True, False], ids=["native", "torch"])
+def test_pieces_out_of_order_are_refused_before_any_counts(library: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if library and shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    if not library:
+        monkeypatch.setattr(squares_module, "_checked", lambda: None)
     squares = Squares()
     squares.add(torch.ones(4), 0)
     with pytest.raises(ValueError, match=r"increasing order: elements 8-10 came after elements up to 20"):

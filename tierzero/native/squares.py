@@ -83,33 +83,38 @@ class Squares:
     def add(self, values: torch.Tensor, at: int) -> None:
         """Count the squares of `values` (1-D, host), the slice's elements `at` to `at + values.numel()`."""
         self._advance(at, values)
-        kernels = _kernels(values)
-        if kernels is not None and values.is_contiguous():
-            kernels[0](values.data_ptr(), values.numel(), at, self._state.data_ptr(), torch.get_num_threads())
-        else:
-            _add_torch(values, at, self._state)
+        self._count(values, at)
 
     def add_pieces(self, pieces: Sequence[tuple[int, torch.Tensor]]) -> None:
         """`add(values, at)` of each (at, values) of `pieces`, in one native call where it takes them all
-        (a unit's gradient pieces, [Note: held gradient pieces] in stages/grads/held.py)."""
-        kernel = _pieces_kernel(pieces)
-        if kernel is None:
-            for at, values in pieces:
-                self.add(values, at)
-            return
+        (a unit's gradient pieces, [Note: held gradient pieces] in stages/grads/held.py); a range out of
+        order is refused before any of them counts."""
         before = self._end, self._lanes
         try:
             for at, values in pieces:
                 self._advance(at, values)
         except ValueError:
-            self._end, self._lanes = before  # refused before any of them counts
+            self._end, self._lanes = before
             raise
+        kernel = _pieces_kernel(pieces)
+        if kernel is None:
+            for at, values in pieces:
+                self._count(values, at)
+            return
         count = len(pieces)
         kernel(
             (ctypes.c_void_p * count)(*(values.data_ptr() for _, values in pieces)),
             (ctypes.c_int64 * count)(*(values.numel() for _, values in pieces)),
             (ctypes.c_int64 * count)(*(at for at, _ in pieces)), count, self._state.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
+
+    def _count(self, values: torch.Tensor, at: int) -> None:
+        """Add the squares of a range `_advance` has taken."""
+        kernels = _kernels(values)
+        if kernels is not None and values.is_contiguous():
+            kernels[0](values.data_ptr(), values.numel(), at, self._state.data_ptr(), torch.get_num_threads())
+        else:
+            _add_torch(values, at, self._state)
 
     def land(self, src: torch.Tensor, out: torch.Tensor, at: int) -> None:
         """Write `out = src + 0.0` (the landing, [Note: stale gradients] in stages/grads/landing.py) and count
@@ -163,7 +168,8 @@ def _pieces_kernel(pieces: Sequence[tuple[int, torch.Tensor]]) -> ctypes._CFuncP
     if not pieces:
         return None
     dtype = pieces[0][1].dtype
-    if not all(values.dtype == dtype and values.is_contiguous() for _, values in pieces) or _kernels(pieces[0][1]) is None:
+    together = all(values.dtype == dtype and values.device.type == "cpu" and values.is_contiguous() for _, values in pieces)
+    if not together or _kernels(pieces[0][1]) is None:
         return None
     lib = _checked()
     assert lib is not None
