@@ -176,7 +176,7 @@ def _same_views(ours: tuple[torch.Tensor, ...], theirs: list[torch.Tensor], flat
     return all(
         a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr() and a._base is flat
         for a, b in zip(ours, theirs, strict=True)
-    ) and len(ours) == len(theirs)
+    )
 
 
 def test_a_units_views_are_each_slots_view_of_the_buffer() -> None:

@@ -32,6 +32,7 @@ tierzero/units/precision.py).
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -139,7 +140,8 @@ class Unit:
         cached = self._templates
         if cached is None or cached[0] is not self.slots or cached[1] != flat.device:
             # End to end, and no empty slot: the one call gives an empty parameter a tensor of its own, not a view.
-            tiled = all(slot.numel and slot.offset == sum(s.numel for s in self.slots[:i]) for i, slot in enumerate(self.slots))
+            starts = itertools.accumulate((slot.numel for slot in self.slots), initial=0)
+            tiled = all(slot.numel and slot.offset == start for slot, start in zip(self.slots, starts))
             # Each slot's shape as a tensor of one element on the buffer's device, broadcast: no memory of its size.
             one = torch.empty((), device=flat.device)
             templates = [one.expand(slot.shape) for slot in self.slots] if tiled else None
