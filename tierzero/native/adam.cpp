@@ -105,15 +105,15 @@ void tz_adam(float* param, const void* grad, int grad_bf16, float scale, float* 
   });
 }
 
-// The parameter slots of one unit's slice in one call: slot s is the elements [offsets[s], offsets[s] +
-// numels[s]) of param, exp_avg, exp_avg_sq and cast, its gradient a tensor of its own, grads[s], its
-// vector lanes up to vector_ends[s] (from the slot's start), its learning rate and weight decay lrs[s]
-// and weight_decays[s]. Each element is stepped as tz_adam steps its slot alone, so the bits are the
-// same; the threads share the slots' elements, started once for all of them.
-void tz_adam_slots(float* param, float* exp_avg, float* exp_avg_sq, uint16_t* cast, int64_t slots,
-                   const void* const* grads, const int64_t* offsets, const int64_t* numels,
-                   const int64_t* vector_ends, const double* lrs, const double* weight_decays, int grad_bf16,
-                   float scale, int adamw, double beta1, double beta2, double eps, double step, int threads) {
+// Parameter slots stepped in one call, each with memory of its own: slot s is params[s], exp_avgs[s],
+// exp_avg_sqs[s] and casts[s] (null: no cast) over numels[s] elements, its gradient grads[s], its vector
+// lanes up to vector_ends[s], its learning rate and weight decay lrs[s] and weight_decays[s] (a unit's
+// slots, or every unit's of a step). Each element is stepped as tz_adam steps its slot alone, so the
+// bits are the same; the threads share the slots' elements, started once for all of them.
+void tz_adam_many(float* const* params, float* const* exp_avgs, float* const* exp_avg_sqs, uint16_t* const* casts,
+                  const void* const* grads, int64_t slots, const int64_t* numels, const int64_t* vector_ends,
+                  const double* lrs, const double* weight_decays, int grad_bf16, float scale, int adamw, double beta1,
+                  double beta2, double eps, double step, int threads) {
   std::vector<int64_t> starts(slots + 1, 0);  // slot s's first element in the slots laid end to end
   std::vector<AdamHypers> hypers(slots);
   for (int64_t s = 0; s < slots; ++s) {
@@ -121,16 +121,18 @@ void tz_adam_slots(float* param, float* exp_avg, float* exp_avg_sq, uint16_t* ca
     hypers[s] = tz::adam_hypers(adamw != 0, lrs[s], beta1, beta2, weight_decays[s], eps, step);
   }
   bool scaled = scale != 1.0f;
-  AdamRange run = grad_bf16 ? (scaled ? pick_cast<uint16_t, true>(cast) : pick_cast<uint16_t, false>(cast))
-                            : (scaled ? pick_cast<float, true>(cast) : pick_cast<float, false>(cast));
+  auto pick = [&](bool cast) {
+    return grad_bf16 ? (scaled ? pick_cast<uint16_t, true>(cast) : pick_cast<uint16_t, false>(cast))
+                     : (scaled ? pick_cast<float, true>(cast) : pick_cast<float, false>(cast));
+  };
+  AdamRange with_cast = pick(true), without_cast = pick(false);
   parallel(starts[slots], threads, 64, [&](int64_t lo, int64_t hi) {
     int64_t s = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
     for (; s < slots && starts[s] < hi; ++s) {
       int64_t a = std::max(lo, starts[s]) - starts[s], b = std::min(hi, starts[s + 1]) - starts[s];
       if (a >= b) continue;
-      int64_t o = offsets[s];
-      run(param + o, grads[s], scale, exp_avg + o, exp_avg_sq + o, cast ? cast + o : nullptr, a, b, vector_ends[s],
-          hypers[s]);
+      AdamRange run = casts[s] ? with_cast : without_cast;
+      run(params[s], grads[s], scale, exp_avgs[s], exp_avg_sqs[s], casts[s], a, b, vector_ends[s], hypers[s]);
     }
   });
 }

@@ -26,13 +26,14 @@ import functools
 import itertools
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from tierzero.common.safe_files import say_once
 from tierzero.native.build import library
 
-__all__ = ["NativeAdam", "native_adam", "takes_host_step"]
+__all__ = ["AdamSlots", "NativeAdam", "native_adam", "takes_host_step"]
 
 log = logging.getLogger(__name__)
 
@@ -53,24 +54,40 @@ def takes_host_step(param: torch.Tensor, grad: torch.Tensor, *, beta1: float, ca
     )  # fmt: skip
 
 
-_SLOTS_ARGTYPES = (
-    [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
+_MANY_ARGTYPES = (
+    [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
     + [ctypes.c_double] * 4 + [ctypes.c_int]
 )  # fmt: skip
 
 
-class NativeAdam:
-    """`tz_adam` over torch tensors: one contiguous host slice a call, or a unit's slots in one (`step_slots`)."""
+@dataclass(frozen=True, slots=True)
+class AdamSlots:
+    """One parameter slice's slots for `NativeAdam.step_many`: slot i is `param[offsets[i]:offsets[i] + n]`
+    (and the same range of the moments and the cast), n the elements of its own gradient `grads[i]`, stepped
+    at learning rate `lrs[i]` and weight decay `weight_decays[i]`."""
 
-    __slots__ = ("_fn", "_slots_fn")
+    param: torch.Tensor
+    grads: Sequence[torch.Tensor]
+    offsets: Sequence[int]
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    lrs: Sequence[float]
+    weight_decays: Sequence[float]
+    cast: torch.Tensor | None = None
+
+
+class NativeAdam:
+    """`tz_adam` over torch tensors: one contiguous host slice a call, or many slices' slots in one (`step_many`)."""
+
+    __slots__ = ("_fn", "_many_fn")
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.tz_adam
         self._fn.argtypes = _ARGTYPES
         self._fn.restype = None
-        self._slots_fn = lib.tz_adam_slots
-        self._slots_fn.argtypes = _SLOTS_ARGTYPES
-        self._slots_fn.restype = None
+        self._many_fn = lib.tz_adam_many
+        self._many_fn.argtypes = _MANY_ARGTYPES
+        self._many_fn.restype = None
 
     supports = staticmethod(takes_host_step)
 
@@ -121,24 +138,59 @@ class NativeAdam:
     ) -> None:
         """`step` of each slot `param[offsets[i]:offsets[i] + grads[i].numel()]` with its own gradient `grads[i]`,
         learning rate and weight decay, in one call: the bits of a `step` a slot, the threads started once."""
-        n = param.numel()
-        if not (len(grads) == len(offsets) == len(lrs) == len(weight_decays)):
-            raise ValueError(f"native Adam: {len(grads)} gradients, {len(offsets)} offsets, {len(lrs)} rates, {len(weight_decays)} decays")
-        _check_beside(n, None, exp_avg, exp_avg_sq, cast)
+        slots = AdamSlots(param, grads, offsets, exp_avg, exp_avg_sq, lrs, weight_decays, cast)
+        self.step_many([slots], step=step, betas=betas, eps=eps, adamw=adamw, lanes=lanes, scale=scale)
+
+    def step_many(
+        self,
+        many: Sequence[AdamSlots],
+        *,
+        step: int,
+        betas: tuple[float, float],
+        eps: float,
+        adamw: bool,
+        lanes: int,
+        scale: float = 1.0,
+    ) -> None:
+        """The slots of every slice of `many` in one call (a step's units at once): the bits of a `step` a
+        slot, the threads started once. Every gradient is of one dtype."""
+        params: list[int] = []
+        moments: tuple[list[int], list[int]] = ([], [])
+        casts: list[int | None] = []
+        grads: list[torch.Tensor] = []
+        lrs: list[float] = []
+        decays: list[float] = []
+        for slots in many:
+            n = slots.param.numel()
+            if not (len(slots.grads) == len(slots.offsets) == len(slots.lrs) == len(slots.weight_decays)):
+                raise ValueError(
+                    f"native Adam: {len(slots.grads)} gradients, {len(slots.offsets)} offsets, {len(slots.lrs)} rates, "
+                    f"{len(slots.weight_decays)} decays"
+                )  # fmt: skip
+            _check_beside(n, None, slots.exp_avg, slots.exp_avg_sq, slots.cast)
+            if not takes_host_step(slots.param, slots.param, beta1=betas[0], cast=slots.cast):
+                raise ValueError("native Adam: a parameter must be contiguous host fp32, its cast contiguous host bf16")
+            for offset, grad in zip(slots.offsets, slots.grads, strict=True):
+                if offset < 0 or offset + grad.numel() > n:
+                    raise ValueError(f"native Adam: a slot of {grad.numel()} elements at {offset} outside a parameter of {n}")
+                params.append(slots.param.data_ptr() + 4 * offset)
+                moments[0].append(slots.exp_avg.data_ptr() + 4 * offset)
+                moments[1].append(slots.exp_avg_sq.data_ptr() + 4 * offset)
+                casts.append(None if slots.cast is None else slots.cast.data_ptr() + 2 * offset)
+            grads += slots.grads
+            lrs += slots.lrs
+            decays += slots.weight_decays
         dtypes = {grad.dtype for grad in grads}
         if len(dtypes) > 1:
             raise ValueError(f"native Adam: the slots' gradients must share one dtype, got {sorted(map(str, dtypes))}")
-        numels = [grad.numel() for grad in grads]
-        for offset, numel in zip(offsets, numels, strict=True):
-            if offset < 0 or offset + numel > n:
-                raise ValueError(f"native Adam: a slot of {numel} elements at {offset} outside a parameter of {n}")
-        count = len(grads)
-        self._slots_fn(
-            param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), None if cast is None else cast.data_ptr(), count,
-            (ctypes.c_void_p * count)(*(grad.data_ptr() for grad in grads)), (ctypes.c_int64 * count)(*offsets),
-            (ctypes.c_int64 * count)(*numels), (ctypes.c_int64 * count)(*(k - k % lanes for k in numels)),
-            (ctypes.c_double * count)(*lrs), (ctypes.c_double * count)(*weight_decays),
-            int(torch.bfloat16 in dtypes), scale, int(adamw), betas[0], betas[1], eps, float(step), torch.get_num_threads(),
+        count, numels = len(grads), [grad.numel() for grad in grads]
+        pointers = ctypes.c_void_p * count
+        self._many_fn(
+            pointers(*params), pointers(*moments[0]), pointers(*moments[1]), pointers(*casts),
+            pointers(*(grad.data_ptr() for grad in grads)), count, (ctypes.c_int64 * count)(*numels),
+            (ctypes.c_int64 * count)(*(k - k % lanes for k in numels)), (ctypes.c_double * count)(*lrs),
+            (ctypes.c_double * count)(*decays), int(torch.bfloat16 in dtypes), scale, int(adamw), betas[0], betas[1],
+            eps, float(step), torch.get_num_threads(),
         )  # fmt: skip
 
 
