@@ -18,7 +18,7 @@ from tierzero.optim.moments import MomentFormat, StateDtype
 from tierzero.units.slice_layout import ParamGroup, SliceLayout
 from tierzero.units.unit import Unit
 
-__all__ = ["FlatOptimizer", "OptimSlice", "OptimizerSpec", "OptimizerType", "check_slice"]
+__all__ = ["ConvertingSlots", "FlatOptimizer", "OptimSlice", "OptimizerSpec", "OptimizerType", "check_slice"]
 
 
 class OptimizerType(enum.Enum):
@@ -65,6 +65,17 @@ class OptimizerSpec:
             raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}: use 0 to turn it off")
         if not self.momentum >= 0.0:
             raise ValueError(f"optimizer.momentum must be >= 0, got {self.momentum}: use 0 to turn it off")
+
+
+@dataclass(frozen=True, slots=True)
+class ConvertingSlots:
+    """One unit's slice for `FlatOptimizer.step_converting_many`: its fp32 parameters, its slots as (offset,
+    gradient, group), its states and the slice its new parameters are cast into (or None)."""
+
+    param: torch.Tensor
+    grads: Sequence[tuple[int, torch.Tensor, int]]
+    states: Mapping[Kind, torch.Tensor]
+    cast: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -187,6 +198,14 @@ class FlatOptimizer(ABC):
             self.step_converting(
                 param=param[part], grad=grad, scale=scale, states=slot_states, step=step, lr=lr, layout=layout,
                 cast=None if cast is None else cast[part],
+            )  # fmt: skip
+
+    def step_converting_many(self, many: Sequence[ConvertingSlots], *, scale: float, step: int, lr: Sequence[float]) -> None:
+        """`step_converting_slots` of each unit's slice in `many`: a step's units at once, where an optimizer
+        can step them in one pass (FlatAdam's native kernel); here one unit after the other."""
+        for unit in many:
+            self.step_converting_slots(
+                param=unit.param, grads=unit.grads, scale=scale, states=unit.states, step=step, lr=lr, cast=unit.cast
             )  # fmt: skip
 
     def _hypers(self, step: int, lr: float | Sequence[float], layout: SliceLayout | None) -> list[ParamGroup]:

@@ -25,10 +25,11 @@ import torch
 
 from tierzero.common.safe_files import say_once
 from tierzero.common.slices import Kind
-from tierzero.native.adam import NativeAdam, native_adam
+from tierzero.native.adam import AdamSlots, NativeAdam, native_adam
 from tierzero.native.moments import NativeMoments, native_moments
-from tierzero.optim.base import FlatOptimizer, OptimizerSpec, OptimizerType, OptimSlice, check_slice, each_slot
+from tierzero.optim.base import ConvertingSlots, FlatOptimizer, OptimizerSpec, OptimizerType, OptimSlice, check_slice, each_slot
 from tierzero.optim.moments import MomentFormat, StateDtype
+from tierzero.optim.sgd import FlatSGD
 from tierzero.optim.torch_opt import NAMED, TORCH_PREFIX, make_torch_optimizer
 from tierzero.optim.windows import native_ranges, step_native, step_windows
 from tierzero.units.slice_layout import ParamGroup, Piece, SliceLayout, adam_pieces, cpu_vector_width
@@ -175,22 +176,34 @@ class FlatAdam(FlatOptimizer):
         lr: Sequence[float],
         cast: torch.Tensor | None = None,
     ) -> None:
-        """Where the native kernel takes every slot, one call steps them all (native/adam.py `step_slots`),
-        with the bits of a `step_converting` a slot and the threads started once for the unit."""
-        tensors = [grad for _, grad, _ in grads]
-        native = None if self.moments.compact or not tensors else _native_for([param], tensors[:1], self.spec.betas[0], cast)
-        if native is None or not all(g.dtype == tensors[0].dtype and g.device.type == "cpu" and g.is_contiguous() for g in tensors):
-            super().step_converting_slots(param=param, grads=grads, scale=scale, states=states, step=step, lr=lr, cast=cast)
+        """One unit's slots as `step_converting_many` steps them."""
+        self.step_converting_many([ConvertingSlots(param, grads, states, cast)], scale=scale, step=step, lr=lr)
+
+    def step_converting_many(self, many: Sequence[ConvertingSlots], *, scale: float, step: int, lr: Sequence[float]) -> None:
+        """Where the native kernel takes every slot of every unit, one call steps them all (native/adam.py
+        `step_many`), with the bits of a `step_converting` a slot and the threads started once."""
+        grads = [grad for unit in many for _, grad, _ in unit.grads]
+        native = None if self.moments.compact or not grads else _native_for([many[0].param], grads[:1], self.spec.betas[0], many[0].cast)
+        if native is None or not all(g.dtype == grads[0].dtype and g.device.type == "cpu" and g.is_contiguous() for g in grads):
+            for unit in many:
+                super().step_converting_slots(
+                    param=unit.param, grads=unit.grads, scale=scale, states=unit.states, step=step, lr=lr, cast=unit.cast
+                )  # fmt: skip
             return
         hypers = self._hypers(step, lr, None)
-        check_slice(OptimSlice(param=param, grad=param, states=states), self.state_kinds, self.moments)
-        if cast is not None and (cast.numel() != param.numel() or cast.device != param.device):
-            raise ValueError(f"cast must be a slice of the param's size and device, got {tuple(cast.shape)} on {cast.device}")
-        native.step_slots(
-            param, tensors, [offset for offset, _, _ in grads], states[Kind.EXP_AVG], states[Kind.EXP_AVG_SQ], step=step,
-            lrs=[hypers[group].lr for _, _, group in grads], weight_decays=[hypers[group].weight_decay for _, _, group in grads],
-            betas=self.spec.betas, eps=self.spec.eps, adamw=self.spec.type is OptimizerType.ADAMW, lanes=cpu_vector_width(),
-            scale=scale, cast=cast,
+        slots = []
+        for unit in many:
+            check_slice(OptimSlice(param=unit.param, grad=unit.param, states=unit.states), self.state_kinds, self.moments)
+            if unit.cast is not None and (unit.cast.numel() != unit.param.numel() or unit.cast.device != unit.param.device):
+                raise ValueError(f"cast must be a slice of the param's size and device, got {tuple(unit.cast.shape)} on {unit.cast.device}")
+            groups = [group for _, _, group in unit.grads]
+            slots.append(AdamSlots(
+                unit.param, [grad for _, grad, _ in unit.grads], [offset for offset, _, _ in unit.grads], unit.states[Kind.EXP_AVG],
+                unit.states[Kind.EXP_AVG_SQ], [hypers[g].lr for g in groups], [hypers[g].weight_decay for g in groups], unit.cast,
+            ))  # fmt: skip
+        native.step_many(
+            slots, step=step, betas=self.spec.betas, eps=self.spec.eps, adamw=self.spec.type is OptimizerType.ADAMW,
+            lanes=cpu_vector_width(), scale=scale,
         )  # fmt: skip
 
     def _step_compact(
@@ -392,35 +405,6 @@ def _add_scratch(
                 copies_back.append((t[a:b], buf[: b - a]))
             elif grad_scale != 1.0:
                 buf[: b - a].mul_(grad_scale)
-
-
-class FlatSGD(FlatOptimizer):
-    """SGD, optionally with momentum, in torch.optim.SGD's exact arithmetic."""
-
-    __slots__ = ()
-
-    @property
-    def state_kinds(self) -> tuple[Kind, ...]:
-        return (Kind.EXP_AVG,) if self.spec.momentum > 0 else ()
-
-    def _apply(self, s: OptimSlice, *, step: int, hypers: Sequence[ParamGroup]) -> None:
-        momentum = self.spec.momentum
-        runs = [(0, s.param.numel(), 0)] if s.layout is None else s.layout.group_runs(s.param.numel())
-        for a, b, group in runs:
-            param, grad, lr, wd = s.param[a:b], s.grad[a:b], hypers[group].lr, hypers[group].weight_decay
-            # torch rounds grad + wd * param once before using it; doing it in place in
-            # `grad` gives the same bits without allocating a slice-sized temporary.
-            d_p = grad.add_(param, alpha=wd) if wd != 0 else grad
-            if momentum > 0:
-                buf = s.states[Kind.EXP_AVG][a:b]
-                # torch creates the buffer as a copy of the first gradient; the engine
-                # hands in a zeroed slice, so step 1 overwrites it rather than decaying it.
-                if step == 1:
-                    buf.copy_(d_p)
-                else:
-                    buf.mul_(momentum).add_(d_p)
-                d_p = buf
-            param.add_(d_p, alpha=-lr)
 
 
 def make_optimizer(opt_cfg: Any, groups: Sequence[ParamGroup] = ()) -> FlatOptimizer:
