@@ -12,17 +12,18 @@ the arithmetic is `stages/step.py`'s, so none of it changes a bit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 
 from tierzero.common.slices import Kind, SliceKey, Tier
 from tierzero.common.transfer import Transfer
+from tierzero.stages.host_step import home_kinds, step_in_place, steps_in_place
 from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.stages.speculative import Speculating
 from tierzero.stages.step import ForwardStep, Steppable, StepScalars, group_sizes, slice_group, unit_step_tier
-from tierzero.stages.step_pipeline import MAX_RESIDENT_GROUPS, PendingWrite, Prepared, SliceGroup, StepPipeline
+from tierzero.stages.step_pipeline import MAX_RESIDENT_GROUPS, PendingWrite, PipelineReport, Prepared, SliceGroup, StepPipeline
 from tierzero.units.unit import Unit, is_root
 
 __all__ = ["StepAhead", "StepInTime"]
@@ -57,6 +58,10 @@ class StepAhead:
 
     def hand_over(self) -> list[Prepared]:
         return self._pipeline.hand_over()
+
+    def let_go(self, units: Collection[str]) -> None:
+        """Release the reads started for `units`, which step without the pipeline ([Note: one host step])."""
+        self._pipeline.drop_prepared(units)
 
     def abort(self) -> None:
         self._pipeline.abort()
@@ -132,7 +137,21 @@ class StepInTime(Speculating):
         self.drop_step_ahead()
         super().zero_grads()
 
+    def _step_in_place(self, scalars: StepScalars, *, clip_coef: float) -> None:
+        """Step the units whose slices all live in host memory in one pass, before the pipeline takes
+        the rest ([Note: one host step] in stages/host_step.py)."""
+        units = [unit for unit in self.units if unit.has_grads and steps_in_place(self, unit)]
+        if self._step_ahead is not None:
+            self._step_ahead.let_go({unit.name for unit in units})
+        units = [u for u in units if all(self.store.at_home(SliceKey(u.name, kind)) for kind in home_kinds(self, u))]
+        if not units:
+            return
+        step_in_place(self, units, scalars, clip_coef=clip_coef)
+        self.last_step_report = PipelineReport(groups=len(units))
+        self._stepped(units[-1].name)
+
     def step(self, scalars: StepScalars, *, clip_coef: float, prepared: Sequence[Prepared] = ()) -> None:
+        self._step_in_place(scalars, clip_coef=clip_coef)
         super().step(scalars, clip_coef=clip_coef, prepared=[*prepared, *self._prepared_reads()])
         if self.param_prefetch is not None and self.param_prefetch.policy.order:
             # Fetch the next forward's first units while the caller gets the next batch.
@@ -142,6 +161,7 @@ class StepInTime(Speculating):
         """Step each unit in the next forward, just before its gather (stages/step.py `ForwardStep`)."""
         self.settle_speculation(clip_coef)
         self._land_last_step()
+        self._step_in_place(scalars, clip_coef=clip_coef)
         if not any(unit.has_grads for unit in self.units):
             self.step(scalars, clip_coef=clip_coef)  # nothing to step (it ran in backward): start the next fetches
             return

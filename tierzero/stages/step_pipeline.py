@@ -41,7 +41,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,6 +231,12 @@ class StepPipeline:
         a step whose scalars are known only after backward, whose reads started during it."""
         held, self._prepared = self._prepared, []
         return held
+
+    def drop_prepared(self, units: Collection[str]) -> None:
+        """Release the reads prepared for `units`, unchanged: they step elsewhere ([Note: one host step])."""
+        for held in [held for held in self._prepared if held[0].unit in units]:
+            self._drop(*held)
+        self._prepared = [held for held in self._prepared if held[0].unit not in units]
 
     def push(
         self, group: SliceGroup, *, given: dict[Kind, Transfer[Any]] | None = None, outside: frozenset[Kind] = frozenset()
