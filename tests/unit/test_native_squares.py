@@ -195,3 +195,32 @@ def test_a_probe_that_differs_turns_the_library_off(monkeypatch: pytest.MonkeyPa
         monkeypatch.undo()
         squares_module._checked.cache_clear()
     assert squares_module._checked() is not None
+
+
+@pytest.mark.parametrize("library", [True, False], ids=["native", "torch"])
+def test_many_slices_pieces_in_one_call_count_as_each_slices_alone(library: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Squares.add_many` (every held unit's pieces at once) gives each slice the bits of its own `add_pieces`,
+    and a range out of order in any slice is refused before any slice counts."""
+    if library and shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    if not library:
+        monkeypatch.setattr(squares_module, "_checked", lambda: None)
+    gen = torch.Generator().manual_seed(39)
+    slices = [
+        [(0, torch.randn(BLOCK + 77, generator=gen).bfloat16()), (BLOCK + 80, torch.randn(300, generator=gen).bfloat16())],
+        [(5, torch.randn(2 * BLOCK + 3, generator=gen).bfloat16())],
+    ]
+    alone = [Squares() for _ in slices]
+    for squares, pieces in zip(alone, slices, strict=True):
+        squares.add_pieces(pieces)
+    together = [Squares() for _ in slices]
+    Squares.add_many(list(zip(together, slices, strict=True)))
+    assert all(torch.equal(a.total, b.total) for a, b in zip(alone, together, strict=True))
+    assert len({float(s.total) for s in together}) == 2  # each slice its own sum
+    one = torch.ones(1, dtype=torch.bfloat16)
+    late = 3 * BLOCK
+    with pytest.raises(ValueError, match=rf"increasing order: elements {late - 1}-{late} came after elements up to {late + 1}"):
+        Squares.add_many([(together[0], [(BLOCK + 400, one)]), (together[1], [(late, one), (late - 1, one)])])
+    assert all(torch.equal(a.total, b.total) for a, b in zip(alone, together, strict=True))  # neither counted
+    Squares.add_many([(together[0], [(BLOCK + 400, torch.ones(2, dtype=torch.bfloat16))])])  # nor moved on
+    assert float(together[0].total) == float(alone[0].total) + 2.0

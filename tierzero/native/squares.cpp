@@ -285,16 +285,17 @@ void tz_land_squares_f32(const float* src, float* out, int64_t n, int64_t at, do
   squares<float>(src, out, n, at, state, threads);
 }
 
-// Ranges of one slice in one call: xs[i] holds its `ns[i]` elements from `ats[i]` on, the ranges in
-// increasing order, each added as tz_squares_* adds it alone (the gradient pieces of a unit's slots).
+// Ranges in one call: xs[i] holds its `ns[i]` elements from `ats[i]` on, added into states[i] as
+// tz_squares_* adds it alone; the ranges of one state come in increasing order (a unit's gradient
+// pieces, or every held unit's, each unit with its own state).
 void tz_squares_pieces_bf16(const uint16_t* const* xs, const int64_t* ns, const int64_t* ats, int64_t count,
-                            double* state, int threads) {
-  for (int64_t i = 0; i < count; ++i) squares<uint16_t>(xs[i], nullptr, ns[i], ats[i], state, threads);
+                            double* const* states, int threads) {
+  for (int64_t i = 0; i < count; ++i) squares<uint16_t>(xs[i], nullptr, ns[i], ats[i], states[i], threads);
 }
 
-void tz_squares_pieces_f32(const float* const* xs, const int64_t* ns, const int64_t* ats, int64_t count, double* state,
-                           int threads) {
-  for (int64_t i = 0; i < count; ++i) squares<float>(xs[i], nullptr, ns[i], ats[i], state, threads);
+void tz_squares_pieces_f32(const float* const* xs, const int64_t* ns, const int64_t* ats, int64_t count,
+                           double* const* states, int threads) {
+  for (int64_t i = 0; i < count; ++i) squares<float>(xs[i], nullptr, ns[i], ats[i], states[i], threads);
 }
 
 // The sum so far: the closed blocks' total plus the current block's lanes added in lane order.

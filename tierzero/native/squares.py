@@ -89,23 +89,33 @@ class Squares:
         """`add(values, at)` of each (at, values) of `pieces`, in one native call where it takes them all
         (a unit's gradient pieces, [Note: held gradient pieces] in stages/grads/held.py); a range out of
         order is refused before any of them counts."""
-        before = self._end, self._lanes
+        Squares.add_many([(self, pieces)])
+
+    @staticmethod
+    def add_many(many: Sequence[tuple[Squares, Sequence[tuple[int, torch.Tensor]]]]) -> None:
+        """`add_pieces` of each (squares, pieces) of `many` (every held unit's slice), in one native call
+        where it takes every range; a range out of order in any of them is refused before any counts."""
+        before = [(squares, squares._end, squares._lanes) for squares, _ in many]
         try:
-            for at, values in pieces:
-                self._advance(at, values)
+            for squares, pieces in many:
+                for at, values in pieces:
+                    squares._advance(at, values)
         except ValueError:
-            self._end, self._lanes = before
+            for squares, end, lanes in before:
+                squares._end, squares._lanes = end, lanes
             raise
-        kernel = _pieces_kernel(pieces)
+        ranges = [(squares, at, values) for squares, pieces in many for at, values in pieces]
+        kernel = _pieces_kernel([(at, values) for _, at, values in ranges])
         if kernel is None:
-            for at, values in pieces:
-                self._count(values, at)
+            for squares, at, values in ranges:
+                squares._count(values, at)
             return
-        count = len(pieces)
+        count = len(ranges)
         kernel(
-            (ctypes.c_void_p * count)(*(values.data_ptr() for _, values in pieces)),
-            (ctypes.c_int64 * count)(*(values.numel() for _, values in pieces)),
-            (ctypes.c_int64 * count)(*(at for at, _ in pieces)), count, self._state.data_ptr(), torch.get_num_threads(),
+            (ctypes.c_void_p * count)(*(values.data_ptr() for _, _, values in ranges)),
+            (ctypes.c_int64 * count)(*(values.numel() for _, _, values in ranges)),
+            (ctypes.c_int64 * count)(*(at for _, at, _ in ranges)), count,
+            (ctypes.c_void_p * count)(*(squares._state.data_ptr() for squares, _, _ in ranges)), torch.get_num_threads(),
         )  # fmt: skip
 
     def _count(self, values: torch.Tensor, at: int) -> None:
@@ -300,7 +310,7 @@ def _checked() -> ctypes.CDLL | None:
             pieces_fn(
                 (ctypes.c_void_p * len(ranges))(*(values[lo:].data_ptr() for lo, _ in ranges)),
                 (ctypes.c_int64 * len(ranges))(*(hi - lo for lo, hi in ranges)), (ctypes.c_int64 * len(ranges))(*(lo for lo, _ in ranges)),
-                len(ranges), together.data_ptr(), threads,
+                len(ranges), (ctypes.c_void_p * len(ranges))(*[together.data_ptr()] * len(ranges)), threads,
             )  # fmt: skip
             kept = torch.cat([values[lo:hi] for lo, hi in ranges])
             written = torch.cat([out[lo:hi] for lo, hi in ranges])
