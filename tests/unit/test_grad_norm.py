@@ -13,6 +13,8 @@ from torch.nn import functional as F
 
 import tierzero
 from tierzero.common.slices import Kind
+from tierzero.native.squares import Squares
+from tierzero.stages.grads.norm import GradNorm
 from tierzero.stages.step import ForwardStep
 from tierzero.stages.step_pipeline import MAX_RESIDENT_GROUPS
 
@@ -142,3 +144,26 @@ def test_the_first_units_states_are_read_while_backward_ends_with_the_same_bits(
     # root, have their states read as their backward starts: at most the pipeline's bound.
     assert all(1 <= n <= MAX_RESIDENT_GROUPS for n in ahead[1:]), ahead
     assert [name for name in reference if not torch.equal(state[name], reference[name])] == []
+
+
+def test_held_pieces_squares_counted_at_the_take_sum_as_counted_when_held() -> None:
+    """`GradNorm.add_later` (a held unit's pieces, counted when the norm is taken, every unit's in one call)
+    gives the sum of counting each unit as it came: the units' sums added in the same order."""
+    gen = torch.Generator().manual_seed(5)
+    units = [[(0, torch.randn(n, generator=gen).bfloat16()), (n + 3, torch.randn(7, generator=gen).bfloat16())] for n in (50, 70_000, 9)]
+    landed = torch.randn(33, generator=gen)
+    now, later = GradNorm(), GradNorm()
+    for i, pieces in enumerate(units):
+        squares = Squares()
+        squares.add_pieces(pieces)
+        now.add_sum(f"u{i}", squares.total)
+        later.add_later(f"u{i}", pieces)
+        if i == 1:  # a unit that landed, between held ones
+            now.add("landed", landed)
+            later.add("landed", landed)
+    assert later.counted("u2") and later.counted("landed") and not later.counted("u3")
+    ours = later.take(device=torch.device("cpu"))
+    assert torch.equal(ours, now.take(device=torch.device("cpu"))) and float(ours) > 0
+    later.add_later("u0", units[0])
+    later.reset()  # dropped gradients: nothing left to count
+    assert float(later.take(device=torch.device("cpu"))) == 0.0 and not later.counted("u0")

@@ -143,9 +143,7 @@ class GradLanding:
         if not self.held_grads.hold(unit.name, pieces):
             return False
         if self.grad_norm.enabled and all(piece.device.type == "cpu" for piece in pieces.tensors):
-            squares = Squares()
-            squares.add_pieces(pieces.placed(unit))
-            self.grad_norm.add_sum(unit.name, squares.total)
+            self.grad_norm.add_later(unit.name, pieces.placed(unit))
         elif self.grad_norm.enabled:  # the estimate's meta tensors: no bits to keep
             self.grad_norm.add_sum(unit.name, sum(square_sum(piece) for piece in pieces.tensors))
         return True
