@@ -156,7 +156,7 @@ def _train(steps: int = 3) -> tuple[dict[str, torch.Tensor], int]:
     }  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(NativeAdam, "step", counted(NativeAdam.step))
-        mp.setattr(NativeAdam, "step_slots", counted(NativeAdam.step_slots))
+        mp.setattr(NativeAdam, "step_many", counted(NativeAdam.step_many))
         with tierzero.initialize(wide_gpt(), cfg) as engine:
             for i in range(steps):
                 ids = torch.randint(0, SPEC.vocab_size, (2, 12), generator=torch.Generator().manual_seed(i))

@@ -41,15 +41,17 @@ class StepAhead:
     """
 
     def __init__(self, stage: Steppable, head: list[Unit], *, max_resident: int = MAX_RESIDENT_GROUPS) -> None:
-        """`head`: the units the step pushes first, within the step pipeline's `max_resident` groups."""
+        """`head`: the units the step pushes first, within the step pipeline's `max_resident` groups. Those
+        whose slices are all read in place (their homes: a group of no bytes) have nothing to read ahead."""
         assert len(head) <= max_resident, head
         self._stage = stage
-        self._head = head
+        sizes = group_sizes(stage)
+        self._head = [unit for unit in head if sizes.get(unit.name, 1) > 0]
 
         def compute(group: SliceGroup, fetched: dict[Kind, torch.Tensor]) -> list[PendingWrite]:
             raise AssertionError(f"{group.unit}: a StepAhead only reads; its step's pipeline computes")
 
-        self._pipeline = StepPipeline(stage.store, compute, max_resident=max_resident, sizes=group_sizes(stage))
+        self._pipeline = StepPipeline(stage.store, compute, max_resident=max_resident, sizes=sizes)
 
     def expect(self, unit: Unit) -> None:
         """`unit`'s backward has started and is its last this step: read its states if it steps first."""
