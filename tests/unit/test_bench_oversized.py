@@ -143,6 +143,11 @@ def test_the_checks_say_what_misses() -> None:
     assert "auto prediction +27%: OUTSIDE 15%" in lines and "auto prediction +9%: within 15%" in lines
     assert "auto in a 12.0 GiB cgroup: exit 0, 2 steps, peak usage 10.0 GiB, failcnt 3, 0 OOM kills" in lines
     assert lines[-1] == "losses equal at every step: NO" and result.ok()
+    runs[2].losses = [6.0, 5.0, 4.0]
+    assert result.losses_agree()
+    runs[1].losses = []  # a run that failed before its first step: nothing to vouch for
+    assert not result.losses_agree()
+    runs[1].losses = [6.0, 5.0, 4.0]
     runs[2].predicted_step_s = 8.0
     runs[2].step_seconds = [30.0, 12.0, 11.0]  # 22 over 11.5: under the target
     assert {"auto prediction -30%: OUTSIDE 15%", "auto against config: 2.00x, 1.91x (target 2.00x: missed)"} <= set(

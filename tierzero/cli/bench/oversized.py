@@ -112,8 +112,10 @@ class OversizedResult:
         return [statistics.median(others) / step for step in subjects] if others else []
 
     def losses_agree(self) -> bool:
+        """Whether every run outside a cgroup trained and agrees with the first at each step both took;
+        a run that took no step agrees with nothing (it failed, or never began)."""
         trained = [r.losses for r in self.runs if r.cgroup is None]
-        return all(losses == trained[0][: len(losses)] for losses in trained)
+        return bool(trained) and all(trained) and all(losses == trained[0][: len(losses)] for losses in trained)
 
     def format(self) -> str:
         lines = [f"  {'run':<10} {'step':>10}  {'predicted':>16}  peak RSS", *(r.row() for r in self.runs)]
