@@ -155,7 +155,8 @@ def test_held_pieces_squares_counted_at_the_take_sum_as_counted_when_held() -> N
     now, later = GradNorm(), GradNorm()
     for i, pieces in enumerate(units):
         squares = Squares()
-        squares.add_pieces(pieces)
+        for at, values in pieces:
+            squares.add(values, at)
         now.add_sum(f"u{i}", squares.total)
         later.add_later(f"u{i}", pieces)
         if i == 1:  # a unit that landed, between held ones

@@ -136,7 +136,7 @@ def test_pieces_in_one_call_sum_as_each_range_alone(dtype: torch.dtype, library:
     for at, piece in pieces:
         one_by_one.add(piece, at)
     together = Squares()
-    together.add_pieces(pieces)
+    Squares.add_many([(together, pieces)])
     assert torch.equal(together.total, one_by_one.total)
     gapped = values.clone()
     gapped[7:9] = 0
@@ -154,9 +154,9 @@ def test_pieces_out_of_order_are_refused_before_any_counts(library: bool, monkey
     squares = Squares()
     squares.add(torch.ones(4), 0)
     with pytest.raises(ValueError, match=r"increasing order: elements 8-10 came after elements up to 20"):
-        squares.add_pieces([(10, torch.ones(10)), (8, torch.ones(2))])
+        Squares.add_many([(squares, [(10, torch.ones(10)), (8, torch.ones(2))])])
     assert float(squares.total) == 4.0
-    squares.add_pieces([(4, torch.ones(2)), (10, torch.ones(3))])  # the first refused piece may come again
+    Squares.add_many([(squares, [(4, torch.ones(2)), (10, torch.ones(3))])])  # the first refused piece may come again
     assert float(squares.total) == 9.0
 
 
@@ -199,7 +199,7 @@ def test_a_probe_that_differs_turns_the_library_off(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize("library", [True, False], ids=["native", "torch"])
 def test_many_slices_pieces_in_one_call_count_as_each_slices_alone(library: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`Squares.add_many` (every held unit's pieces at once) gives each slice the bits of its own `add_pieces`,
+    """`Squares.add_many` (every held unit's pieces at once) gives each slice the bits of adding its ranges alone,
     and a range out of order in any slice is refused before any slice counts."""
     if library and shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
@@ -212,7 +212,8 @@ def test_many_slices_pieces_in_one_call_count_as_each_slices_alone(library: bool
     ]
     alone = [Squares() for _ in slices]
     for squares, pieces in zip(alone, slices, strict=True):
-        squares.add_pieces(pieces)
+        for at, values in pieces:
+            squares.add(values, at)
     together = [Squares() for _ in slices]
     Squares.add_many(list(zip(together, slices, strict=True)))
     assert all(torch.equal(a.total, b.total) for a, b in zip(alone, together, strict=True))

@@ -85,15 +85,10 @@ class Squares:
         self._advance(at, values)
         self._count(values, at)
 
-    def add_pieces(self, pieces: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """`add(values, at)` of each (at, values) of `pieces`, in one native call where it takes them all
-        (a unit's gradient pieces, [Note: held gradient pieces] in stages/grads/held.py); a range out of
-        order is refused before any of them counts."""
-        Squares.add_many([(self, pieces)])
-
     @staticmethod
     def add_many(many: Sequence[tuple[Squares, Sequence[tuple[int, torch.Tensor]]]]) -> None:
-        """`add_pieces` of each (squares, pieces) of `many` (every held unit's slice), in one native call
+        """`add(values, at)` of each (at, values) of each (squares, pieces) of `many` (the gradient pieces of
+        every held unit's slice, [Note: held gradient pieces] in stages/grads/held.py), in one native call
         where it takes every range; a range out of order in any of them is refused before any counts."""
         before = [(squares, squares._end, squares._lanes) for squares, _ in many]
         try:
