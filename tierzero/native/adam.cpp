@@ -89,6 +89,9 @@ extern "C" {
 
 int tz_abi_version() { return 1; }
 
+// Nonzero: the kernels' parts run on threads of their own, not on OpenMP's team (a fork()ed child's).
+void tz_own_threads(int on) { tz::own_threads.store(on != 0); }
+
 // Adam or AdamW over n fp32 parameters in place, in torch's fused CPU kernel's arithmetic: elements
 // before `vector_end` as its SIMD lanes compute them, the rest as its scalar tail does. The gradient
 // is fp32 or bf16 (`grad_bf16`), read only, multiplied by `scale` first when it is not 1 (as a

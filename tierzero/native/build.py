@@ -11,6 +11,14 @@ to a private name and renamed into place, so none ever loads a half-written file
 A library there that this user does not own, or that others may write, is never loaded: it is
 built again in a private directory, removed once the library is loaded.
 
+The kernels' threads are torch's OpenMP team where torch runs on GNU OpenMP (its libgomp is found
+among the process's mappings): the sources compile with `-fopenmp` and link that very runtime, so
+`tz::parallel` (native/common.h) hands its parts to the workers torch's own kernels just used. Two
+runtimes in one process would each keep a team of spinning workers; where torch's is another, or
+none is found, the kernels start threads of their own, and so do calls from any thread but the main
+one and calls in a fork()ed child, where the team it inherited has no threads behind it (a parallel
+region there never returned).
+
 Nothing here is required. Without a compiler, with `TIERZERO_NATIVE=0`, or when the build
 fails, `library()` is None, the reason is logged once, and the engine steps with torch's own
 kernels, which give the same bits ([Note: native kernels, torch's bits] in native/adam.py).
@@ -45,7 +53,7 @@ HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd", "-fPIC", "-pthread")
 """Each source's compile flags (the link adds `-shared`). `-ffp-contract=off`: the compiler fuses no
 multiply-add on its own, so the kernels round where their source says; `-fno-math-errno`: `sqrt`
-vectorizes (no errno to set)."""
+vectorizes (no errno to set); `-fopenmp-simd`: the `omp simd` loops, without the runtime (`_openmp`)."""
 ABI_VERSION = 1
 """`tz_abi_version()` of the source this module's callers are written against."""
 _BUILD_SECONDS = 120
@@ -71,7 +79,23 @@ def library() -> ctypes.CDLL | None:
     if lib.tz_abi_version() != ABI_VERSION:
         say_once(log, "tierzero: the native host kernels' library is of another version; the step runs torch's kernels")
         return None
+    if _Fork.child:
+        lib.tz_own_threads(1)
     return lib
+
+
+class _Fork:
+    child = False
+    """Whether this process is a fork()ed child: its kernels start threads of their own (the module note)."""
+
+
+def _after_fork_in_child() -> None:
+    _Fork.child = True
+    if library.cache_info().currsize and (lib := library()) is not None:
+        lib.tz_own_threads(1)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _BuildError(RuntimeError):
@@ -93,13 +117,28 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
+def _openmp() -> Path | None:
+    """The GNU OpenMP runtime loaded in this process (torch's), if exactly one is."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(None, 5)[5].strip() for line in maps if line.count(" ") >= 5 and "/libgomp" in line}
+    except OSError:
+        return None
+    found = [Path(path) for path in paths if Path(path).name.startswith("libgomp") and ".so" in Path(path).name]
+    return found[0] if len(found) == 1 and found[0].is_file() else None
+
+
 def _built() -> Path:
     """The library's path, compiled first when no trusted copy is cached."""
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    runtime = _openmp()
     key = hashlib.sha256(
-        "\0".join((*(s.read_text() for s in SOURCES + HEADERS), " ".join(FLAGS), version, platform.machine(), _cpu_features())).encode()
-    ).hexdigest()[:20]
+        "\0".join((
+            *(s.read_text() for s in SOURCES + HEADERS), " ".join(FLAGS), version, platform.machine(), _cpu_features(),
+            str(runtime),
+        )).encode()
+    ).hexdigest()[:20]  # fmt: skip
     name = f"tierzero_native-{key}.so"
     target = cache_path("native") / name
     if _trusted(target):
@@ -109,14 +148,14 @@ def _built() -> Path:
         if _trusted_dir(target.parent):
             with _turn(target.parent):
                 if not _trusted(target):  # else built by a process this one waited for
-                    _compile(cxx, scratch_path(target), target)
+                    _compile(cxx, scratch_path(target), target, runtime)
             if _trusted(target):
                 return target
     except OSError:
         pass
     private = Path(tempfile.mkdtemp(prefix=_PRIVATE)) / name
     try:
-        _compile(cxx, scratch_path(private), private)
+        _compile(cxx, scratch_path(private), private, runtime)
     except BaseException:
         shutil.rmtree(private.parent, ignore_errors=True)
         raise
@@ -135,17 +174,31 @@ def _turn(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _compile(cxx: str, scratch: Path, target: Path) -> None:
+def _compile(cxx: str, scratch: Path, target: Path, runtime: Path | None) -> None:
+    """Build the library on `runtime`'s OpenMP team, or, where the compiler cannot (no omp.h), on threads of its own."""
+    try:
+        _compile_on(cxx, scratch, target, runtime)
+    except _BuildError as exc:
+        if runtime is None:
+            raise
+        say_once(log, f"tierzero: native host kernels built without OpenMP ({exc}); they start threads of their own")
+        _compile_on(cxx, scratch, target, None)
+
+
+def _compile_on(cxx: str, scratch: Path, target: Path, runtime: Path | None) -> None:
     """Compile each source apart, as many at once as there are cores (the five took 5.4 s one after
-    another on the 2-core VM, 1.6 s the longest), link them into `scratch`, then move it to `target`."""
+    another on the 2-core VM, 1.6 s the longest), link them into `scratch`, then move it to `target`.
+    With `runtime`, OpenMP's: linked by its path (and found there again at load), not `-lgomp`'s."""
     objects = Path(tempfile.mkdtemp(prefix=".objects-", dir=scratch.parent))  # beside the library: the same owner and trust
     deadline = time.monotonic() + _BUILD_SECONDS
     try:
-        pending = [[cxx, *FLAGS, "-c", str(source), "-o", str(objects / f"{source.stem}.o")] for source in SOURCES]
+        openmp = [] if runtime is None else ["-fopenmp"]
+        pending = [[cxx, *FLAGS, *openmp, "-c", str(source), "-o", str(objects / f"{source.stem}.o")] for source in SOURCES]
         with ThreadPoolExecutor(max_workers=max(1, min(len(pending), os.cpu_count() or 1))) as pool:
             for done in pool.map(lambda command: _run(command, deadline), pending):
                 _check(cxx, done)
-        _check(cxx, _run([cxx, *FLAGS, "-shared", *sorted(map(str, objects.glob("*.o"))), "-o", str(scratch)], deadline))
+        link = [] if runtime is None else [str(runtime), f"-Wl,-rpath,{runtime.parent}"]
+        _check(cxx, _run([cxx, *FLAGS, "-shared", *sorted(map(str, objects.glob("*.o"))), *link, "-o", str(scratch)], deadline))
         os.chmod(scratch, 0o700)
         os.replace(scratch, target)
     finally:
