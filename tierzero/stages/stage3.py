@@ -12,7 +12,9 @@ gathered from the start of forward to its end and again through all of backward:
 peak of gathered bytes is the root plus the units in flight, never the whole model.
 Units with fewer parameters than `zero.param_persistence_threshold` are the exception
 a user opts into: they stay gathered from their forward to the end of backward, which
-saves their backward all-gather and costs their full size on the device meanwhile.
+saves their backward all-gather and costs their full size on the device meanwhile. A unit
+whose gather is its PARAM home itself stays gathered so too, at no cost ([Note: homes kept across
+the turn] in stages/gather_ahead.py), and the gathers ahead of the hooks are that module's.
 
 Below the gathers, the PARAM slices themselves come up the tiers ahead of use: the
 engine builds the stage with a `ParamPrefetch` (stages/param_prefetch.py), which follows the
@@ -48,6 +50,7 @@ from tierzero.prefetch import Phase
 from tierzero.stages.activations import recomputing
 from tierzero.stages.base import Stage, mark_state
 from tierzero.stages.binding import InputGradHooks, SavedView, bind, tensors_in
+from tierzero.stages.gather_ahead import GatherAhead
 from tierzero.stages.options import StageOptions, StageParts
 from tierzero.stages.param_prefetch import ParamPrefetch
 from tierzero.stages.step import ForwardStep, computes_on_host
@@ -58,7 +61,7 @@ from tierzero.units.unit import Unit, UnitState, is_root
 #: `prefetch.max_live_bytes`'s default, for stages built without a config.
 
 
-class Stage3(StepInTime, Stage):
+class Stage3(StepInTime, GatherAhead, Stage):
     number = 3
     shards_grads = True
     shards_params = True
@@ -210,46 +213,6 @@ class Stage3(StepInTime, Stage):
         unit.gathered = None
         mark_state(unit, UnitState.SHARDED)
 
-    def _prefetch(self, unit: Unit, *, step: int) -> None:
-        """Start gathering the units after (`step=1`) or before (-1) `unit` in the last forward's order.
-
-        At most `gather_ahead` block units are gathered or gathering beyond the one that
-        computes (besides the root and the units the persistence threshold keeps), and
-        beyond the first, only while the gathered bytes ahead fit in `gather_budget`: the
-        peak-memory promise of stage 3. The decision depends only on the order, the unit
-        states and their sizes, never on timing, so every rank issues the same collectives
-        in the same order.
-        """
-        if unit not in self._order:
-            return
-        index = self._order.index(unit) + step
-        if is_root(unit) and step < 0:
-            index = len(self._order) - 1  # backward starts at the root, then the last block
-        while 0 <= index < len(self._order):
-            target = self._order[index]
-            index += step
-            if target.module is unit.module:
-                continue  # the unit's frozen or trained companion: its own hook gathers it now
-            ahead = [
-                u for u in self.units
-                if u.module is not unit.module and u.state is not UnitState.SHARDED and self._counts_ahead(u)
-            ]  # fmt: skip
-            # A module's trained and frozen units are gathered together: they take one place ahead.
-            modules = {id(u.module) for u in ahead}
-            if is_root(target) or (id(target.module) not in modules and len(modules) >= self.gather_ahead):
-                return
-            # In the order their hooks ran first, so that the prefetcher sees the order it learned.
-            group = [u for u in self._order if u.module is target.module]
-            nbytes = sum(u.padded_numel * self.dtype_of(u).itemsize for u in group)
-            if ahead and sum(u.padded_numel * self.dtype_of(u).itemsize for u in ahead) + nbytes > self.gather_budget:
-                return
-            for member in group:
-                self.start_gather(member)
-
-    def _counts_ahead(self, unit: Unit) -> bool:
-        """Whether a gathered unit counts against the gather-ahead bounds (not the root, not a persistent one)."""
-        return not is_root(unit) and not self._persists(unit) and unit.name not in self._kept
-
     # ---- hooks --------------------------------------------------------------------
 
     def pre_forward(self, unit: Unit, inputs: Any = ()) -> None:
@@ -284,27 +247,10 @@ class Stage3(StepInTime, Stage):
             outputs[0].register_hook(lambda _: self.pre_backward(unit))  # once a backward, as "any" of one is
         elif outputs and torch.is_grad_enabled():
             torch.autograd.graph.register_multi_grad_hook(outputs, lambda _: self.pre_backward(unit), mode="any")
-        if torch.is_grad_enabled() and unit.name in self._decoded_across:
+        if torch.is_grad_enabled() and self._keeps_across(unit):
             self._kept.add(unit.name)
         elif not (torch.is_grad_enabled() and self._persists(unit)):
             self.reshard(unit)  # a persistent unit stays gathered for its backward (after_backward frees it)
-
-    def _persists(self, unit: Unit) -> bool:
-        return unit.numel < self.persistence_threshold
-
-    def _across_the_turn(self) -> frozenset[str]:
-        """The last quantized frozen units in the model's order whose gathered bytes fit in `gather_budget`
-        together: kept from forward to backward, they are read and dequantized once a step, not twice. In a
-        stack of blocks they run last in forward and first in backward, so they are held the shortest."""
-        kept, room = set(), self.gather_budget
-        for unit in reversed(self.units):
-            if unit.trainable or self.codec(unit) is None or is_root(unit) or self._persists(unit):
-                continue
-            room -= unit.padded_numel * self.dtype_of(unit).itemsize
-            if room < 0:
-                break
-            kept.add(unit.name)
-        return frozenset(kept)
 
     def pre_backward(self, unit: Unit) -> None:
         self._phase = Phase.BACKWARD
@@ -326,8 +272,9 @@ class Stage3(StepInTime, Stage):
         # module hooks: it must find the weights bound, and requiring grad as in the first
         # forward (it checks that the same tensors get saved). Its gradients flow through
         # the first forward's graph, so this Function's backward never runs.
-        with torch.enable_grad():
-            self.bind_params(unit, counts_as_use=False)
+        if not (unit.trainable and unit.name in self._kept):  # else bound since its forward, as it found them
+            with torch.enable_grad():
+                self.bind_params(unit, counts_as_use=False)
         self._prefetch(unit, step=-1)
 
     def post_backward(self, unit: Unit, grads: list[torch.Tensor]) -> None:
