@@ -15,6 +15,9 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import importlib
 
+# Its at-fork hook: a child fork()ed from here on runs the native kernels on threads of its own.
+from tierzero.native import forks as _forks  # noqa: E402, F401
+
 __version__ = "0.1.0"
 
 __all__ = ["Engine", "initialize"]

@@ -104,24 +104,25 @@ def test_a_compiler_without_openmp_builds_the_kernels_on_threads_of_their_own(
     assert _squares(lib, values, 2) == _squares(lib, values, 1)
 
 
-@pytest.mark.parametrize("loaded_before_fork", [True, False], ids=["loaded", "loaded-in-child"])
-def test_a_forked_child_runs_the_kernels_on_threads_of_its_own(loaded_before_fork: bool) -> None:
+@pytest.mark.parametrize("before_fork", ["loaded", "imported", "tierzero"])
+def test_a_forked_child_runs_the_kernels_on_threads_of_its_own(before_fork: str) -> None:
     """The team a child inherits across fork() has no threads behind it: a parallel region there never
-    returned (a gloo test's ranks hung in the squares' probe). The child's sums are the parent's."""
+    returned (a gloo test's ranks hung in the squares' probe). The child's sums are the parent's, whether
+    the parent had loaded the kernels, imported their build, or only imported tierzero."""
     values = torch.randn(4 * BLOCK + 9, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     shared = build.library()
     assert shared is not None
     want = _squares(shared, values, 2)
     code = (
-        "import os, sys, time, torch\n"
-        "from tierzero.native import build\n"
-        "import test_native_threads as t\n"
+        "import os, sys, time, torch, tierzero\n"
         f"values = torch.randn({values.numel()}, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)\n"
-        f"if {loaded_before_fork}: t._squares(build.library(), values, 2)\n"
+        f"if {before_fork != 'tierzero'}: from tierzero.native import build; import test_native_threads as t\n"
+        f"if {before_fork == 'loaded'}: t._squares(build.library(), values, 2)\n"
         "torch.randn(1 << 22).sum()  # torch's team busy just before the fork\n"
         "r, w = os.pipe()\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
+        "    from tierzero.native import build; import test_native_threads as t\n"
         "    os.write(w, repr(t._squares(build.library(), values, 2)).encode())\n"
         "    os._exit(0)\n"
         "for _ in range(600):\n"

@@ -45,6 +45,7 @@ from pathlib import Path
 
 from tierzero.common.cache_files import cache_path
 from tierzero.common.safe_files import say_once, scratch_path
+from tierzero.native.forks import forked, on_fork
 
 __all__ = ["ABI_VERSION", "FLAGS", "library"]
 
@@ -79,23 +80,17 @@ def library() -> ctypes.CDLL | None:
     if lib.tz_abi_version() != ABI_VERSION:
         say_once(log, "tierzero: the native host kernels' library is of another version; the step runs torch's kernels")
         return None
-    if _Fork.child:
+    if forked():
         lib.tz_own_threads(1)
     return lib
 
 
-class _Fork:
-    child = False
-    """Whether this process is a fork()ed child: its kernels start threads of their own (the module note)."""
-
-
-def _after_fork_in_child() -> None:
-    _Fork.child = True
+def _own_threads_in_child() -> None:
     if library.cache_info().currsize and (lib := library()) is not None:
         lib.tz_own_threads(1)
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+on_fork(_own_threads_in_child)
 
 
 class _BuildError(RuntimeError):
