@@ -252,3 +252,20 @@ def test_a_slow_move_up_holds_its_group_and_the_run_stays_within_the_estimate(
     monkeypatch.setattr(Swapper, "copy", slow_moves_up)
     _train(raw, monkeypatch)
     assert slowed
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_the_counting_store_fetches_in_place_as_the_machine_it_counts_for(cuda: bool) -> None:
+    """The estimate of a GPU machine, run on a host without one, holds a host-homed slice's fetch to the
+    device as a copy, as that machine would: the stage keeps no such gather across the turn."""
+    from tierzero.estimate.counting import CountingStore
+
+    cfg = load_config({})
+    store = CountingStore(cfg.tiers, cfg.swapper, cuda=cuda)
+    host, device = SliceKey("host", Kind.PARAM), SliceKey("dev", Kind.PARAM)
+    store.register(host, numel=4096, dtype=torch.float32, home=Tier.CPU)
+    store.register(device, numel=4096, dtype=torch.float32, home=Tier.DEVICE)
+    assert not store.fetched_in_place(host)
+    store.fetch(host, to=Tier.DEVICE).wait()
+    store.fetch(device, to=Tier.DEVICE).wait()
+    assert (store.fetched_in_place(host), store.fetched_in_place(device)) == (not cuda, True)

@@ -441,3 +441,25 @@ def test_both_host_pools_stay_within_their_bounds_and_are_given_back_on_close(tm
     store.close()
     after = store.report()
     assert after.tiers[Tier.CPU].current_by_use[Use.STAGING] == 0 and after.bounce.held == 0
+
+
+def test_a_fetch_is_in_place_only_where_the_home_is_the_copy(tmp_path) -> None:
+    """`fetched_in_place`: the fetched copy is the home tensor (fetched to the home's own tier), not a copy
+    read into another tier; nothing while only the home exists."""
+    store = _store(tmp_path)
+    homes = {"dev": Tier.DEVICE, "cpu": Tier.CPU, "nvme": Tier.NVME}
+    keys = {name: SliceKey(name, Kind.PARAM) for name in homes}
+    for name, home in homes.items():
+        store.register(keys[name], numel=4096, dtype=torch.float32, home=home)
+        assert not store.fetched_in_place(keys[name])
+    store.fetch(keys["dev"], to=Tier.DEVICE).wait()
+    store.fetch(keys["cpu"], to=Tier.CPU).wait()
+    store.fetch(keys["nvme"], to=Tier.DEVICE).wait()
+    assert [store.fetched_in_place(keys[name]) for name in homes] == [True, True, False]
+    store.release(keys["cpu"])
+    store.fetch(keys["cpu"], to=Tier.DEVICE).wait()  # these tiers are two memories: a copy
+    assert not store.fetched_in_place(keys["cpu"])
+    for key in keys.values():
+        store.release(key)
+        assert not store.fetched_in_place(key)
+    store.close()

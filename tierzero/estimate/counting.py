@@ -280,6 +280,10 @@ class CountingStore:
     def at_home(self, key: SliceKey) -> bool:
         return self._slices[key].fetched is None
 
+    def fetched_in_place(self, key: SliceKey) -> bool:
+        record = self._slices[key]
+        return record.fetched is not None and self._home_is_copy(record)
+
     def allocate(self, *, kind: Kind, numel: int, dtype: torch.dtype, tier: Tier, label: str = "") -> torch.Tensor:
         if tier is Tier.NVME:
             raise ValueError(f"scratch {label or kind.value} must be in device or cpu memory, got nvme")

@@ -3,8 +3,8 @@ that stay gathered from their forward to their backward.
 
 [Note: homes kept across the turn]
 A unit whose gather lends it its PARAM home itself (one rank, unquantised, the home in the memory the
-units compute in: the device's own, or host memory without a GPU) holds no byte of its own while
-gathered. Such a unit stays gathered from its forward to its backward, as the quantized frozen units
+units compute in: the device's own, or host memory without a GPU; the store says so, `fetched_in_place`)
+holds no byte of its own while gathered. Such a unit stays gathered from its forward to its backward, as the quantized frozen units
 of `_across_the_turn` do: no reshard after its forward, no second gather before its backward, and the
 forward's binding serves the backward (a checkpointed recomputation finds the forward's weights,
 requiring grad, as it must). Nothing writes the slice meanwhile: the optimizer steps a unit after its
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from tierzero.common.slices import Kind, Tier
-from tierzero.stages.step import computes_on_host
+from tierzero.common.slices import Kind, SliceKey
+from tierzero.store.protocol import SliceStore
 from tierzero.units.unit import Unit, UnitState, is_root
 
 __all__ = ["GatherAhead"]
@@ -32,8 +32,7 @@ class GatherAhead:
     """Stage 3 mixes this in: which units are gathered beyond the one its hooks compute now."""
 
     units: list[Unit]
-    plan: Any
-    device: torch.device
+    store: SliceStore
     gather_ahead: int
     gather_budget: int
     persistence_threshold: int
@@ -91,9 +90,7 @@ class GatherAhead:
         across the turn])."""
         if unit.name in self._decoded_across:
             return True
-        if unit.name not in self._lent or self.plan.staged(unit.name, Kind.PARAM):
-            return False
-        return self.plan.home(unit.name, Kind.PARAM) is Tier.DEVICE or computes_on_host(self.device)
+        return unit.name in self._lent and self.store.fetched_in_place(SliceKey(unit.name, Kind.PARAM))
 
     def _persists(self, unit: Unit) -> bool:
         return unit.numel < self.persistence_threshold

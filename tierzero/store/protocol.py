@@ -46,6 +46,9 @@ class SliceStore(Protocol):
     def at_home(self, key: SliceKey) -> bool:
         """Whether only the home copy exists."""
 
+    def fetched_in_place(self, key: SliceKey) -> bool:
+        """Whether the slice is fetched and its fetched copy is its home itself (no byte of its own)."""
+
     def allocate(self, *, kind: Kind, numel: int, dtype: torch.dtype, tier: Tier, label: str = "") -> torch.Tensor:
         """Scratch memory in a memory tier, accounted under `kind` until `free`."""
 

@@ -45,6 +45,11 @@ class SliceRecord:
     def nbytes(self) -> int:
         return self.home.nbytes
 
+    @property
+    def fetched_in_place(self) -> bool:
+        """Whether the slice is fetched and its fetched copy is its home itself (`TieredStore.fetch` to the home's memory)."""
+        return self.state in FETCHED_STATES and self.copy is None
+
     def settle(self) -> None:
         if self.writes:
             self.writes = [w for w in self.writes if not w.done()]

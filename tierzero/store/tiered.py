@@ -59,9 +59,8 @@ class TieredStore:
         self._cache: NvmeCache | None = None
         cached = next((storage for storage in tiers.values() if storage.traits.cached), None)
         if cache and cached is not None:
-            cpu, nvme = tiers[Tier.CPU], cached
             self._cache = NvmeCache(
-                budget=cache, cpu=cpu, nvme=nvme, swapper=swapper, ledger=self._ledger, on_evict=self._evicted
+                budget=cache, cpu=tiers[Tier.CPU], nvme=cached, swapper=swapper, ledger=self._ledger, on_evict=self._evicted
             )
         swapper.observe_staging(self._host_pool_changed)
         for storage in tiers.values():
@@ -100,8 +99,7 @@ class TieredStore:
     def home_tensor(self, key: SliceKey) -> torch.Tensor:
         """The typed 1-D home of a device- or cpu-homed slice (no copy), once its pending writes have landed."""
         with self._lock:
-            record = self._record(key)
-            record.settle()
+            record = self._settled(key)
             writes = list(record.writes)
         if record.home.buffer is None:
             raise ValueError(f"{key} lives on {record.home.tier.value}, which has no tensor: fetch it to device or cpu")
@@ -114,8 +112,7 @@ class TieredStore:
         if not self._in_memory(to):
             raise ValueError(f"cannot fetch {key} to {to.value}: fetch to device or cpu")
         with self._lock:
-            record = self._record(key)
-            record.settle()
+            record = self._settled(key)
             if record.state in FETCHED_STATES:
                 if record.copy_tier is not to:
                     raise ValueError(
@@ -162,8 +159,7 @@ class TieredStore:
         this way, so that they cross the disk once, on their way home.
         """
         with self._lock:
-            record = self._record(key)
-            record.settle()
+            record = self._settled(key)
             if not self._in_memory(to) or to is record.home.tier:
                 raise ValueError(f"cannot adopt a copy of {key} on {to.value}: it lives on {record.home.tier.value}")
             old, old_tier = record.copy, record.copy_tier
@@ -211,8 +207,7 @@ class TieredStore:
         store takes it over (the caller never frees it). In `to`'s memory, it becomes the copy
         itself; elsewhere it is copied to `to`, and freed once read."""
         with self._lock:
-            record = self._record(key)
-            record.settle()
+            record = self._settled(key)
             held = self._scratch.get(scratch.data_ptr())
             if held is None:
                 raise ValueError(f"adopt_scratch of {key} was given a tensor that allocate() did not return")
@@ -237,8 +232,7 @@ class TieredStore:
     def write_back(self, key: SliceKey, src: torch.Tensor | None = None) -> Transfer[None]:
         """Copy the fetched copy, or `src` (same numel and dtype), to the home. Ordered after the key's fetch."""
         with self._lock:
-            record = self._record(key)
-            record.settle()
+            record = self._settled(key)
             if src is None:
                 record.require(*FETCHED_STATES, action="write back")
                 if record.copy is None:
@@ -262,8 +256,7 @@ class TieredStore:
     def release(self, key: SliceKey) -> None:
         """Drop the fetched copy; its memory goes once its transfers are done (module note)."""
         with self._lock:
-            record = self._record(key)
-            record.settle()
+            record = self._settled(key)
             record.require(*FETCHED_STATES, action="release")
             own = [w for w in record.writes if not any(w is old for old in record.inherited)]
             copy, tier, pending = record.copy, record.copy_tier, [record.fetch, *own]
@@ -276,8 +269,7 @@ class TieredStore:
     def unregister(self, key: SliceKey) -> None:
         """Forget a slice that is not fetched, after its pending writes, and free its home."""
         with self._lock:
-            record = self._record(key)
-            record.settle()
+            record = self._settled(key)
             record.require(SliceState.HOME, action="unregister")
             del self._slices[key]
             if self._cached(record.home.tier):
@@ -309,13 +301,15 @@ class TieredStore:
 
     def state(self, key: SliceKey) -> SliceState:
         with self._lock:
-            record = self._record(key)
-            record.settle()
-            return record.state
+            return self._settled(key).state
 
     def at_home(self, key: SliceKey) -> bool:
         """Whether only the home copy of `key` exists (nobody holds a fetched copy)."""
         return self.state(key) is SliceState.HOME
+
+    def fetched_in_place(self, key: SliceKey) -> bool:
+        with self._lock:
+            return self._record(key).fetched_in_place
 
     def allocate(self, *, kind: Kind, numel: int, dtype: torch.dtype, tier: Tier, label: str = "") -> torch.Tensor:
         """Scratch memory (e.g. a gathered unit) in a memory tier, accounted under `kind` until `free`."""
@@ -408,6 +402,12 @@ class TieredStore:
         record = self._slices.get(key)
         if record is None:
             raise ValueError(f"{key} is not registered in the store")
+        return record
+
+    def _settled(self, key: SliceKey) -> SliceRecord:
+        """The slice's record with its finished transfers taken in (under the lock)."""
+        record = self._record(key)
+        record.settle()
         return record
 
     def _storage(self, tier: Tier, *, what: str) -> TierStorage:
